@@ -1,0 +1,87 @@
+"""The one request model: a request owns its token ids, and `num_computed_tokens`
+catches up with `num_tokens`. Prefix hits, reloads from the host tier, chunked
+prefill and decode all advance that one counter."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    program_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    # Client hints (server: body/header fields; simulator: the trace).
+    is_last_turn: bool = False
+    ttl_hint: float | None = None
+    # Opaque to the engine: sampling parameters for the runner, a scripted
+    # output for the simulator, the detokenized text for the tool parser.
+    sampling: Any = None
+    sim_output: list[int] | None = None
+    output_text: str | None = None
+
+    # --- state, owned by the scheduler ---
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-hit tokens found at first admission (-1: not admitted yet)
+    num_loaded_tokens: int = 0  # of those, tokens reloaded from the host tier
+    status: RequestStatus = RequestStatus.WAITING
+    preempted: bool = False
+    num_preemptions: int = 0
+    waiting_since: float = field(init=False)
+    queue_time: float = 0.0  # total time spent waiting (first admission and after preemptions)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    tool_name: str | None = None  # set by the policy's tool-call parser at finish
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        self.token_ids = list(self.prompt_token_ids)
+        self.waiting_since = self.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, program={self.program_id!r}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})")

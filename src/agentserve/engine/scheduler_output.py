@@ -1,0 +1,45 @@
+"""What one scheduler step asks the executor to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agentserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at position `start`
+    (the tokens before `start` already have KV). `sample` is true when the
+    chunk reaches the end of the request's tokens, so a token is sampled."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+    block_ids: list[int]  # the request's block table (device block ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Copies the executor performs before the forward pass.
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.blocks_to_load and not self.blocks_to_offload
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
