@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentserve.engine.request import Request
@@ -17,7 +18,6 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool
-    block_ids: list[int]  # the request's block table (device block ids)
 
     @property
     def is_decode(self) -> bool:
@@ -31,6 +31,9 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     preempted: list[Request] = field(default_factory=list)
+    # request_id -> device block ids of its block table (built on demand: the
+    # simulator never needs it, the model runner needs it for every chunk).
+    block_table: Callable[[str], list[int]] = lambda request_id: []
 
     @property
     def is_empty(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 class Block:
     __slots__ = (
         "block_id", "ref_cnt", "key", "tokens", "parent", "num_children",
-        "hits", "last_access", "prev", "next", "strategy_data",
+        "hits", "last_access", "prev", "next", "strategy_data", "node",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -26,6 +26,7 @@ class Block:
         self.prev: Block | None = None
         self.next: Block | None = None
         self.strategy_data: object = None
+        self.node: object = None  # the prefix-index node this block holds KV for (None = not cached)
 
     @property
     def is_cached(self) -> bool:

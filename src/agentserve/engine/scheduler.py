@@ -1,0 +1,384 @@
+"""The scheduler: one step = which requests compute how many tokens.
+
+Running requests first (each gets its next prefill chunk or one decode token
+within the step's token budget; when KV runs out, pins of later programs are
+reclaimed, then the lowest-priority running request is preempted), then
+waiting requests in the policy's order (prefix match, admission, reclaiming
+pins of later programs when the head does not fit, and any pin when nothing is
+running, so pins can never deadlock). At the start of every step, expired pins
+whose program has no waiting request are released."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agentserve.clock import Clock
+from agentserve.engine.executor import ExecutorResult
+from agentserve.engine.request import Request, RequestStatus
+from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.base import Policy, PolicyContext, make_policy
+from agentserve.policy.program import ProgramState, ProgramTable
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None
+    program_idle_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    admitted_prompt_tokens: int = 0  # tokens of requests at admission
+    hit_tokens: int = 0  # of those, found in the prefix cache (device or host)
+    loaded_tokens: int = 0  # of the hits, reloaded from the host tier
+    pins_created: int = 0
+    pins_hit: int = 0  # the program's next turn was admitted while its pin held
+    pins_expired: int = 0
+    pins_reclaimed: int = 0
+    pins_released_early: int = 0
+    pins_released_at_end: int = 0
+    ttl_sum: float = 0.0
+    ttl_history: list[float] = field(default_factory=list)  # recent TTL decisions (bounded)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: str | Policy,
+                 clock: Clock, reload_cost: Callable[[int], float] | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.programs = ProgramTable(config.program_idle_timeout)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._waiting_programs: Counter[str] = Counter()
+        self._requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        if isinstance(policy, str):
+            ctx = PolicyContext(
+                reload_cost=reload_cost or (lambda n: 0.0),
+                programs=self.programs,
+                is_pinned=lambda pid: pid in self.kv.pins,
+                running_tokens=self._running_tokens,
+                host_tier=kv.host.enabled,
+            )
+            policy = make_policy(policy, ctx)
+        self.policy = policy
+        self._order_dirty = True
+
+    # --- requests in and out ---
+
+    def add_request(self, req: Request) -> None:
+        limit = self.config.max_model_len
+        if limit is not None and req.num_prompt_tokens >= limit:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit max_model_len {limit}")
+        need = self.kv.blocks_for(req.num_prompt_tokens + req.max_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks (prompt {req.num_prompt_tokens} + max_tokens "
+                             f"{req.max_tokens}), the cache has {self.kv.num_blocks}")
+        if req.request_id in self._requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        now = self.clock.now()
+        prog = self.programs.touch(req.program_id, now)
+        self.policy.on_arrival(req, prog, now)
+        req.status = RequestStatus.WAITING
+        req.waiting_since = now
+        self._requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is; its KV is freed, its program lives on."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        now = self.clock.now()
+        if req.status is RequestStatus.WAITING:
+            self._remove_waiting(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req.request_id, now)
+        req.status = RequestStatus.FINISHED_ABORTED
+        req.finish_time = now
+        del self._requests[request_id]
+        return req
+
+    def end_program(self, program_id: str) -> None:
+        """The program is done: drop its pin and forget it."""
+        now = self.clock.now()
+        if self.kv.unpin(program_id, now):
+            self.stats.pins_released_at_end += 1
+        prog = self.programs.end(program_id)
+        if prog is not None:
+            self.policy.on_program_end(prog)
+
+    def release_program(self, program_id: str) -> bool:
+        """A client's explicit release: drop the pin, keep the program."""
+        return self.kv.unpin(program_id, self.clock.now()) > 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _running_tokens(self) -> int:
+        return sum(r.num_computed_tokens for r in self.running)
+
+    def _push_waiting(self, req: Request) -> None:
+        self.waiting.append(req)
+        self._waiting_programs[req.program_id] += 1
+        self._order_dirty = True
+
+    def _remove_waiting(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self._drop_waiting_program(req.program_id)
+
+    def _drop_waiting_program(self, pid: str) -> None:
+        c = self._waiting_programs[pid] - 1
+        if c:
+            self._waiting_programs[pid] = c
+        else:
+            del self._waiting_programs[pid]
+
+    def _program(self, req: Request) -> ProgramState:
+        prog = self.programs.get(req.program_id)
+        if prog is None:  # forgotten while idle, or ended by the client mid-request
+            prog = self.programs.touch(req.program_id, req.arrival_time)
+        return prog
+
+    def _key(self, req: Request, now: float) -> tuple:
+        return self.policy.priority(req, self._program(req), now)
+
+    # --- pins ---
+
+    def _release_pins(self, now: float) -> None:
+        pins = self.kv.pins
+        if not pins:
+            return
+        for pid in [p for p, pin in pins.items() if pin.expiry <= now and pid not in self._waiting_programs]:
+            self.kv.unpin(pid, now)
+            self.stats.pins_expired += 1
+            self._order_dirty = True
+        for pid in self.policy.review_pins(pins, now):
+            if pid in pins:
+                self.kv.unpin(pid, now)
+                self.stats.pins_released_early += 1
+                self._order_dirty = True
+
+    def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool:
+        """Release the pin of the latest-arriving program (later than `req`'s,
+        unless `any_program`) that would free memory. True if one was released."""
+        pins = self.kv.pins
+        if not pins:
+            return False
+        mine = self._program(req).arrival_time
+        best = None
+        for pid, pin in pins.items():
+            if pid == req.program_id:
+                continue
+            if not any_program and pin.program_arrival <= mine:
+                continue
+            if best is None or pin.program_arrival > best.program_arrival:
+                best = pin
+        if best is None:
+            return False
+        self.kv.unpin(best.program_id, now)
+        self.stats.pins_reclaimed += 1
+        self._order_dirty = True
+        return True
+
+    # --- the step ---
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock.now()
+        self.stats.steps += 1
+        if self.stats.steps % 1024 == 0:
+            busy = {r.program_id for r in self.running} | set(self._waiting_programs) | set(self.kv.pins)
+            for pid in self.programs.expire_idle(now, busy):
+                self.policy.tool_stats.forget_program(pid)
+        self._release_pins(now)
+        out = SchedulerOutput(block_table=self.kv.block_ids)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        # 1. Running requests, in admission order; victims come from those not yet scheduled.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
+                    continue
+                victim = max(self.running[idx:], key=lambda r: self._key(r, now))
+                self._preempt(victim, now, out)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                idx += 1
+
+        # 2. Waiting requests in priority order (not in a step that had to preempt).
+        if not out.preempted and self.waiting and budget > 0:
+            if self._order_dirty or getattr(self.policy, "time_dependent", False):
+                self.waiting.sort(key=lambda r: self._key(r, now))
+                self._order_dirty = False
+            admitted = 0
+            for req in self.waiting:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if not self._admit(req, budget, now, scheduled, out):
+                    break
+                budget -= scheduled[-1][1]
+                admitted += 1
+            if admitted:
+                for req in self.waiting[:admitted]:
+                    self._drop_waiting_program(req.program_id)
+                del self.waiting[:admitted]
+
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
+            req.num_computed_tokens = start + n
+        out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
+        return out
+
+    def _admit(self, req: Request, budget: int, now: float, scheduled: list, out: SchedulerOutput) -> bool:
+        match = self.kv.match(req.token_ids)
+        hit = match.num_tokens
+        n = min(req.num_tokens - hit, budget)
+        while not self.kv.admit(req.request_id, match, n, now):
+            nothing_runs = not self.running
+            if not self._reclaim_pin(req, any_program=nothing_runs, now=now):
+                return False
+        prog = self._program(req)
+        pinned = self.kv.unpin(req.program_id, now) > 0  # its blocks now belong to the request
+        if pinned:
+            self.stats.pins_hit += 1
+            self._order_dirty = True
+        delay = now - req.waiting_since
+        req.queue_time += delay
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit
+            req.num_loaded_tokens = match.num_host_tokens
+            self.stats.admitted_prompt_tokens += req.num_prompt_tokens
+            self.stats.hit_tokens += hit
+            self.stats.loaded_tokens += match.num_host_tokens
+            self.policy.on_admitted(req, prog, now, delay, returning_evicted=prog.turns_finished > 0 and not pinned)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.num_computed_tokens = hit
+        req.status = RequestStatus.RUNNING
+        req.preempted = False
+        self.running.append(req)
+        scheduled.append((req, n))
+        return True
+
+    def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        if self.policy.swap_on_preempt(req) and self.kv.host.enabled:
+            self.kv.swap_out(req.request_id, now)
+        else:
+            self.kv.free(req.request_id, now)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.preempted = True
+        req.num_preemptions += 1
+        req.waiting_since = now
+        self.stats.preemptions += 1
+        self._push_waiting(req)
+        out.preempted.append(req)
+
+    # --- after the step ---
+
+    def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
+        """Apply sampled tokens; returns the requests that finished this step."""
+        now = self.clock.now()
+        finished = []
+        limit = self.config.max_model_len
+        for ch in out.chunks:
+            req = ch.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted during the step
+            prog = self.programs.get(req.program_id)
+            if prog is not None:
+                prog.attained_service += result.elapsed
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            if not ch.sample:
+                continue
+            for tok in result.sampled.get(req.request_id, ()):
+                req.append_output(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = None
+                if tok in req.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    self._finish(req, status, now)
+                    finished.append(req)
+                    break
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """End a running request early (a stop string matched outside the engine)."""
+        req = self._requests.get(request_id)
+        if req is not None and req.status is RequestStatus.RUNNING:
+            self._finish(req, status, self.clock.now())
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        self.running.remove(req)
+        req.status = status
+        req.finish_time = now
+        self._requests.pop(req.request_id, None)
+        prog = self._program(req)
+        prog.turns_finished += 1
+        prog.last_finish_time = now
+        rid, pid = req.request_id, req.program_id
+        if req.is_last_turn:
+            self.kv.free(rid, now)
+            self.end_program(pid)
+            return
+        decision = self.policy.on_turn_end(req, prog, now)
+        prog.last_tool = req.tool_name
+        if decision.action == "pin" and decision.ttl > 0:
+            self.kv.pin(pid, rid, now + decision.ttl, prog.arrival_time, now)
+            self.stats.pins_created += 1
+            self.stats.ttl_sum += decision.ttl
+            self._record_ttl(decision.ttl)
+            self._order_dirty = True
+        elif decision.action == "swap":
+            self.kv.swap_out(rid, now)
+        else:
+            self.kv.free(rid, now)
+
+    def _record_ttl(self, ttl: float) -> None:
+        h = self.stats.ttl_history
+        h.append(ttl)
+        if len(h) > 4096:
+            del h[:2048]
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING and self.kv.num_blocks_of(r.request_id) > 0
+        for r in self.waiting:
+            assert r.status is RequestStatus.WAITING and self.kv.num_blocks_of(r.request_id) == 0
+        assert sum(self._waiting_programs.values()) == len(self.waiting)

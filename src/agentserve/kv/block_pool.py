@@ -1,0 +1,139 @@
+"""The device block pool: reference counts, the free set, and the link between
+blocks and prefix-index nodes.
+
+Free blocks come in two kinds. Empty ones (no cached content) sit on a stack
+and are reused first. Cached ones (their KV is still indexed) are handed to
+the eviction strategy, which picks the victim when an empty block is lacking;
+a prefix hit on a cached free block revives it without copying anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agentserve.kv.block import Block
+from agentserve.kv.eviction import EvictionStrategy
+from agentserve.kv.prefix_index import Node, PrefixIndex
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, index: PrefixIndex, strategy: EvictionStrategy,
+                 on_evict: Callable[[Block], None] | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.index = index
+        self.strategy = strategy
+        self.on_evict = on_evict  # called with a cached block just before its content is dropped
+        self._empty: list[Block] = list(reversed(self.blocks))
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._empty) + len(self.strategy)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self.strategy)
+
+    def allocate(self, n: int) -> list[Block] | None:
+        """`n` blocks with ref_cnt 1, or None (and nothing changed) if fewer are free."""
+        if n > self.num_free:
+            return None
+        out = []
+        for _ in range(n):
+            if self._empty:
+                b = self._empty.pop()
+            else:
+                b = self.strategy.pop()
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def ref(self, block: Block) -> None:
+        """Take a reference on a block found by a prefix match."""
+        if block.ref_cnt == 0:
+            self.strategy.remove(block)
+        block.ref_cnt += 1
+
+    def release(self, blocks, now: float) -> None:
+        """Drop one reference on each block, last block first, so a request's
+        tail becomes evictable before its prefix (which others may share)."""
+        for b in reversed(blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt < 0:
+                raise RuntimeError(f"{b} released more often than referenced")
+            if b.ref_cnt == 0:
+                b.last_access = now
+                if b.node is not None:
+                    self.strategy.add(b, now)
+                else:
+                    self._empty.append(b)
+
+    # --- the block <-> node link ---
+
+    def attach(self, block: Block, node: Node) -> None:
+        """`block` now holds the KV of `node` (a block that was just computed)."""
+        assert node.block is None and block.node is None
+        node.block = block
+        block.node = node
+        block.key = node.key
+        block.tokens = node.tokens
+        block.hits = 0
+        parent = node.parent.block if node.parent is not None else None
+        block.parent = parent
+        nc = 0
+        for c in node.children.values():
+            if c.block is not None:
+                c.block.parent = block
+                nc += 1
+        block.num_children = nc
+        self.strategy.on_insert(block)
+        if parent is not None:
+            parent.num_children += 1
+            self.strategy.on_children_changed(parent)
+
+    def _evict(self, block: Block) -> None:
+        """Drop a free cached block's content so the block can be reused."""
+        node = block.node
+        assert node is not None and block.ref_cnt == 0
+        if self.on_evict is not None:
+            self.on_evict(block)
+        self.num_evictions += 1
+        node.block = None
+        for c in node.children.values():
+            if c.block is not None:
+                c.block.parent = None
+        parent = block.parent
+        if parent is not None:
+            parent.num_children -= 1
+            self.strategy.on_children_changed(parent)
+        block.node = block.key = block.tokens = block.parent = None
+        block.num_children = 0
+        block.hits = 0
+        self.index.prune(node)
+
+    def check_integrity(self, holders: dict[int, int]) -> None:
+        """`holders`: block id -> number of references the manager knows of."""
+        empty_ids = {b.block_id for b in self._empty}
+        assert len(empty_ids) == len(self._empty), "a block is twice on the empty stack"
+        for b in self.blocks:
+            want = holders.get(b.block_id, 0)
+            assert b.ref_cnt == want, f"{b}: ref_cnt {b.ref_cnt}, holders {want}"
+            in_strategy = b in self.strategy
+            if b.ref_cnt > 0:
+                assert not in_strategy and b.block_id not in empty_ids, f"{b} in use but free"
+            elif b.node is not None:
+                assert in_strategy and b.block_id not in empty_ids, f"{b} cached free block not evictable"
+            else:
+                assert b.block_id in empty_ids and not in_strategy, f"{b} empty free block lost"
+            if b.node is not None:
+                node = b.node
+                assert node.block is b, f"{b} and its node disagree"
+                assert b.key == node.key and b.tokens == node.tokens
+                pb = node.parent.block if node.parent is not None else None
+                assert b.parent is pb, f"{b} parent link stale"
+                nc = sum(1 for c in node.children.values() if c.block is not None)
+                assert b.num_children == nc, f"{b} num_children {b.num_children} != {nc}"
+        assert len(self.strategy) + len(self._empty) == self.num_free

@@ -1,0 +1,283 @@
+"""The KV cache manager: the only KV API the scheduler sees.
+
+match -> admit (or allocate_slots for a running request) -> commit after each
+step -> free, pin, or swap out at the end of a turn. Pins hold a finished
+request's blocks for its program until they are released, expire or are
+reclaimed; the manager never decides when, the scheduler and its policy do."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from agentserve.kv.block import Block
+from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.eviction import make_strategy
+from agentserve.kv.host_tier import HostTier
+from agentserve.kv.prefix_index import Node, PrefixIndex
+
+
+@dataclass
+class PrefixMatch:
+    """Leading full blocks of a token sequence that need no recompute: each
+    node either has a device block or a host copy to reload."""
+
+    nodes: list[Node]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.nodes) * self.block_size
+
+    @property
+    def num_host_blocks(self) -> int:
+        return sum(1 for n in self.nodes if n.block is None)
+
+    @property
+    def num_host_tokens(self) -> int:
+        return self.num_host_blocks * self.block_size
+
+
+@dataclass
+class _ReqKV:
+    blocks: list[Block] = field(default_factory=list)
+    num_indexed: int = 0  # leading blocks registered in the prefix index
+    last_node: Node | None = None
+    index_stopped: bool = False  # a collision cut the chain: index nothing further
+
+
+@dataclass
+class Pin:
+    program_id: str
+    blocks: list[Block]
+    expiry: float
+    program_arrival: float
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
+                 host_blocks: int = 0,
+                 key_fn: Callable[[tuple[int, ...]], Hashable] | None = None) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.index = PrefixIndex(block_size, key_fn)
+        kwargs = {"capacity": num_blocks} if eviction == "arc" else {}
+        self.pool = BlockPool(num_blocks, self.index, make_strategy(eviction, **kwargs), self._on_evict)
+        self.host = HostTier(host_blocks, self.index)
+        self._reqs: dict[str, _ReqKV] = {}
+        self.pins: dict[str, Pin] = {}
+        self._offloads: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._loading: set[Node] = set()
+
+    # --- sizes ---
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(p.blocks) for p in self.pins.values())
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._reqs[request_id].blocks]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        st = self._reqs.get(request_id)
+        return len(st.blocks) if st else 0
+
+    # --- prefix match and admission ---
+
+    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The reusable prefix of `token_ids`. At least one token is always
+        left to compute: its logits give the first output token."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        nodes = []
+        for node in self.index.walk(token_ids, max_blocks):
+            if node.block is None and node.host_slot is None:
+                break
+            nodes.append(node)
+        return PrefixMatch(nodes, self.block_size)
+
+    def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
+        return self._admit_need(match, num_new_tokens) <= self.pool.num_free
+
+    def _admit_need(self, match: PrefixMatch, num_new_tokens: int) -> int:
+        """Free blocks an admission consumes: new blocks, plus matched blocks
+        that are free now (taking a reference removes them from the free set)."""
+        total = self.blocks_for(match.num_tokens + num_new_tokens)
+        new = total - len(match.nodes) + match.num_host_blocks
+        revived = sum(1 for n in match.nodes if n.block is not None and n.block.ref_cnt == 0)
+        return new + revived
+
+    def admit(self, request_id: str, match: PrefixMatch, num_new_tokens: int, now: float) -> bool:
+        """Give a waiting request its matched blocks plus room for
+        `num_new_tokens` more. False, with nothing changed, if it does not fit."""
+        if request_id in self._reqs:
+            raise RuntimeError(f"request {request_id} already holds KV")
+        if self._admit_need(match, num_new_tokens) > self.pool.num_free:
+            return False
+        st = _ReqKV()
+        for n in match.nodes:
+            if n.block is not None:
+                self.pool.ref(n.block)
+                n.block.hits += 1
+                n.block.last_access = now
+                self.pool.strategy.on_hit(n.block)
+        loads = [n for n in match.nodes if n.block is None]
+        n_new = self.blocks_for(match.num_tokens + num_new_tokens) - len(match.nodes)
+        self._loading.update(loads)
+        fresh = self.pool.allocate(len(loads) + n_new)
+        assert fresh is not None  # checked above
+        it = iter(fresh)
+        for n in match.nodes:
+            if n.block is None:
+                b = next(it)
+                self.pool.attach(b, n)
+                self._loads.append((n.host_slot, b.block_id))
+                self.host.touch(n)
+            st.blocks.append(n.block)
+        st.blocks.extend(it)
+        st.num_indexed = len(match.nodes)
+        st.last_node = match.nodes[-1] if match.nodes else self.index.root
+        self._reqs[request_id] = st
+        return True
+
+    def allocate_slots(self, request_id: str, num_tokens_total: int) -> bool:
+        """Grow a running request's table to hold `num_tokens_total` tokens."""
+        st = self._reqs[request_id]
+        need = self.blocks_for(num_tokens_total) - len(st.blocks)
+        if need <= 0:
+            return True
+        fresh = self.pool.allocate(need)
+        if fresh is None:
+            return False
+        st.blocks.extend(fresh)
+        return True
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Index the request's blocks that became full with computed KV, so
+        later requests (this program's next turn, first of all) can hit them.
+        Generated tokens are indexed like prompt tokens."""
+        st = self._reqs.get(request_id)
+        if st is None or st.index_stopped:
+            return
+        bs = self.block_size
+        full = min(num_computed_tokens // bs, len(st.blocks))
+        node = st.last_node
+        for i in range(st.num_indexed, full):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            child = self.index.get_or_create(node, tokens)
+            if child is None:
+                st.index_stopped = True  # lookup-key collision: the chain cannot continue
+                break
+            b = st.blocks[i]
+            if child.block is None:
+                self.pool.attach(b, child)
+            # else: another request computed the same block first; ours stays private.
+            node = child
+            st.num_indexed = i + 1
+        st.last_node = node
+
+    # --- end of a request ---
+
+    def free(self, request_id: str, now: float) -> None:
+        st = self._reqs.pop(request_id, None)
+        if st is not None:
+            self.pool.release(st.blocks, now)
+
+    def swap_out(self, request_id: str, now: float) -> int:
+        """Copy the request's indexed blocks to the host tier now (instead of at
+        eviction), then free them. Returns the number of blocks copied."""
+        st = self._reqs.get(request_id)
+        copied = 0
+        if st is not None and self.host.enabled:
+            for b in st.blocks[:st.num_indexed]:
+                node = b.node
+                if node is not None and node.block is b and node.host_slot is None:
+                    slot = self.host.store(node, self._loading)
+                    if slot is not None:
+                        self._offloads.append((b.block_id, slot))
+                        copied += 1
+        self.free(request_id, now)
+        return copied
+
+    def pin(self, program_id: str, request_id: str, expiry: float, program_arrival: float, now: float) -> None:
+        """Hand the finished request's blocks to a pin owned by its program."""
+        st = self._reqs.pop(request_id)
+        ntok = st.num_indexed * self.block_size
+        old = self.pins.get(program_id)
+        if old is not None:  # a second finished request of the same program: one pin holds both
+            old.blocks.extend(st.blocks)
+            old.expiry = max(old.expiry, expiry)
+            old.num_tokens = max(old.num_tokens, ntok)
+        else:
+            self.pins[program_id] = Pin(program_id, st.blocks, expiry, program_arrival, ntok)
+
+    def unpin(self, program_id: str, now: float) -> int:
+        """Release a program's pin; returns the number of blocks it held."""
+        p = self.pins.pop(program_id, None)
+        if p is None:
+            return 0
+        self.pool.release(p.blocks, now)
+        return len(p.blocks)
+
+    def reclaimable_blocks(self, program_id: str) -> int:
+        """Blocks that unpinning `program_id` would return to the free set."""
+        p = self.pins.get(program_id)
+        if p is None:
+            return 0
+        c = Counter(b.block_id for b in p.blocks)
+        return sum(1 for b in p.blocks if b.ref_cnt == c[b.block_id])
+
+    # --- copies for the executor ---
+
+    def _on_evict(self, block: Block) -> None:
+        node = block.node
+        if self.host.enabled and node is not None and node.host_slot is None:
+            slot = self.host.store(node, self._loading)
+            if slot is not None:
+                self._offloads.append((block.block_id, slot))
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(offloads, loads) queued since the last call; offloads run first."""
+        off, ld = self._offloads, self._loads
+        self._offloads, self._loads = [], []
+        self._loading.clear()
+        return off, ld
+
+    # --- checks ---
+
+    def check_integrity(self) -> None:
+        holders: Counter[int] = Counter()
+        for st in self._reqs.values():
+            holders.update(b.block_id for b in st.blocks)
+            assert st.num_indexed <= len(st.blocks)
+        for p in self.pins.values():
+            holders.update(b.block_id for b in p.blocks)
+        self.pool.check_integrity(holders)
+        n = 0
+        for node in self.index.iter_nodes():
+            n += 1
+            assert not node.is_empty, "an empty node was not pruned"
+            if node.block is not None:
+                assert node.block.node is node
+            assert node.parent is not None and node.parent.children.get(node.lookup_key) is node
+        assert n == self.index.num_nodes, f"index counts {self.index.num_nodes} nodes, found {n}"
+        if self.host.enabled:
+            self.host.check_integrity()

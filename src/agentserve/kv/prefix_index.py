@@ -1,0 +1,103 @@
+"""The prefix index: a tree of full token blocks, keyed by a hash chain and
+verified by content.
+
+Each node stands for one block of `block_size` tokens at one position after one
+exact prefix. A node may hold a device block, a host-tier slot, both, or
+neither (an interior node whose KV was evicted while its descendants' was not;
+when the prefix is recomputed, the descendants become reachable again).
+
+A child is found by `key_fn(tokens)` in its parent's table and then compared
+token by token, so a hash collision is a miss, never a false hit. Every node
+also carries `key`, the hash chain value hash(parent key, tokens): a content
+id that survives eviction (ARC's ghost lists use it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+from agentserve.kv.block import Block
+
+
+class Node:
+    __slots__ = ("tokens", "parent", "children", "key", "block", "host_slot", "lookup_key", "__weakref__")
+
+    def __init__(self, tokens: tuple[int, ...], parent: Node | None, key: int, lookup_key: Hashable) -> None:
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[Hashable, Node] = {}
+        self.key = key
+        self.lookup_key = lookup_key
+        self.block: Block | None = None
+        self.host_slot: int | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.block is None and self.host_slot is None and not self.children
+
+
+def _default_key_fn(tokens: tuple[int, ...]) -> Hashable:
+    return tokens
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, key_fn: Callable[[tuple[int, ...]], Hashable] | None = None) -> None:
+        self.block_size = block_size
+        self.key_fn = key_fn or _default_key_fn
+        self.root = Node((), None, 0, None)
+        self.num_nodes = 0
+
+    def blocks_of(self, token_ids: Sequence[int], max_blocks: int | None = None):
+        """Yield the full-block token tuples of `token_ids`."""
+        bs = self.block_size
+        n = len(token_ids) // bs
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        for i in range(n):
+            yield tuple(token_ids[i * bs:(i + 1) * bs])
+
+    def child(self, node: Node, tokens: tuple[int, ...]) -> Node | None:
+        c = node.children.get(self.key_fn(tokens))
+        if c is not None and c.tokens == tokens:
+            return c
+        return None
+
+    def walk(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[Node]:
+        """The existing nodes along `token_ids`' full blocks, from the root, as far as they go."""
+        path: list[Node] = []
+        node = self.root
+        for tokens in self.blocks_of(token_ids, max_blocks):
+            node = self.child(node, tokens)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def get_or_create(self, parent: Node, tokens: tuple[int, ...]) -> Node | None:
+        """The child of `parent` for `tokens`, created if absent. None when a
+        different block already owns the lookup key (a collision): that block
+        stays, the new one is simply not indexed."""
+        lk = self.key_fn(tokens)
+        c = parent.children.get(lk)
+        if c is not None:
+            return c if c.tokens == tokens else None
+        c = Node(tokens, parent, hash((parent.key, tokens)), lk)
+        parent.children[lk] = c
+        self.num_nodes += 1
+        return c
+
+    def prune(self, node: Node) -> None:
+        """Drop `node` and its now-empty ancestors once they hold nothing."""
+        while node is not self.root and node.is_empty:
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.lookup_key]
+            node.parent = None
+            self.num_nodes -= 1
+            node = parent
+
+    def iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())

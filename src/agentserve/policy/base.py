@@ -1,0 +1,116 @@
+"""The scheduling-policy interface. A policy decides three things and nothing
+else: the order of waiting requests (`priority`), what happens to a turn's KV
+when it ends (`retention`), and which pins to drop early (`review_pins`). The
+scheduler loop, the KV manager and the pin mechanics are shared by all."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from agentserve.policy.program import ProgramState, ProgramTable
+from agentserve.policy.tool_stats import ToolDurationStats
+from agentserve.policy.toolcalls import first_tool_name
+
+if TYPE_CHECKING:
+    from agentserve.engine.request import Request
+    from agentserve.kv.manager import Pin
+
+
+@dataclass
+class PolicyContext:
+    # Seconds to rebuild n tokens of KV after eviction: the prefill time, or
+    # the reload time when a host tier keeps evicted blocks (Prefill-Reload(r)).
+    reload_cost: Callable[[int], float]
+    programs: ProgramTable = field(default_factory=ProgramTable)
+    is_pinned: Callable[[str], bool] = lambda pid: False
+    running_tokens: Callable[[], int] = lambda: 0  # KV tokens held by running requests
+    host_tier: bool = False
+
+
+@dataclass(frozen=True)
+class Retention:
+    action: str  # "free" (end-of-turn eviction), "pin" (keep for ttl seconds), "swap" (copy to host now, then free)
+    ttl: float = 0.0
+
+    @staticmethod
+    def free() -> Retention:
+        return _FREE
+
+
+_FREE = Retention("free")
+
+
+class Policy(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.tool_stats = ToolDurationStats()
+
+    # --- events (the scheduler calls these) ---
+
+    def on_arrival(self, req: Request, program: ProgramState, now: float) -> None:
+        """A request arrived: if its program's last turn called a tool, that
+        tool's duration is now known."""
+        seen = self.tool_stats.on_arrival(req.program_id, now)
+        if seen is not None:
+            self.on_tool_duration(seen[0], seen[1])
+
+    def on_tool_duration(self, tool: str, seconds: float) -> None:
+        pass
+
+    def on_admitted(self, req: Request, program: ProgramState, now: float, queue_delay: float,
+                    returning_evicted: bool) -> None:
+        """`req` got KV. `returning_evicted`: a later turn whose KV was not retained."""
+
+    def on_turn_end(self, req: Request, program: ProgramState, now: float) -> Retention:
+        """A non-final turn finished: record its tool call, then decide."""
+        if req.tool_name is None and req.output_text:
+            req.tool_name = first_tool_name(req.output_text)
+        self.tool_stats.on_finish(req.program_id, req.tool_name, now)
+        return self.retention(req, program, now)
+
+    def on_program_end(self, program: ProgramState) -> None:
+        self.tool_stats.forget_program(program.program_id)
+
+    # --- decisions ---
+
+    @abc.abstractmethod
+    def priority(self, req: Request, program: ProgramState, now: float) -> tuple:
+        """Sort key of a waiting request: smaller goes first. The preemption
+        victim is the running request with the largest key."""
+
+    def retention(self, req: Request, program: ProgramState, now: float) -> Retention:
+        return Retention.free()
+
+    def review_pins(self, pins: dict[str, Pin], now: float) -> list[str]:
+        """Programs whose pin should be released now, before expiry."""
+        return []
+
+    def swap_on_preempt(self, req: Request) -> bool:
+        return False
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, ctx: PolicyContext, **options) -> Policy:
+    from agentserve.policy import policies  # noqa: F401  (fills the registry)
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
+    return cls(ctx, **options)
+
+
+def policy_names() -> list[str]:
+    from agentserve.policy import policies  # noqa: F401
+    return list(POLICIES)

@@ -1,0 +1,10 @@
+"""The scheduling policies; importing this package registers them all."""
+
+from agentserve.policy.policies import (  # noqa: F401
+    autellix,
+    continuum,
+    infercept,
+    program_fcfs,
+    static_ttl,
+    vllm_fcfs,
+)

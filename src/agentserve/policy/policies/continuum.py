@@ -1,0 +1,44 @@
+"""CacheTTL / Continuum: pin a tool-calling turn's KV for the TTL of Eq. 2,
+learned online per tool, and order waiting requests by (preempted first,
+pinned program first, program arrival)."""
+
+from __future__ import annotations
+
+from agentserve.policy.base import Policy, PolicyContext, Retention, register
+from agentserve.policy.ttl import EtaEstimator, QueueDelayWindow, TTLModel
+
+
+@register
+class Continuum(Policy):
+    name = "continuum"
+
+    def __init__(self, ctx: PolicyContext, k_threshold: int = 100, default_tool_mean: float = 1.0,
+                 max_ttl: float = 600.0) -> None:
+        super().__init__(ctx)
+        self.eta = EtaEstimator()
+        self.queue_delays = QueueDelayWindow()
+        self.model = TTLModel(k_threshold, default_tool_mean, self.tool_stats, self.eta, self.queue_delays)
+        self.max_ttl = max_ttl  # a hard cap, so no learned distribution can hold memory for hours
+
+    def priority(self, req, program, now):
+        return (not req.preempted, not self.ctx.is_pinned(req.program_id), program.arrival_time, req.arrival_time)
+
+    def on_admitted(self, req, program, now, queue_delay, returning_evicted):
+        if returning_evicted:
+            self.queue_delays.add(queue_delay)
+
+    def on_program_end(self, program):
+        super().on_program_end(program)
+        self.eta.add_program(program.turns_finished)
+
+    def retention(self, req, program, now):
+        if req.ttl_hint is not None:  # the client knows better than the statistics
+            ttl = min(max(req.ttl_hint, 0.0), self.max_ttl)
+            return Retention("pin", ttl) if ttl > 0 else Retention.free()
+        if req.tool_name is None:
+            return Retention.free()  # no tool call: the next turn waits on a human, if it comes
+        ttl = min(self.ttl_for(req), self.max_ttl)
+        return Retention("pin", ttl) if ttl > 0 else Retention.free()
+
+    def ttl_for(self, req) -> float:
+        return self.model.ttl(req.tool_name, self.ctx.reload_cost(req.num_computed_tokens))

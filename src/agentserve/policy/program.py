@@ -1,0 +1,71 @@
+"""Programs: the unit agentserve schedules. A program is one agent run, a
+sequence of LLM calls (turns) separated by tool calls."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class ProgramState:
+    program_id: str
+    arrival_time: float  # arrival of the program's first request
+    turns_finished: int = 0
+    attained_service: float = 0.0  # seconds of engine steps its requests took part in
+    last_finish_time: float | None = None
+    last_tool: str | None = None
+    ended: bool = False
+
+
+class ProgramTable:
+    """Live programs, bounded: a program is forgotten when it ends, or after
+    `idle_timeout` seconds without a request (a client that never said it ended)."""
+
+    def __init__(self, idle_timeout: float = 600.0, max_programs: int = 100_000) -> None:
+        self.idle_timeout = idle_timeout
+        self.max_programs = max_programs
+        self._programs: OrderedDict[str, ProgramState] = OrderedDict()  # least recently active first
+        self._last_active: dict[str, float] = {}
+
+    def get(self, program_id: str) -> ProgramState | None:
+        return self._programs.get(program_id)
+
+    def touch(self, program_id: str, now: float) -> ProgramState:
+        """The program's state, created on its first request."""
+        p = self._programs.get(program_id)
+        if p is None:
+            p = ProgramState(program_id, now)
+            self._programs[program_id] = p
+            if len(self._programs) > self.max_programs:
+                old, _ = self._programs.popitem(last=False)
+                self._last_active.pop(old, None)
+        else:
+            self._programs.move_to_end(program_id)
+        self._last_active[program_id] = now
+        return p
+
+    def end(self, program_id: str) -> ProgramState | None:
+        self._last_active.pop(program_id, None)
+        p = self._programs.pop(program_id, None)
+        if p is not None:
+            p.ended = True
+        return p
+
+    def expire_idle(self, now: float, busy: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Forget programs idle for longer than the timeout (none of `busy`)."""
+        gone = []
+        for pid in list(self._programs):
+            if now - self._last_active[pid] <= self.idle_timeout:
+                break  # ordered by activity: the rest are newer
+            if pid in busy:
+                continue
+            gone.append(pid)
+            self.end(pid)
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def __contains__(self, program_id: str) -> bool:
+        return program_id in self._programs

@@ -1,0 +1,112 @@
+"""Step-time cost model for the simulator (pure Python, no torch).
+
+Prefill follows the CacheTTL paper's offline profile (Sec 5.2): the time to
+prefill a context of L tokens is fitted as t(L) = a*L^2 + b*L + c. The same
+coefficients price any chunk: computing tokens [s, s+n) costs the marginal
+b*n + a*((s+n)^2 - s^2), so a prompt prefilled in chunks costs t(L) plus one
+extra c per extra step.
+
+One engine step (a forward pass over the scheduled chunks) is modelled as
+
+    compute = sum over chunks of  b*n + a*((s+n)^2 - s^2)       (FLOP-bound)
+    memory  = decode_weight_read_s                               (weights, read once per step,
+              + kv_read_s_per_token * sum over chunks of (s+n)    shared by the batch; KV read
+                                                                  by attention)
+    forward = step_overhead_s + per_seq_overhead_s*(num_chunks-1) + max(compute, memory)
+
+so a decode batch is memory-bound (weights + KV), a large prefill chunk is
+compute-bound, and a decode token also pays its FLOPs once the batch is large.
+Host<->device copies are priced at the profile's copy bandwidth:
+
+    step = max(forward, offload_copy) + load_copy
+
+offloads run on a copy stream overlapped with the forward pass; loads must land
+before the forward pass reads them, so they add. Every term is non-decreasing
+in tokens, context, sequences and blocks.
+"""
+
+from __future__ import annotations
+
+import os
+
+from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.sim.profile import Profile, load_profile
+
+__all__ = ["CostModel"]
+
+
+class CostModel:
+    def __init__(self, profile: Profile | str | os.PathLike[str], block_size: int = 16) -> None:
+        if not isinstance(profile, Profile):
+            profile = load_profile(profile)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.profile = profile
+        self.block_size = block_size
+        p = profile
+        self._a = p.prefill_a_s_per_token2
+        self._b = p.prefill_b_s_per_token
+        self._c = p.step_overhead_s
+        self._per_seq = p.per_seq_overhead_s
+        self._weights = p.decode_weight_read_s
+        self._kv_read = p.kv_read_s_per_token
+        self._copy_latency = p.host_copy_latency_s
+        self._copy_s_per_token = p.kv_bytes_per_token / p.host_copy_bandwidth_bytes_s
+        self._copy_s_per_block = self._copy_s_per_token * block_size
+
+    # ---- estimates used by policies (TTL model's Prefill-Reload(r)) ----
+
+    def prefill_time(self, num_tokens: int, start: int = 0) -> float:
+        """Time to prefill `num_tokens` tokens in one pass, after `start` tokens
+        that already have KV. With start=0 this is the paper's t(L) = a*L^2 + b*L + c."""
+        if num_tokens <= 0:
+            return 0.0
+        end = start + num_tokens
+        return self._c + self._b * num_tokens + self._a * (end * end - start * start)
+
+    def reload_time(self, num_tokens: int) -> float:
+        """Time to copy `num_tokens` tokens of KV from the host tier to the device."""
+        if num_tokens <= 0:
+            return 0.0
+        return self._copy_latency + num_tokens * self._copy_s_per_token
+
+    def copy_blocks_time(self, num_blocks: int) -> float:
+        """Time for one batch of `num_blocks` block copies (either direction)."""
+        if num_blocks <= 0:
+            return 0.0
+        return self._copy_latency + num_blocks * self._copy_s_per_block
+
+    def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
+        """A step of `num_seqs` decodes, each with `context_tokens` tokens of KV
+        before the new one (a convenience for estimates and sanity checks)."""
+        if num_seqs <= 0:
+            return 0.0
+        s = context_tokens
+        compute = num_seqs * (self._b + self._a * (2 * s + 1))
+        memory = self._weights + self._kv_read * num_seqs * (s + 1)
+        return self._c + self._per_seq * (num_seqs - 1) + max(compute, memory)
+
+    # ---- the executor's step ----
+
+    def forward_time(self, output: SchedulerOutput) -> float:
+        """The forward pass over `output.chunks` (no copies); 0 when there are none."""
+        chunks = output.chunks
+        if not chunks:
+            return 0.0
+        a, b = self._a, self._b
+        compute = 0.0
+        context = 0
+        for ch in chunks:
+            s = ch.start
+            e = s + ch.num_tokens
+            compute += b * ch.num_tokens + a * (e * e - s * s)
+            context += e
+        memory = self._weights + self._kv_read * context
+        return self._c + self._per_seq * (len(chunks) - 1) + max(compute, memory)
+
+    def step_time(self, output: SchedulerOutput) -> float:
+        """Modelled wall time of one engine step: copies plus forward pass."""
+        forward = self.forward_time(output)
+        offload = self.copy_blocks_time(len(output.blocks_to_offload))
+        load = self.copy_blocks_time(len(output.blocks_to_load))
+        return max(forward, offload) + load
