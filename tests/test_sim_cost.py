@@ -45,13 +45,13 @@ def make_request(prompt_len: int, outputs: int = 0, sim_output: list[int] | None
 
 
 def prefill_chunk(req: Request, start: int, n: int) -> ScheduledChunk:
-    return ScheduledChunk(request=req, start=start, num_tokens=n, sample=start + n >= req.num_tokens, block_ids=[])
+    return ScheduledChunk(request=req, start=start, num_tokens=n, sample=start + n >= req.num_tokens)
 
 
 def decode_chunk(context: int, sim_output: list[int] | None = None) -> ScheduledChunk:
     """A decode of one token after `context` tokens of KV."""
     req = make_request(context, outputs=1, sim_output=sim_output)
-    ch = ScheduledChunk(request=req, start=context, num_tokens=1, sample=True, block_ids=[])
+    ch = ScheduledChunk(request=req, start=context, num_tokens=1, sample=True)
     assert ch.is_decode
     return ch
 

@@ -18,8 +18,10 @@ Pure Python; time is always passed in.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
+from itertools import islice, repeat
+from operator import mul, sub, truediv
 from typing import Iterable, Sequence
 
 from agentserve.policy.tool_stats import ToolDurationStats
@@ -45,34 +47,33 @@ def solve_ttl(sorted_durations: Sequence[float], benefit: float) -> float:
     non-negative duration; P(tau) = #(d <= tau) / n.  Returns argmax P(tau)*benefit - tau with
     ties broken toward the shorter tau.  Empty samples, or benefit <= 0 / NaN / inf, give 0.
 
-    Cost: O(log n) to locate the durations below ``benefit`` plus one pass over them; a
-    candidate tau >= benefit can never beat tau = 0 (P <= 1 gives P*B - tau <= 0 <= P(0)*B),
-    so the pass stops there.
+    Cost: O(log n) binary searches plus one pass, done by C-level iterators, over the
+    durations in (0, benefit).  A candidate tau >= benefit can never beat tau = 0
+    (P <= 1 gives P*B - tau <= 0 <= P(0)*B), so those are skipped.  For the sorted index i the
+    value (i+1)/n * B - d[i] is P(d[i])*B - d[i] at the last copy of a repeated duration and
+    strictly less at the earlier copies, so the first maximal index is the shortest optimal tau.
     """
     n = len(sorted_durations)
     if n == 0 or not (benefit > 0.0) or math.isinf(benefit):
         return 0.0
     d = sorted_durations
     start = bisect_left(d, 0.0)  # negative durations count in P but are not candidates
-    stop = bisect_left(d, benefit, start)
-    # tau = 0 candidate: P(0) counts durations <= 0.
-    i = start
-    while i < n and d[i] <= 0.0:
-        i += 1
-    best_tau = 0.0
-    best_val = (i / n) * benefit
-    # Each distinct duration u in [0, benefit): P(u) = (index of its last copy + 1) / n.
-    while i < stop:
-        u = d[i]
-        j = i + 1
-        while j < n and d[j] == u:
-            j += 1
-        val = (j / n) * benefit - u
-        if val > best_val:  # strict: ties keep the shorter tau
-            best_val = val
-            best_tau = u
-        i = j
-    return best_tau
+    lo = bisect_right(d, 0.0, start)  # first strictly positive duration
+    hi = bisect_left(d, benefit, lo)
+    base = (lo / n) * benefit  # tau = 0: P(0) counts durations <= 0
+    if hi <= lo:
+        return 0.0
+    vals = list(
+        map(
+            sub,
+            map(mul, map(truediv, range(lo + 1, hi + 1), repeat(n)), repeat(benefit)),
+            islice(d, lo, hi),
+        )
+    )
+    best = max(vals)
+    if best > base:  # strict: a tie keeps tau = 0
+        return d[lo + vals.index(best)]
+    return 0.0
 
 
 def solve_ttl_unsorted(durations: Iterable[float], benefit: float) -> float:
