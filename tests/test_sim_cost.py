@@ -285,7 +285,7 @@ def test_executor_advances_clock_and_returns_scripted_tokens(h100):
     scripted.append_output(11)
     scripted.num_computed_tokens = 300
     t1 = clock.now()
-    res2 = ex.execute(SchedulerOutput(chunks=[ScheduledChunk(scripted, 300, 1, True, [])],
+    res2 = ex.execute(SchedulerOutput(chunks=[ScheduledChunk(scripted, 300, 1, True)],
                                       blocks_to_load=[(1, 2), (3, 4)], blocks_to_offload=[(5, 6)]))
     assert res2.sampled == {scripted.request_id: [12]}
     assert clock.now() == pytest.approx(t1 + res2.elapsed)
