@@ -293,7 +293,7 @@ def test_executor_advances_clock_and_returns_scripted_tokens(h100):
     # past the end of the script: filler
     for tok in (12, 13):
         scripted.append_output(tok)
-    res3 = ex.execute(SchedulerOutput(chunks=[ScheduledChunk(scripted, 302, 1, True, [])]))
+    res3 = ex.execute(SchedulerOutput(chunks=[ScheduledChunk(scripted, 302, 1, True)]))
     assert res3.sampled == {scripted.request_id: [FILLER_TOKEN_ID]}
 
     s = ex.stats
