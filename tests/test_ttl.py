@@ -261,7 +261,7 @@ def test_regimes_switch_at_k():
     assert tau == solve_ttl(stats.sorted_samples("bash"), 4.0) == 2.5
     # "other" has exactly K samples: global
     assert m.regime("other") == "global" and m.regime("bash") == "tool"
-    assert m.ttl("other", reload_s) == 0.4 and m.last_regime == "global"
+    assert m.decide("other", reload_s) == (0.4, "global")
 
     assert m.regime_counts == {"default": 2, "global": 5, "tool": 1}
 

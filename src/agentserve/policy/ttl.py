@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import deque
-from itertools import islice, repeat
-from operator import mul, sub, truediv
+from itertools import islice
 from typing import Iterable, Sequence
 
 from agentserve.policy.tool_stats import ToolDurationStats
@@ -47,11 +46,11 @@ def solve_ttl(sorted_durations: Sequence[float], benefit: float) -> float:
     non-negative duration; P(tau) = #(d <= tau) / n.  Returns argmax P(tau)*benefit - tau with
     ties broken toward the shorter tau.  Empty samples, or benefit <= 0 / NaN / inf, give 0.
 
-    Cost: O(log n) binary searches plus one pass, done by C-level iterators, over the
-    durations in (0, benefit).  A candidate tau >= benefit can never beat tau = 0
-    (P <= 1 gives P*B - tau <= 0 <= P(0)*B), so those are skipped.  For the sorted index i the
-    value (i+1)/n * B - d[i] is P(d[i])*B - d[i] at the last copy of a repeated duration and
-    strictly less at the earlier copies, so the first maximal index is the shortest optimal tau.
+    Cost: O(log n) binary searches plus one pass over the durations in (0, benefit).  A
+    candidate tau >= benefit can never beat tau = 0 (P <= 1 gives P*B - tau <= 0 <= P(0)*B), so
+    those are skipped.  At sorted index i the value (i+1)/n * B - d[i] equals P(d[i])*B - d[i]
+    at the last copy of a repeated duration and is smaller at earlier copies, so scanning in
+    ascending order and keeping only strict improvements yields the shortest optimal tau.
     """
     n = len(sorted_durations)
     if n == 0 or not (benefit > 0.0) or math.isinf(benefit):
@@ -63,17 +62,15 @@ def solve_ttl(sorted_durations: Sequence[float], benefit: float) -> float:
     base = (lo / n) * benefit  # tau = 0: P(0) counts durations <= 0
     if hi <= lo:
         return 0.0
-    vals = list(
-        map(
-            sub,
-            map(mul, map(truediv, range(lo + 1, hi + 1), repeat(n)), repeat(benefit)),
-            islice(d, lo, hi),
-        )
-    )
-    best = max(vals)
-    if best > base:  # strict: a tie keeps tau = 0
-        return d[lo + vals.index(best)]
-    return 0.0
+    best_val = base
+    best_tau = 0.0
+    # A plain loop measured faster here than chained C-level map()s (no temporaries).
+    for k, u in enumerate(islice(d, lo, hi), lo + 1):
+        val = (k / n) * benefit - u
+        if val > best_val:  # strict: ties keep the shorter tau
+            best_val = val
+            best_tau = u
+    return best_tau
 
 
 def solve_ttl_unsorted(durations: Iterable[float], benefit: float) -> float:
@@ -264,6 +261,11 @@ class TTLModel:
         return m
 
     def ttl(self, tool_name: str | None, prefill_reload_seconds: float) -> float:
+        """TTL in seconds for pinning after a turn that called ``tool_name`` (0: do not pin)."""
+        return self.decide(tool_name, prefill_reload_seconds)[0]
+
+    def decide(self, tool_name: str | None, prefill_reload_seconds: float) -> tuple[float, str]:
+        """``(ttl, regime)``; also sets ``last_regime``/``last_benefit``, counts the regime."""
         reload_s = float(prefill_reload_seconds)
         if not math.isfinite(reload_s) or reload_s < 0.0:
             reload_s = 0.0
@@ -282,4 +284,4 @@ class TTLModel:
         self.last_regime = regime
         self.last_benefit = benefit
         self.regime_counts[regime] += 1
-        return tau
+        return tau, regime

@@ -1,0 +1,184 @@
+"""The `agentserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _csv(kind):
+    def parse(s: str):
+        try:
+            vals = [kind(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {s!r}")
+        if not vals:
+            raise argparse.ArgumentTypeError("empty list")
+        return vals
+    return parse
+
+
+def _add_sim(sub) -> None:
+    from agentserve.policy.base import policy_names
+    from agentserve.sim.profile import list_profiles
+
+    p = sub.add_parser(
+        "sim", help="simulate scheduling policies on an agent workload",
+        description="Run the real scheduler, KV manager and policies against a calibrated cost model "
+                    "(a simulated GPU) on an agent workload, for every policy and arrival rate, and "
+                    "print mean/p90/p95 job completion time (JCT), throughput, prefix-hit ratio, p99 "
+                    "TTFT, worst queueing time, preemptions and pins.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workload", default="swebench",
+                   help=f"one of {', '.join(WORKLOADS)} (generated or from ../shared/traces), or a JSONL trace file")
+    p.add_argument("--traces", default=None, help="folder of the recorded traces (default: search ../shared/traces)")
+    p.add_argument("--profile", default="llama3.1-8b-h100",
+                   help=f"cost profile: {', '.join(list_profiles())}, or a profile JSON file")
+    p.add_argument("--policies", type=_csv(str), default=policy_names(),
+                   help=f"comma-separated policies from: {', '.join(policy_names())}")
+    p.add_argument("--rates", type=_csv(float), default=[0.5], help="comma-separated program arrival rates (jobs/s)")
+    p.add_argument("--programs", type=int, default=200, help="programs per run")
+    p.add_argument("--seed", type=int, default=0, help="seed for the workload and the arrivals")
+    p.add_argument("--kv-tokens", type=int, default=None, help="device KV capacity in tokens (default: the profile's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--eviction", default="lru", help="prefix-cache eviction: lru, leaf-lru, lfu, arc")
+    p.add_argument("--host-tier", action="store_true", help="add the profile's host-DRAM KV tier (swap/reload)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default: profile)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
+    p.add_argument("--token-scale", type=float, default=1.0, help="scale every token count of the workload")
+    p.add_argument("--hang-fraction", type=float, default=0.0,
+                   help="fraction of programs whose tool never returns at a random turn (robustness)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
+    p.add_argument("--json", default=None, help="write the result rows here")
+    p.add_argument("--plot", default=None, help="write a PNG of JCT against rate per policy here")
+    p.add_argument("--check-integrity-every", type=int, default=0, help="check KV accounting every N steps (slow)")
+    p.set_defaults(func=cmd_sim)
+
+
+def build_workload(args, rate: float):
+    from agentserve.bench.generators import load_workload
+
+    spec = args.workload
+    if spec not in WORKLOADS and not os.path.exists(spec):
+        raise CliError(f"unknown workload {spec!r}: use one of {', '.join(WORKLOADS)} or a JSONL file path")
+    opts = {}
+    if args.traces:
+        opts["traces_dir"] = args.traces
+    if args.token_scale != 1.0:
+        opts["token_scale"] = args.token_scale
+    try:
+        programs = load_workload(spec, args.programs, rate, args.seed, **opts)
+    except (OSError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if args.hang_fraction > 0:
+        programs = with_hanging_tools(programs, args.hang_fraction, args.seed)
+    return programs
+
+
+def with_hanging_tools(programs, fraction: float, seed: int):
+    """Make a tool never return in `fraction` of the programs (at a random turn)."""
+    rng = random.Random(seed ^ 0x5EED)
+    out = []
+    for p in programs:
+        if len(p.calls) > 1 and rng.random() < fraction:
+            k = rng.randrange(len(p.calls) - 1)
+            calls = list(p.calls)
+            calls[k] = replace(calls[k], tool_duration=float("inf"))
+            p = replace(p, calls=calls)
+        out.append(p)
+    return out
+
+
+def _run_one(job):
+    from agentserve.sim.driver import simulate
+    from agentserve.sim.report import result_row
+
+    workload, profile, rate, programs, cfg = job
+    return result_row(workload, profile, rate, simulate(programs, cfg))
+
+
+def cmd_sim(args) -> int:
+    from agentserve.policy.base import policy_names
+    from agentserve.sim.driver import SimConfig
+    from agentserve.sim.profile import ProfileError, load_profile
+    from agentserve.sim.report import format_table, plot, ratio_lines, write_json
+
+    unknown = [p for p in args.policies if p not in policy_names()]
+    if unknown:
+        raise CliError(f"unknown policy {unknown[0]!r}: choose from {', '.join(policy_names())}")
+    if args.programs < 1:
+        raise CliError("--programs must be at least 1")
+    if any(r <= 0 for r in args.rates):
+        raise CliError("--rates must be positive")
+    if not 0 <= args.hang_fraction < 1:
+        raise CliError("--hang-fraction must be in [0, 1)")
+    try:
+        load_profile(args.profile)
+    except (ProfileError, OSError) as e:
+        raise CliError(str(e)) from None
+    jobs = []
+    for rate in args.rates:
+        programs = build_workload(args, rate)
+        for pol in args.policies:
+            cfg = SimConfig(profile=args.profile, policy=pol, block_size=args.block_size, eviction=args.eviction,
+                            host_tier=args.host_tier, kv_tokens=args.kv_tokens,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            seed=args.seed, check_integrity_every=args.check_integrity_every)
+            jobs.append((args.workload, args.profile, rate, programs, cfg))
+    print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates, "
+          f"{args.programs} programs each) on {args.profile}...", file=sys.stderr)
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            rows = list(ex.map(_run_one, jobs))
+    else:
+        rows = [_run_one(j) for j in jobs]
+    rows.sort(key=lambda r: (r["rate"], args.policies.index(r["policy"])))
+    print(format_table(rows))
+    for line in ratio_lines(rows):
+        print(line)
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot, f"{args.workload} on {args.profile}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="agentserve",
+        description="agentserve: LLM serving for agent workloads (program-level scheduling, "
+                    "TTL-based KV retention across tool calls).")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    _add_sim(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "func", None):
+        ap.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"agentserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

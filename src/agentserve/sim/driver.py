@@ -1,0 +1,194 @@
+"""The discrete-event simulator: the real scheduler, KV manager and policy,
+driven by a workload, with a cost-model executor and a simulated clock.
+
+Programs arrive at their turn-0 arrival time; each later turn arrives when the
+previous response is done plus the tool's duration (a closed loop, as an agent
+behaves), so queueing delays push the whole program back, as they do in life.
+A tool duration of +inf is a tool that never returns: the program never
+completes and whatever it pinned must expire."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from agentserve.bench.tokens import program_token_plan
+from agentserve.bench.trace import Program
+from agentserve.clock import SimClock
+from agentserve.engine.request import Request
+from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.kv.manager import KVCacheManager
+from agentserve.sim.cost_model import CostModel
+from agentserve.sim.executor import SimExecutor
+from agentserve.sim.profile import load_profile
+
+
+@dataclass
+class SimConfig:
+    profile: str = "llama3.1-8b-h100"
+    policy: str = "continuum"
+    block_size: int = 16
+    eviction: str = "lru"
+    host_tier: bool = False  # use the profile's host DRAM tier (swap and reload)
+    kv_tokens: int | None = None  # device KV capacity; default: the profile's
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    seed: int = 0
+    check_integrity_every: int = 0  # steps; 0 = only at the end
+    policy_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    programs: int
+    completed: int
+    rejected: int
+    jct: list[float]
+    ttft: list[float]
+    queue_times: list[float]
+    makespan: float
+    steps: int
+    preemptions: int
+    hit_ratio: float
+    sched_overhead_s: float  # mean wall seconds of schedule() + update() per step
+    wall_s: float
+    pins: dict
+
+    @property
+    def throughput(self) -> float:
+        return self.completed / self.makespan if self.makespan > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); nan when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
+    profile = load_profile(cfg.profile)
+    bs = cfg.block_size
+    clock = SimClock()
+    num_blocks = (cfg.kv_tokens // bs) if cfg.kv_tokens else profile.num_blocks(bs)
+    host_blocks = profile.host_num_blocks(bs) if cfg.host_tier else 0
+    kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks)
+    cost = CostModel(profile, block_size=bs)
+    reload_cost = cost.reload_time if cfg.host_tier else cost.prefill_time
+    sconf = SchedulerConfig(
+        max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
+    )
+    sched = Scheduler(sconf, kv, cfg.policy, clock, reload_cost)
+    if cfg.policy_options:
+        for k, v in cfg.policy_options.items():
+            setattr(sched.policy, k, v)
+    executor = SimExecutor(clock, cost)
+
+    shared_pool: dict = {}
+    plans: dict[int, list] = {}
+    events: list[tuple[float, int, int, int]] = []  # (time, seq, program index, turn)
+    seq = 0
+    for i, p in enumerate(programs):
+        heapq.heappush(events, (p.arrival, seq, i, 0))
+        seq += 1
+    first_arrival: dict[int, float] = {}
+    jct: list[float] = []
+    ttft: list[float] = []
+    queue_times: list[float] = []
+    rejected = 0
+    overhead = 0.0
+    steps = 0
+    last_finish = 0.0
+    by_rid: dict[str, tuple[int, int]] = {}
+    wall0 = time.perf_counter()
+
+    def submit(i: int, turn: int) -> None:
+        nonlocal rejected
+        p = programs[i]
+        if i not in plans:
+            plans[i] = program_token_plan(p, cfg.seed * 1_000_003 + i, shared_pool=shared_pool)
+        prompt, output = plans[i][turn]
+        call = p.calls[turn]
+        now = clock.now()
+        req = Request(
+            request_id=f"{p.program_id}/{turn}", program_id=p.program_id,
+            prompt_token_ids=prompt, max_tokens=max(1, len(output)), arrival_time=now,
+            is_last_turn=turn == len(p.calls) - 1, sim_output=output,
+        )
+        req.tool_name = call.tool_name
+        first_arrival.setdefault(i, now)
+        try:
+            sched.add_request(req)
+        except ValueError:
+            rejected += 1
+            plans.pop(i, None)
+            return
+        by_rid[req.request_id] = (i, turn)
+
+    while events or sched.has_work:
+        now = clock.now()
+        while events and events[0][0] <= now:
+            _, _, i, turn = heapq.heappop(events)
+            submit(i, turn)
+        if not sched.has_work:
+            if events:
+                clock.advance_to(events[0][0])
+            continue
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty:
+            wake = [events[0][0]] if events else []
+            wake += [pin.expiry for pin in kv.pins.values() if pin.expiry > now]
+            if not wake:
+                raise RuntimeError(f"simulation stalled at t={now:.3f}: {sched.num_waiting} waiting, "
+                                   f"{sched.num_running} running, {len(kv.pins)} pins")
+            clock.advance_to(min(wake))
+            continue
+        result = executor.execute(out)
+        t2 = time.perf_counter()
+        finished = sched.update(out, result)
+        overhead += (t1 - t0) + (time.perf_counter() - t2)
+        steps += 1
+        if cfg.check_integrity_every and steps % cfg.check_integrity_every == 0:
+            sched.check_integrity()
+        for req in finished:
+            i, turn = by_rid.pop(req.request_id)
+            ttft.append(req.first_token_time - req.arrival_time)
+            queue_times.append(req.queue_time)
+            p = programs[i]
+            if req.is_last_turn:
+                jct.append(req.finish_time - first_arrival[i])
+                last_finish = max(last_finish, req.finish_time)
+                plans.pop(i, None)
+            else:
+                d = p.calls[turn].tool_duration
+                if math.isfinite(d):
+                    heapq.heappush(events, (req.finish_time + max(0.0, d), seq, i, turn + 1))
+                    seq += 1
+    sched.check_integrity()
+    st = sched.stats
+    start = min((p.arrival for p in programs), default=0.0)
+    return SimResult(
+        policy=cfg.policy, programs=len(programs), completed=len(jct), rejected=rejected,
+        jct=jct, ttft=ttft, queue_times=queue_times,
+        makespan=max(0.0, last_finish - start), steps=steps, preemptions=st.preemptions,
+        hit_ratio=st.hit_tokens / st.admitted_prompt_tokens if st.admitted_prompt_tokens else 0.0,
+        sched_overhead_s=overhead / steps if steps else 0.0,
+        wall_s=time.perf_counter() - wall0,
+        pins={"created": st.pins_created, "hit": st.pins_hit, "expired": st.pins_expired,
+              "reclaimed": st.pins_reclaimed, "released_early": st.pins_released_early,
+              "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
+    )

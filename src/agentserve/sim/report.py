@@ -1,0 +1,86 @@
+"""Rows, tables and plots for simulation sweeps (policy x rate)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from agentserve.sim.driver import SimResult, mean, percentile
+
+ROW_KEYS = ("workload", "profile", "policy", "rate", "mean_jct", "p90_jct", "p95_jct", "throughput", "hit_ratio")
+
+
+def result_row(workload: str, profile: str, rate: float, r: SimResult) -> dict:
+    return {
+        "workload": workload, "profile": profile, "policy": r.policy, "rate": rate,
+        "mean_jct": mean(r.jct), "p90_jct": percentile(r.jct, 90), "p95_jct": percentile(r.jct, 95),
+        "throughput": r.throughput, "hit_ratio": r.hit_ratio,
+        "p99_ttft": percentile(r.ttft, 99), "mean_ttft": mean(r.ttft),
+        "max_queue": max(r.queue_times, default=0.0), "preemptions": r.preemptions,
+        "programs": r.programs, "completed": r.completed, "rejected": r.rejected,
+        "steps": r.steps, "sched_overhead_us": r.sched_overhead_s * 1e6, "sim_wall_s": r.wall_s,
+        "pins": r.pins,
+    }
+
+
+def _f(x: float, nd: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["policy", "rate", "done", "mean JCT", "p90 JCT", "p95 JCT", "jobs/s", "hit %",
+            "p99 TTFT", "max queue", "preempt", "pins", "mean TTL", "sched us/step", "sim s"]
+    lines = [head]
+    for r in rows:
+        lines.append([
+            r["policy"], f"{r['rate']:g}", f"{r['completed']}/{r['programs']}", _f(r["mean_jct"]),
+            _f(r["p90_jct"]), _f(r["p95_jct"]), _f(r["throughput"], 3), _f(100 * r["hit_ratio"]),
+            _f(r["p99_ttft"], 2), _f(r["max_queue"]), str(r["preemptions"]), str(r["pins"]["created"]),
+            _f(r["pins"]["mean_ttl"], 2), _f(r["sched_overhead_us"], 0), _f(r["sim_wall_s"]),
+        ])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = []
+    for j, row in enumerate(lines):
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def ratio_lines(rows: list[dict], base: str = "vllm-fcfs") -> list[str]:
+    """Mean-JCT speedup of every policy over `base`, per rate."""
+    out = []
+    for rate in sorted({r["rate"] for r in rows}):
+        at = {r["policy"]: r for r in rows if r["rate"] == rate}
+        if base not in at:
+            continue
+        b = at[base]["mean_jct"]
+        parts = [f"{p} {b / r['mean_jct']:.2f}x" for p, r in at.items() if p != base and r["mean_jct"] > 0]
+        if parts:
+            out.append(f"rate {rate:g}: mean-JCT speedup over {base}: " + ", ".join(parts))
+    return out
+
+
+def write_json(rows: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "mean_jct", "mean JCT (s)"), (axes[1], "p95_jct", "p95 JCT (s)")):
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            pts = sorted((r["rate"], r[key]) for r in rows if r["policy"] == pol)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+        ax.set_xlabel("program arrival rate (jobs/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
