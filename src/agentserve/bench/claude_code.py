@@ -95,7 +95,7 @@ def _program_calls(
                 own = r.get("api_time")
                 dur = max(0.0, float(nxt["t"]) - float(r["t"]) - (own if own is not None else median_api))
         calls.append(TraceCall(
-            program_id=pid, turn=i, arrival=offset + float(r["t"]), prompt_tokens=tokens_in,
+            program_id=pid, turn=i, arrival=round(offset + float(r["t"]), 6), prompt_tokens=tokens_in,
             new_tokens=new, output_tokens=out, tool_name=tool, tool_duration=dur,
             hash_ids=h, hash_block_size=bs,
         ))
@@ -143,7 +143,7 @@ def parse_claude_code_trace(
         if j >= len(parent_calls) or not entry.get("requests"):
             continue
         if entry.get("status") == "completed" and entry.get("duration_ms") is not None:
-            start = float(entry["t"]) - entry["duration_ms"] / 1000.0
+            start = round(float(entry["t"]) - entry["duration_ms"] / 1000.0, 3)  # ms precision
         else:
             start = float(entry["t"])
         pid = f"{tid}:{entry['agent_id']}"

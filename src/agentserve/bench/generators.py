@@ -24,7 +24,7 @@ are generated or on the arrival rate):
   the table's mean and std; alpha = 1 is "a per-program growth per turn" and is
   used when feasible, else the largest alpha (step 0.05) that leaves g a
   coefficient of variation >= 0.25 (SWE-bench: n's spread alone would otherwise
-  overshoot the table's token std). Y is split over the observations with
+  overshoot the table's token std; solved: SWE-bench alpha 0.5, BFCL 0.95). Y is split over the observations with
   lognormal weights, so observation sizes vary turn by turn.
 * tools: each call but the last names a tool drawn from a small weighted set;
   each tool's duration is a mixture of lognormals. One shape parameter (the

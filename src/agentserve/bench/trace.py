@@ -356,10 +356,12 @@ def format_stats(stats: dict[str, float]) -> str:
     """One `name value` line per statistic (what the CLI prints)."""
     lines = []
     for k, v in stats.items():
-        if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
-            lines.append(f"{k:30s} {int(v)}")
+        if not isinstance(v, float) or not math.isfinite(v):
+            lines.append(f"{k:30s} {v}")
+        elif v.is_integer() or abs(v) >= 1000:
+            lines.append(f"{k:30s} {v:.0f}")
         else:
-            lines.append(f"{k:30s} {v:.4g}" if isinstance(v, float) else f"{k:30s} {v}")
+            lines.append(f"{k:30s} {v:.4g}")
     return "\n".join(lines)
 
 

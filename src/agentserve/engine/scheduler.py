@@ -171,7 +171,7 @@ class Scheduler:
         pins = self.kv.pins
         if not pins:
             return
-        for pid in [p for p, pin in pins.items() if pin.expiry <= now and pid not in self._waiting_programs]:
+        for pid in [p for p, pin in pins.items() if pin.expiry <= now and p not in self._waiting_programs]:
             self.kv.unpin(pid, now)
             self.stats.pins_expired += 1
             self._order_dirty = True
@@ -263,12 +263,22 @@ class Scheduler:
         match = self.kv.match(req.token_ids)
         hit = match.num_tokens
         n = min(req.num_tokens - hit, budget)
+        own_pin_released = False
         while not self.kv.admit(req.request_id, match, n, now):
             nothing_runs = not self.running
-            if not self._reclaim_pin(req, any_program=nothing_runs, now=now):
-                return False
+            if self._reclaim_pin(req, any_program=nothing_runs, now=now):
+                continue
+            if nothing_runs and req.program_id in self.kv.pins:
+                # Its own pin holds blocks this turn does not reuse (the partial
+                # last block at least) and nothing else can free memory: release
+                # it; the matched blocks stay cached and are revived by admit.
+                self.kv.unpin(req.program_id, now)
+                own_pin_released = True
+                continue
+            return False
         prog = self._program(req)
-        pinned = self.kv.unpin(req.program_id, now) > 0  # its blocks now belong to the request
+        # its blocks now belong to the request
+        pinned = self.kv.unpin(req.program_id, now) > 0 or own_pin_released
         if pinned:
             self.stats.pins_hit += 1
             self._order_dirty = True

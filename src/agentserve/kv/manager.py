@@ -179,7 +179,24 @@ class KVCacheManager:
             return
         bs = self.block_size
         full = min(num_computed_tokens // bs, len(st.blocks))
+        if full <= st.num_indexed:
+            return
         node = st.last_node
+        if node is not self.index.root and node.parent is None:
+            # The chain ended on another request's block (ours stayed private),
+            # which was since evicted and its node pruned: find the chain again,
+            # re-creating the missing nodes and giving them our blocks.
+            node = self.index.root
+            for i in range(st.num_indexed):
+                child = self.index.get_or_create(node, tuple(token_ids[i * bs:(i + 1) * bs]))
+                if child is None:
+                    st.index_stopped = True
+                    st.last_node = node
+                    return
+                b = st.blocks[i]
+                if child.block is None and b.node is None:
+                    self.pool.attach(b, child)
+                node = child
         for i in range(st.num_indexed, full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             child = self.index.get_or_create(node, tokens)
@@ -243,7 +260,8 @@ class KVCacheManager:
         if p is None:
             return 0
         c = Counter(b.block_id for b in p.blocks)
-        return sum(1 for b in p.blocks if b.ref_cnt == c[b.block_id])
+        blocks = self.pool.blocks
+        return sum(1 for bid, n in c.items() if blocks[bid].ref_cnt == n)
 
     # --- copies for the executor ---
 

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from agentserve.bench.tokens import program_token_plan
+from agentserve.bench.tokens import program_token_plan, shared_token_pool
 from agentserve.bench.trace import Program
 from agentserve.clock import SimClock
 from agentserve.engine.request import Request
@@ -96,7 +96,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
             setattr(sched.policy, k, v)
     executor = SimExecutor(clock, cost)
 
-    shared_pool: dict = {}
+    need_shared = max((c.shared_prefix_tokens for p in programs for c in p.calls), default=0)
+    shared_pool = shared_token_pool(need_shared, cfg.seed) if need_shared else None
     plans: dict[int, list] = {}
     events: list[tuple[float, int, int, int]] = []  # (time, seq, program index, turn)
     seq = 0
@@ -118,7 +119,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         nonlocal rejected
         p = programs[i]
         if i not in plans:
-            plans[i] = program_token_plan(p, cfg.seed * 1_000_003 + i, shared_pool=shared_pool)
+            plans[i] = program_token_plan(p, cfg.seed, shared_pool=shared_pool)
         prompt, output = plans[i][turn]
         call = p.calls[turn]
         now = clock.now()
@@ -127,7 +128,9 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
             prompt_token_ids=prompt, max_tokens=max(1, len(output)), arrival_time=now,
             is_last_turn=turn == len(p.calls) - 1, sim_output=output,
         )
-        req.tool_name = call.tool_name
+        # The simulator knows which tool the scripted output calls; a human or
+        # unknown next step is no tool call.
+        req.tool_name = call.tool_name if call.tool_name not in ("human", "unknown") else None
         first_arrival.setdefault(i, now)
         try:
             sched.add_request(req)

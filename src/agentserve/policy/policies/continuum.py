@@ -13,15 +13,19 @@ class Continuum(Policy):
     name = "continuum"
 
     def __init__(self, ctx: PolicyContext, k_threshold: int = 100, default_tool_mean: float = 1.0,
-                 max_ttl: float = 600.0) -> None:
+                 max_ttl: float = 600.0, age_credit: float | None = 15.0) -> None:
         super().__init__(ctx)
         self.eta = EtaEstimator()
         self.queue_delays = QueueDelayWindow()
         self.model = TTLModel(k_threshold, default_tool_mean, self.tool_stats, self.eta, self.queue_delays)
         self.max_ttl = max_ttl  # a hard cap, so no learned distribution can hold memory for hours
+        self.age_credit = age_credit
 
     def priority(self, req, program, now):
-        return (not req.preempted, not self.ctx.is_pinned(req.program_id), program.arrival_time, req.arrival_time)
+        t = program.arrival_time
+        if self.age_credit is not None:
+            t = max(t, req.arrival_time - self.age_credit)
+        return (not req.preempted, not self.ctx.is_pinned(req.program_id), t, req.arrival_time)
 
     def on_admitted(self, req, program, now, queue_delay, returning_evicted):
         if returning_evicted:

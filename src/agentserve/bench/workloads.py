@@ -1,0 +1,120 @@
+"""One entry point for every workload: `load_workload(spec, num_programs, rate, seed)`.
+
+    python -m agentserve.bench.workloads SPEC [-n N] [--rate R] [--seed S] [--out F.jsonl]
+
+prints `workload_stats` of the workload (and writes it as JSONL with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .claude_code import load_claude_code
+from .generators import assign_poisson_arrivals, generate_bfcl, generate_swebench
+from .swe_smith import load_swe_smith
+from .trace import Program, format_stats, load_jsonl, save_jsonl, workload_stats
+
+GENERATED = ("swebench", "bfcl")
+RECORDED = ("claude-code", "swe-smith")
+CHOICES = GENERATED + RECORDED + ("<path>.jsonl",)
+
+
+def sample_programs(programs: list[Program], num_programs: int | None, seed: int) -> list[Program]:
+    """`num_programs` program groups drawn with replacement (uniformly over
+    groups: a top-level program with its subagents). Copy i of group g gets ids
+    "g#i" and "g#i:sub" (parent_id updated), so ids are distinct and a copy's
+    hash-block tokens (tokens.py numbers blocks per group) differ from other
+    copies'. num_programs None: every group once, ids unchanged."""
+    ids = {p.program_id for p in programs}
+    groups: dict[str, list[Program]] = {}
+    for p in programs:
+        g = p.group_id if p.group_id in ids else p.program_id
+        groups.setdefault(g, []).append(p)
+    if num_programs is None:
+        return [p for members in groups.values() for p in members]
+    if not groups:
+        raise ValueError("no programs to sample from")
+    keys = list(groups)
+    rng = random.Random(f"{seed}:sample")
+    out: list[Program] = []
+    for i in range(num_programs):
+        g = rng.choice(keys)
+        for p in groups[g]:
+            new_id = f"{g}#{i}" + p.program_id[len(g):] if p.program_id.startswith(g) else f"{p.program_id}#{i}"
+            parent = f"{g}#{i}" if p.parent_id is not None else None
+            calls = [replace(c, program_id=new_id) for c in p.calls]
+            out.append(replace(p, program_id=new_id, calls=calls, parent_id=parent))
+    return out
+
+
+def load_workload(
+    spec: str, num_programs: int | None, rate: float, seed: int, **opts: Any
+) -> list[Program]:
+    """Programs of a workload, arriving as a Poisson process at `rate` programs/s.
+
+    spec: "swebench" | "bfcl" (generated, num_programs programs) |
+    "claude-code" | "swe-smith" | a path to a .jsonl trace (recorded: program
+    groups sampled with replacement to num_programs, ids suffixed "#i"; a group
+    = a session with its subagents, which come along and keep their offsets;
+    num_programs=None takes each group once).
+    opts: path (recorded source file/folder; default: the shared traces),
+    token_scale, max_prompt_tokens (claude-code), count_tokens (swe-smith),
+    keep_arrivals=True (recorded: keep recorded arrivals, no re-draw).
+    Returned sorted by arrival."""
+    key = str(spec).strip()
+    low = key.lower()
+    if low in ("swebench", "swe-bench"):
+        if num_programs is None:
+            raise ValueError("generated workloads need num_programs")
+        return generate_swebench(num_programs, rate, seed)
+    if low == "bfcl":
+        if num_programs is None:
+            raise ValueError("generated workloads need num_programs")
+        return generate_bfcl(num_programs, rate, seed)
+    if low in ("claude-code", "claude_code", "claudecode"):
+        base = load_claude_code(
+            opts.get("path"), token_scale=opts.get("token_scale", 1.0),
+            max_prompt_tokens=opts.get("max_prompt_tokens"),
+        )
+    elif low in ("swe-smith", "swe_smith", "swesmith"):
+        base = load_swe_smith(opts.get("path"), count_tokens=opts.get("count_tokens"))
+    elif low.endswith(".jsonl"):
+        if not Path(key).is_file():
+            raise FileNotFoundError(f"no such trace: {key}")
+        base = load_jsonl(key)
+    else:
+        raise ValueError(f"unknown workload {spec!r}; choices: {', '.join(CHOICES)}")
+    programs = sample_programs(base, num_programs, seed)
+    if opts.get("keep_arrivals"):
+        return sorted(programs, key=lambda p: p.arrival)
+    return assign_poisson_arrivals(programs, rate, seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.workloads", description=__doc__)
+    ap.add_argument("spec", help=f"one of {', '.join(CHOICES)}")
+    ap.add_argument("-n", "--num-programs", type=int, default=None)
+    ap.add_argument("--rate", type=float, default=1.0, help="programs per second")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--path", default=None, help="recorded trace file/folder")
+    ap.add_argument("--token-scale", type=float, default=1.0)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the workload as JSONL")
+    a = ap.parse_args(argv)
+    n = a.num_programs
+    if n is None and a.spec.lower() in GENERATED + ("swe-bench",):
+        n = 100
+    programs = load_workload(a.spec, n, a.rate, a.seed, path=a.path, token_scale=a.token_scale,
+                             max_prompt_tokens=a.max_prompt_tokens)
+    print(format_stats(workload_stats(programs)))
+    if a.out:
+        save_jsonl(programs, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,792 @@
+"""KVCacheManager: prefix matching, admission, commit, free, pins, the host
+tier and every eviction strategy, on hand-made cases, plus a hypothesis state
+machine that tracks block *contents* (what a fake executor wrote into each
+device block and host slot) so a false prefix hit or a lost copy shows up as
+wrong KV, not only as broken accounting."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from agentserve.kv.eviction import STRATEGIES
+from agentserve.kv.manager import KVCacheManager
+
+ALL_STRATEGIES = sorted(STRATEGIES)
+BS = 4
+
+
+def mk(num_blocks: int = 16, block_size: int = BS, **kw) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, **kw)
+
+
+def admit(kv: KVCacheManager, rid: str, tokens, now: float = 0.0, extra: int = 0):
+    """match + admit room for all of `tokens` (plus `extra`); returns the match (None if it did not fit)."""
+    m = kv.match(tokens)
+    ok = kv.admit(rid, m, len(tokens) - m.num_tokens + extra, now)
+    return m if ok else None
+
+
+def compute(kv: KVCacheManager, rid: str, tokens) -> None:
+    """Pretend the whole of `tokens` was computed and commit it."""
+    assert kv.allocate_slots(rid, len(tokens))
+    kv.commit(rid, tokens, len(tokens))
+
+
+def in_use(kv: KVCacheManager) -> set[int]:
+    ids = set()
+    for rid in kv._reqs:
+        ids.update(kv.block_ids(rid))
+    for p in kv.pins.values():
+        ids.update(b.block_id for b in p.blocks)
+    return ids
+
+
+def accounting_ok(kv: KVCacheManager) -> None:
+    kv.check_integrity()
+    assert kv.num_free_blocks + len(in_use(kv)) == kv.num_blocks
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_round_trip_match_admit_commit_free():
+    kv = mk(16)
+    toks = list(range(10))  # 2 full blocks + 2 tokens
+    m = admit(kv, "a", toks)
+    assert m is not None and m.num_tokens == 0
+    assert kv.num_blocks_of("a") == 3
+    assert kv.num_free_blocks == 13
+    assert len(set(kv.block_ids("a"))) == 3
+    kv.commit("a", toks, 10)
+    accounting_ok(kv)
+    assert kv.index.num_nodes == 2  # the partial third block is not indexed
+    kv.free("a", 1.0)
+    accounting_ok(kv)
+    assert kv.num_free_blocks == 16
+    assert kv.pool.num_cached_free == 2
+    kv.free("a", 1.0)  # freeing twice is a no-op
+    accounting_ok(kv)
+
+
+def test_prefix_hit_on_freed_request():
+    kv = mk(16)
+    toks = list(range(10))
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    a_blocks = kv.block_ids("a")
+    kv.free("a", 1.0)
+    follow = toks + [77, 78, 79]
+    m = kv.match(follow)
+    assert m.num_tokens == 8 and m.num_host_blocks == 0
+    assert kv.can_admit(m, len(follow) - 8)
+    assert kv.admit("b", m, len(follow) - 8, 2.0)
+    assert kv.block_ids("b")[:2] == a_blocks[:2]  # revived without copying
+    assert kv.pool.blocks[a_blocks[0]].hits == 1
+    accounting_ok(kv)
+    # a diverging prompt only hits the common full blocks
+    m2 = kv.match(list(range(4)) + [99, 99, 99, 99, 5])
+    assert m2.num_tokens == 4
+
+
+def test_generated_tokens_are_indexed():
+    kv = mk(16)
+    prompt = [5, 6, 7, 8, 9, 10]
+    req = list(prompt)
+    admit(kv, "a", req, extra=0)
+    computed = 0
+    for out_tok in [20, 21, 22, 23, 24, 25, 26]:
+        # the step computes every token not yet computed, samples one more
+        assert kv.allocate_slots("a", len(req))
+        computed = len(req)
+        kv.commit("a", req, computed)
+        req.append(out_tok)
+        accounting_ok(kv)
+    # 13 tokens, 12 computed: 3 full blocks are indexed
+    assert computed == 12 and len(req) == 13
+    kv.free("a", 1.0)
+    follow = req + [40, 41, 42, 43, 44]
+    m = kv.match(follow)
+    assert m.num_tokens == (computed // BS) * BS == 12
+    for i, node in enumerate(m.nodes):
+        assert list(node.tokens) == follow[i * BS:(i + 1) * BS]
+
+
+def test_match_never_covers_last_token():
+    kv = mk(16)
+    toks = list(range(8))  # exactly two full blocks
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    kv.free("a", 0.0)
+    assert kv.match(toks).num_tokens == 4
+    assert kv.match(toks[:5]).num_tokens == 4
+    assert kv.match(toks[:4]).num_tokens == 0
+    assert kv.match(toks + [1]).num_tokens == 8
+    assert kv.match([0]).num_tokens == 0
+    # admitting an exact repeat leaves one token (at least) to compute
+    m = kv.match(toks)
+    assert kv.admit("b", m, len(toks) - m.num_tokens, 1.0)
+    assert kv.num_blocks_of("b") == 2
+    accounting_ok(kv)
+
+
+def test_admit_that_does_not_fit_changes_nothing():
+    kv = mk(8)
+    a = list(range(20))  # 5 blocks
+    admit(kv, "a", a)
+    compute(kv, "a", a)
+    kv.free("a", 0.0)  # 5 cached free blocks
+    admit(kv, "x", [100, 101, 102, 103, 104])  # 2 blocks in use
+    accounting_ok(kv)
+    free_before, nodes_before = kv.num_free_blocks, kv.index.num_nodes
+    hits_before = [b.hits for b in kv.pool.blocks]
+    big = a[:8] + list(range(200, 230))  # hits 2 blocks, needs 10 in all
+    m = kv.match(big)
+    assert m.num_tokens == 8
+    assert not kv.can_admit(m, len(big) - 8)
+    assert kv.admit("b", m, len(big) - 8, 1.0) is False
+    assert kv.num_free_blocks == free_before
+    assert kv.index.num_nodes == nodes_before
+    assert [b.hits for b in kv.pool.blocks] == hits_before
+    assert kv.num_blocks_of("b") == 0
+    assert kv.take_copies() == ([], [])
+    accounting_ok(kv)
+    # the cached blocks are still matchable after the refusal
+    assert kv.match(big).num_tokens == 8
+    with pytest.raises(RuntimeError):
+        kv.admit("x", kv.match([1, 2]), 2, 1.0)  # already holds KV
+
+
+def test_allocate_slots_failure_changes_nothing():
+    kv = mk(4)
+    admit(kv, "a", list(range(8)))  # 2 blocks
+    assert not kv.allocate_slots("a", 8 + 3 * BS)
+    assert kv.num_blocks_of("a") == 2 and kv.num_free_blocks == 2
+    assert kv.allocate_slots("a", 16)
+    assert kv.num_free_blocks == 0
+    assert kv.allocate_slots("a", 10)  # shrinking asks nothing
+    accounting_ok(kv)
+
+
+def test_pin_holds_blocks_and_unpin_returns_them():
+    kv = mk(8)
+    toks = list(range(10))
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    held = kv.block_ids("a")
+    kv.pin("P", "a", expiry=10.0, program_arrival=0.0, now=1.0)
+    assert kv.num_blocks_of("a") == 0
+    assert kv.num_pinned_blocks == 3
+    assert kv.pins["P"].num_tokens == 8
+    assert kv.num_free_blocks == 5
+    accounting_ok(kv)
+    # pinned blocks are not evictable: fill every free block with other content
+    other = list(range(100, 100 + 5 * BS))
+    assert admit(kv, "x", other) is not None
+    assert kv.num_free_blocks == 0
+    assert not set(held) & set(kv.block_ids("x"))
+    compute(kv, "x", other)
+    kv.free("x", 2.0)
+    accounting_ok(kv)
+    assert kv.reclaimable_blocks("P") == 3
+    assert kv.match(toks + [1]).num_tokens == 8
+    assert kv.unpin("P", 3.0) == 3
+    assert kv.unpin("P", 3.0) == 0
+    assert kv.reclaimable_blocks("P") == 0
+    assert kv.num_free_blocks == 8
+    accounting_ok(kv)
+
+
+def test_reclaimable_blocks_counts_shared_blocks_once():
+    kv = mk(16)
+    prefix = list(range(8))
+    admit(kv, "a", prefix + [50, 51])
+    compute(kv, "a", prefix + [50, 51])
+    # b shares a's two full prefix blocks
+    m = admit(kv, "b", prefix + [60, 61, 62])
+    assert m.num_tokens == 8
+    kv.pin("P", "a", 10.0, 0.0, 1.0)
+    # b still uses the prefix: only a's private third block would come back
+    assert kv.reclaimable_blocks("P") == 1
+    # the same program pins b as well: one pin, the prefix referenced twice by it
+    kv.pin("P", "b", 20.0, 0.0, 1.0)
+    assert kv.pins["P"].expiry == 20.0
+    accounting_ok(kv)
+    free_before = kv.num_free_blocks
+    expected = kv.reclaimable_blocks("P")
+    kv.unpin("P", 2.0)
+    assert kv.num_free_blocks - free_before == expected == 4
+    accounting_ok(kv)
+
+
+# ---------------------------------------------------------------- host tier
+
+
+def _fill_and_evict(kv: KVCacheManager, toks, filler_start: int = 1000):
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    kv.free("a", 1.0)
+    filler = list(range(filler_start, filler_start + kv.num_blocks * BS - 1))
+    assert admit(kv, "f", filler) is not None  # needs every block: evicts all of a's
+    kv.free("f", 2.0)
+
+
+def test_host_tier_offload_and_reload():
+    kv = mk(6, host_blocks=16)
+    toks = list(range(13))  # 3 full blocks indexed
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    a_blocks = kv.block_ids("a")[:3]
+    kv.free("a", 1.0)
+    kv.take_copies()
+    filler = list(range(1000, 1000 + 6 * BS - 1))
+    assert admit(kv, "f", filler) is not None
+    off, ld = kv.take_copies()
+    assert ld == []
+    assert sorted(d for d, _ in off) == sorted(a_blocks)
+    assert len({h for _, h in off}) == 3
+    assert kv.host.num_used == 3
+    accounting_ok(kv)
+    kv.free("f", 2.0)  # f was not computed: nothing of it is cached
+    slot_of = {}
+    for node in kv.index.iter_nodes():
+        assert node.block is None and node.host_slot is not None
+        slot_of[node.tokens] = node.host_slot
+    follow = toks + [7, 7]
+    m = kv.match(follow)
+    assert m.num_tokens == 12 and m.num_host_blocks == 3 and m.num_host_tokens == 12
+    assert kv.admit("b", m, len(follow) - 12, 3.0)
+    off, ld = kv.take_copies()
+    assert off == []
+    table = kv.block_ids("b")
+    want = [(slot_of[tuple(toks[i * BS:(i + 1) * BS])], table[i]) for i in range(3)]
+    assert ld == want
+    accounting_ok(kv)
+    # the reloaded blocks are device-resident again (and still on the host)
+    kv.free("b", 4.0)
+    m = kv.match(follow)
+    assert m.num_tokens == 12 and m.num_host_blocks == 0
+    accounting_ok(kv)
+
+
+def test_host_partial_reload_mixes_device_and_host_blocks():
+    kv = mk(6, host_blocks=16, eviction="lru")
+    toks = list(range(13))
+    _fill_and_evict(kv, toks)
+    kv.take_copies()
+    # recompute the first block only, on the device
+    admit(kv, "c", toks[:5])  # hits host block 0 -> load
+    _, ld = kv.take_copies()
+    assert len(ld) == 1
+    kv.free("c", 3.0)
+    m = kv.match(toks)
+    assert m.num_tokens == 12 and m.num_host_blocks == 2
+    assert kv.admit("d", m, 1, 4.0)
+    _, ld = kv.take_copies()
+    assert [d for _, d in ld] == kv.block_ids("d")[1:3]
+    accounting_ok(kv)
+
+
+def test_swap_out():
+    kv = mk(8, host_blocks=8)
+    toks = list(range(10))
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    ids = kv.block_ids("a")
+    assert kv.swap_out("a", 1.0) == 2
+    off, _ = kv.take_copies()
+    assert [d for d, _ in off] == ids[:2]
+    assert kv.num_free_blocks == 8
+    assert kv.host.num_used == 2
+    accounting_ok(kv)
+    # eviction later copies nothing again: the host already holds them
+    filler = list(range(500, 500 + 8 * BS - 1))
+    assert admit(kv, "f", filler) is not None
+    off, _ = kv.take_copies()
+    assert off == []
+    assert kv.match(toks).num_host_blocks == 2
+    kv.free("f", 2.0)
+    assert kv.swap_out("nobody", 2.0) == 0
+    # without a host tier swap_out just frees
+    kv2 = mk(8)
+    admit(kv2, "a", toks)
+    compute(kv2, "a", toks)
+    assert kv2.swap_out("a", 1.0) == 0
+    assert kv2.num_free_blocks == 8
+    assert kv2.take_copies() == ([], [])
+    accounting_ok(kv2)
+
+
+def test_host_tier_capacity_eviction():
+    kv = mk(4, host_blocks=2)
+    toks = list(range(4 * BS))  # 4 blocks, the last not indexed fully computed
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    kv.free("a", 1.0)
+    kv.take_copies()
+    admit(kv, "f", list(range(900, 900 + 4 * BS - 1)))
+    off, _ = kv.take_copies()
+    assert len(off) == 4  # every eviction offloads, the host evicts LRU entries
+    assert kv.host.num_used == 2
+    assert kv.host.num_evicted == 2
+    accounting_ok(kv)
+    # a request's tail is freed (and so evicted) first: the host keeps the
+    # most recently offloaded blocks, the prefix; the tail nodes are pruned
+    kv.free("f", 2.0)
+    assert kv.index.num_nodes == 2
+    m = kv.match(toks)
+    assert m.num_tokens == 8 and m.num_host_blocks == 2
+    accounting_ok(kv)
+
+
+def test_host_tier_disabled():
+    kv = mk(4, host_blocks=0)
+    _fill_and_evict(kv, list(range(9)))
+    assert kv.take_copies() == ([], [])
+    assert kv.index.num_nodes == 0
+    assert kv.match(list(range(9))).num_tokens == 0
+    accounting_ok(kv)
+
+
+@pytest.mark.parametrize("eviction", ALL_STRATEGIES)
+@pytest.mark.parametrize("host", [0, 6])
+def test_every_eviction_strategy_through_manager(eviction, host):
+    kv = mk(8, eviction=eviction, host_blocks=host)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    now = 0.0
+    for i in range(12):
+        toks = shared + [i, i, i, i] * (1 + i % 3) + [9]
+        rid = f"r{i}"
+        for pid, pin in list(kv.pins.items()):
+            if pin.expiry <= now:
+                kv.unpin(pid, now)
+        m = kv.match(toks)
+        if i and host:
+            assert m.num_tokens >= 8  # the shared prefix is on the device or the host
+        assert kv.admit(rid, m, len(toks) - m.num_tokens, now)
+        assert kv.allocate_slots(rid, len(toks))
+        kv.commit(rid, toks, len(toks))
+        accounting_ok(kv)
+        if i % 4 == 3:
+            kv.pin(f"p{i}", rid, now + 1, now, now)
+        else:
+            kv.free(rid, now)
+        now += 1.0
+        kv.take_copies()
+        accounting_ok(kv)
+    assert kv.pool.num_evictions > 0
+    for pid in list(kv.pins):
+        kv.unpin(pid, now)
+    assert kv.num_free_blocks == kv.num_blocks
+    accounting_ok(kv)
+    # leaf-aware strategies keep the shared prefix over the suffixes
+    if eviction in ("leaf-lru", "lfu", "arc"):
+        assert kv.match(shared + [0]).num_tokens == 8
+
+
+def test_unknown_strategy_and_bad_sizes():
+    with pytest.raises(ValueError):
+        mk(8, eviction="nope")
+    with pytest.raises(ValueError):
+        mk(0)
+    with pytest.raises(ValueError):
+        KVCacheManager(8, 0)
+    with pytest.raises(ValueError):
+        mk(8, host_blocks=-1)
+
+
+# ---------------------------------------------------------------- hash collisions
+
+
+def collide(toks):
+    return sum(toks) % 3
+
+
+@pytest.mark.parametrize("host", [0, 8])
+def test_hash_collisions_are_never_false_hits(host):
+    kv = mk(12, key_fn=collide, host_blocks=host)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 0]  # blocks sum 10 (key 1), 26 (key 2)
+    b = [4, 3, 2, 1, 2, 2, 2, 2, 0]  # block 0 collides with a's (sum 10), different tokens
+    admit(kv, "a", a)
+    compute(kv, "a", a)
+    kv.free("a", 0.0)
+    m = kv.match(b)
+    assert m.num_tokens == 0  # same key, other tokens: a miss
+    admit(kv, "b", b)
+    compute(kv, "b", b)  # collides with a's node: b's chain is not indexed
+    accounting_ok(kv)
+    assert kv.match(b).num_tokens == 0
+    assert kv.match(a).num_tokens == 8
+    kv.free("b", 1.0)
+    # second-level collision under a shared first block
+    c = [1, 2, 3, 4, 8, 7, 6, 5, 0]  # second block: same sum as a's, other tokens
+    m = kv.match(c)
+    assert m.num_tokens == 4
+    for node in m.nodes:
+        assert list(node.tokens) == c[:4]
+    admit(kv, "c", c)
+    compute(kv, "c", c)
+    accounting_ok(kv)
+    kv.free("c", 2.0)
+    assert kv.match(c).num_tokens == 4
+    assert kv.match(a).num_tokens == 8
+    accounting_ok(kv)
+
+
+def test_hash_collisions_random_no_false_hit():
+    import random
+    rng = random.Random(7)
+    kv = mk(24, key_fn=collide, host_blocks=10)
+    for i in range(300):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        m = kv.match(toks)
+        for j, node in enumerate(m.nodes):
+            assert list(node.tokens) == toks[j * BS:(j + 1) * BS]
+        if kv.admit(f"r{i}", m, len(toks) - m.num_tokens, float(i)):
+            kv.commit(f"r{i}", toks, len(toks))
+            kv.free(f"r{i}", float(i))
+        kv.take_copies()
+        accounting_ok(kv)
+
+
+# ---------------------------------------------------------------- regressions
+
+
+def test_commit_after_foreign_tail_block_was_evicted():
+    """Two requests compute the same prompt at once: the second's blocks stay
+    private and its chain ends on the first's node. The first frees, its blocks
+    are evicted and their nodes pruned; the second must still index what it
+    computes next (this used to attach blocks under a detached node)."""
+    kv = mk(6)
+    prompt = list(range(9))
+    for rid in "AB":
+        m = kv.match(prompt)
+        assert m.num_tokens == 0
+        assert kv.admit(rid, m, len(prompt), 0.0)
+    kv.commit("A", prompt, 9)
+    kv.commit("B", prompt, 9)
+    kv.free("A", 1.0)
+    assert admit(kv, "C", list(range(100, 109))) is not None  # evicts A's cached blocks
+    accounting_ok(kv)
+    toks = prompt + [50, 51, 52, 53]
+    kv.commit("B", toks, 12)
+    accounting_ok(kv)
+    kv.free("C", 2.0)
+    kv.free("B", 2.0)
+    accounting_ok(kv)
+    # B's blocks now carry the whole chain
+    assert kv.match(toks + [1]).num_tokens == 12
+    # and evicting everything prunes cleanly
+    assert admit(kv, "D", list(range(300, 300 + 6 * BS - 1))) is not None
+    kv.free("D", 3.0)
+    accounting_ok(kv)
+    assert kv.index.num_nodes == 0
+
+
+# ---------------------------------------------------------------- state machine
+
+PREFIXES = [
+    [1, 2, 3, 4, 5, 6, 7, 8],
+    [1, 2, 3, 4, 0, 0, 0, 0, 1],
+    [2, 2, 2, 2],
+    [],
+]
+PROGRAMS = ["p0", "p1", "p2", "p3"]
+
+
+class KVModel:
+    """A small manager driven like the scheduler drives it, with a fake executor's
+    memory: `dev[block]` / `host[slot]` hold the tokens whose KV was written there.
+    Operations take explicit arguments; the state machine and the seeded
+    driver below pick them."""
+
+    NUM_BLOCKS = 24
+
+    def __init__(self, eviction: str, host: int, collisions: bool) -> None:
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, eviction=eviction, host_blocks=host,
+                                 key_fn=collide if collisions else None)
+        self.reqs: dict[str, dict] = {}
+        self.n = 0
+        self.now = 0.0
+        self.dev: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    # --- the fake executor ---
+
+    def flush(self):
+        off, ld = self.kv.take_copies()
+        for d, h in off:
+            self.host[h] = list(self.dev.get(d, [None] * BS))
+        for h, d in ld:
+            assert h in self.host, "load from a slot nothing was written to"
+            self.dev[d] = list(self.host[h])
+        # every cached block / host copy holds exactly its node's tokens
+        for node in self.kv.index.iter_nodes():
+            if node.block is not None:
+                assert tuple(self.dev[node.block.block_id]) == node.tokens
+            if node.host_slot is not None:
+                assert tuple(self.host[node.host_slot]) == node.tokens
+
+    def tick(self, dt=0.25):
+        self.now += dt
+
+    # --- operations ---
+
+    def allocate(self, toks, program):
+        if not toks:
+            toks = [3]
+        self.tick()
+        m = self.kv.match(toks)
+        assert m.num_tokens % BS == 0 and m.num_tokens <= len(toks) - 1
+        for j, node in enumerate(m.nodes):
+            assert list(node.tokens) == toks[j * BS:(j + 1) * BS]  # never a false hit
+        free_before = self.kv.num_free_blocks
+        nodes_before = self.kv.index.num_nodes
+        rid = f"r{self.n}"
+        self.n += 1
+        if self.kv.admit(rid, m, len(toks) - m.num_tokens, self.now):
+            self.reqs[rid] = {"tokens": list(toks), "computed": m.num_tokens, "program": program}
+            assert self.kv.num_blocks_of(rid) == self.kv.blocks_for(len(toks))
+        else:
+            assert self.kv.num_free_blocks == free_before
+            assert self.kv.index.num_nodes == nodes_before
+            assert self.kv.num_blocks_of(rid) == 0
+
+    def grow(self, rid, extra):
+        before_free = self.kv.num_free_blocks
+        before_n = self.kv.num_blocks_of(rid)
+        want = len(self.reqs[rid]["tokens"]) + extra
+        if self.kv.allocate_slots(rid, want):
+            assert self.kv.num_blocks_of(rid) >= self.kv.blocks_for(want)
+        else:
+            assert self.kv.num_free_blocks == before_free
+            assert self.kv.num_blocks_of(rid) == before_n
+
+    def compute(self, rid, frac, gen):
+        """One step for one request: compute some of its tokens (`frac` of what
+        remains, at least one), commit, and when it caught up sample a token
+        (generated tokens are indexed too)."""
+        r = self.reqs[rid]
+        toks = r["tokens"]
+        remaining = len(toks) - r["computed"]
+        n = max(1, round(remaining * frac)) if remaining > 0 else 0
+        end = r["computed"] + n
+        if not self.kv.allocate_slots(rid, end):
+            return  # the scheduler would preempt something
+        self.flush()
+        table = self.kv.block_ids(rid)
+        assert len(table) >= self.kv.blocks_for(end)
+        for pos in range(r["computed"]):  # the KV this chunk attends to is this request's
+            assert self.dev[table[pos // BS]][pos % BS] == toks[pos], (rid, pos)
+        for pos in range(r["computed"], end):
+            self.dev.setdefault(table[pos // BS], [None] * BS)[pos % BS] = toks[pos]
+        r["computed"] = end
+        self.kv.commit(rid, toks, end)
+        if end == len(toks):
+            toks.append(gen)
+        self.tick(0.1)
+
+    def free(self, rid):
+        del self.reqs[rid]
+        self.tick()
+        self.kv.free(rid, self.now)
+
+    def pin(self, rid, ttl):
+        r = self.reqs.pop(rid)
+        self.tick()
+        free_before = self.kv.num_free_blocks
+        self.kv.pin(r["program"], rid, self.now + ttl, 0.0, self.now)
+        assert self.kv.num_free_blocks == free_before  # a pin frees nothing
+        assert r["program"] in self.kv.pins
+
+    def unpin(self, pid):
+        expect = self.kv.reclaimable_blocks(pid)
+        before = self.kv.num_free_blocks
+        self.tick()
+        n = self.kv.unpin(pid, self.now)
+        assert n > 0
+        assert self.kv.num_free_blocks - before == expect
+
+    def expire(self, dt):
+        self.now += dt
+        for pid, pin in list(self.kv.pins.items()):
+            if pin.expiry <= self.now:
+                self.kv.unpin(pid, self.now)
+        assert all(p.expiry > self.now for p in self.kv.pins.values())
+
+    def swap_out(self, rid):
+        del self.reqs[rid]
+        self.tick()
+        copied = self.kv.swap_out(rid, self.now)
+        if not self.kv.host.enabled:
+            assert copied == 0
+        assert self.kv.host.num_used <= self.kv.host.num_slots
+
+    # --- invariants ---
+
+    def check(self):
+        kv = self.kv
+        kv.check_integrity()
+        holders: Counter[int] = Counter()
+        for rid, r in self.reqs.items():
+            ids = kv.block_ids(rid)
+            assert len(ids) == len(set(ids)), "a block twice in one table"
+            assert len(ids) >= kv.blocks_for(r["computed"])
+            holders.update(ids)
+        for p in kv.pins.values():
+            holders.update(set(b.block_id for b in p.blocks))
+        assert kv.num_free_blocks + len(holders) == kv.num_blocks
+        for bid, n in holders.items():
+            if n > 1:  # shared by two live holders: must be a cached (full, indexed) prefix block
+                assert kv.pool.blocks[bid].is_cached, bid
+        assert set(self.reqs) == set(kv._reqs)
+
+    def drain(self):
+        for rid in list(self.reqs):
+            self.kv.free(rid, self.now)
+        self.reqs.clear()
+        for pid in list(self.kv.pins):
+            self.kv.unpin(pid, self.now)
+        self.flush()
+        self.check()
+        assert self.kv.num_free_blocks == self.kv.num_blocks
+        assert self.kv.num_pinned_blocks == 0
+
+
+def _has_reqs(self):
+    return bool(self.m.reqs)
+
+
+class KVMachine(RuleBasedStateMachine):
+    @initialize(eviction=st.sampled_from(ALL_STRATEGIES), host=st.sampled_from([0, 10]),
+                collisions=st.booleans())
+    def setup(self, eviction, host, collisions):
+        self.m = KVModel(eviction, host, collisions)
+
+    def _rid(self, data):
+        return data.draw(st.sampled_from(sorted(self.m.reqs)))
+
+    @rule(p=st.integers(0, len(PREFIXES) - 1), suffix=st.lists(st.integers(0, 3), max_size=14),
+          program=st.sampled_from(PROGRAMS))
+    def allocate(self, p, suffix, program):
+        self.m.allocate(PREFIXES[p] + suffix, program)
+
+    @precondition(_has_reqs)
+    @rule(data=st.data(), cut=st.floats(0.0, 1.0), suffix=st.lists(st.integers(0, 3), max_size=6),
+          program=st.sampled_from(PROGRAMS))
+    def allocate_like(self, data, cut, suffix, program):
+        """A prompt that repeats (part of) a live request's tokens, as parallel
+        agents with one system prompt or a program's next turn do."""
+        toks = self.m.reqs[self._rid(data)]["tokens"]
+        self.m.allocate(toks[:round(len(toks) * cut)] + suffix, program)
+
+    @precondition(_has_reqs)
+    @rule(data=st.data(), extra=st.integers(1, 12))
+    def grow(self, data, extra):
+        self.m.grow(self._rid(data), extra)
+
+    @precondition(_has_reqs)
+    @rule(data=st.data(), frac=st.floats(0.0, 1.0), gen=st.integers(0, 3))
+    def compute(self, data, frac, gen):
+        self.m.compute(self._rid(data), frac, gen)
+
+    @precondition(_has_reqs)
+    @rule(data=st.data())
+    def free(self, data):
+        self.m.free(self._rid(data))
+
+    @precondition(_has_reqs)
+    @rule(data=st.data(), ttl=st.floats(0.0, 3.0))
+    def pin(self, data, ttl):
+        self.m.pin(self._rid(data), ttl)
+
+    @precondition(lambda self: self.m.kv.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        self.m.unpin(data.draw(st.sampled_from(sorted(self.m.kv.pins))))
+
+    @rule(dt=st.floats(0.0, 2.0))
+    def expire(self, dt):
+        self.m.expire(dt)
+
+    @precondition(_has_reqs)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self.m.swap_out(self._rid(data))
+
+    @rule()
+    def take_copies(self):
+        self.m.flush()
+
+    @invariant()
+    def integrity(self):
+        if hasattr(self, "m"):
+            self.m.check()
+
+    def teardown(self):
+        if hasattr(self, "m"):
+            self.m.drain()
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestKVMachine = KVMachine.TestCase
+
+
+@pytest.mark.parametrize("eviction", ALL_STRATEGIES)
+@pytest.mark.parametrize("host", [0, 10])
+@pytest.mark.parametrize("collisions", [False, True])
+def test_long_randomized_sequences(eviction, host, collisions):
+    """The same operations driven by a seeded RNG for a long run, so every
+    strategy / host / collision setting gets long sequences regardless of
+    hypothesis' draws."""
+    import random
+    rng = random.Random(f"{eviction}-{host}-{collisions}")
+    m = KVModel(eviction, host, collisions)
+    for step in range(800):
+        ops = ["allocate", "expire", "take_copies"]
+        if m.reqs:
+            ops += ["allocate_like", "grow", "compute", "compute", "compute", "free", "pin", "swap_out"]
+        if m.kv.pins:
+            ops.append("unpin")
+        op = rng.choice(ops)
+        rid = rng.choice(sorted(m.reqs)) if m.reqs else None
+        if op == "allocate":
+            m.allocate(rng.choice(PREFIXES) + [rng.randrange(4) for _ in range(rng.randrange(15))],
+                       rng.choice(PROGRAMS))
+        elif op == "allocate_like":
+            toks = m.reqs[rid]["tokens"]
+            m.allocate(toks[:rng.randrange(len(toks) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(6))],
+                       rng.choice(PROGRAMS))
+        elif op == "grow":
+            m.grow(rid, rng.randrange(1, 13))
+        elif op == "compute":
+            m.compute(rid, rng.random(), rng.randrange(4))
+        elif op == "free":
+            m.free(rid)
+        elif op == "pin":
+            m.pin(rid, rng.uniform(0, 3))
+        elif op == "unpin":
+            m.unpin(rng.choice(sorted(m.kv.pins)))
+        elif op == "expire":
+            m.expire(rng.uniform(0, 2))
+        elif op == "swap_out":
+            m.swap_out(rid)
+        else:
+            m.flush()
+        m.check()
+        if step % 200 == 199:
+            m.drain()
+    m.drain()
