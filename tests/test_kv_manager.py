@@ -510,10 +510,8 @@ class KVModel:
     Operations take explicit arguments; the state machine and the seeded
     driver below pick them."""
 
-    NUM_BLOCKS = 24
-
-    def __init__(self, eviction: str, host: int, collisions: bool) -> None:
-        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, eviction=eviction, host_blocks=host,
+    def __init__(self, eviction: str, host: int, collisions: bool, num_blocks: int = 24) -> None:
+        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host,
                                  key_fn=collide if collisions else None)
         self.reqs: dict[str, dict] = {}
         self.n = 0
@@ -561,6 +559,18 @@ class KVModel:
             assert self.kv.num_free_blocks == free_before
             assert self.kv.index.num_nodes == nodes_before
             assert self.kv.num_blocks_of(rid) == 0
+
+    def pressure(self, nblocks):
+        """A one-off request of fresh tokens that takes `nblocks` blocks and is
+        freed at once: evicts cached blocks like a burst of other traffic."""
+        n = min(nblocks, self.kv.num_free_blocks)
+        if n == 0:
+            return
+        self.n += 1
+        rid = f"x{self.n}"
+        toks = [100 + self.n] * (n * BS)
+        assert self.kv.admit(rid, self.kv.match(toks), len(toks), self.now)
+        self.kv.free(rid, self.now)
 
     def grow(self, rid, extra):
         before_free = self.kv.num_free_blocks
@@ -690,6 +700,10 @@ class KVMachine(RuleBasedStateMachine):
         toks = self.m.reqs[self._rid(data)]["tokens"]
         self.m.allocate(toks[:round(len(toks) * cut)] + suffix, program)
 
+    @rule(nblocks=st.integers(1, 24))
+    def pressure(self, nblocks):
+        self.m.pressure(nblocks)
+
     @precondition(_has_reqs)
     @rule(data=st.data(), extra=st.integers(1, 12))
     def grow(self, data, extra):
@@ -745,6 +759,9 @@ KVMachine.TestCase.settings = settings(
 TestKVMachine = KVMachine.TestCase
 
 
+NB = 16
+
+
 @pytest.mark.parametrize("eviction", ALL_STRATEGIES)
 @pytest.mark.parametrize("host", [0, 10])
 @pytest.mark.parametrize("collisions", [False, True])
@@ -754,11 +771,12 @@ def test_long_randomized_sequences(eviction, host, collisions):
     hypothesis' draws."""
     import random
     rng = random.Random(f"{eviction}-{host}-{collisions}")
-    m = KVModel(eviction, host, collisions)
-    for step in range(800):
-        ops = ["allocate", "expire", "take_copies"]
+    m = KVModel(eviction, host, collisions, num_blocks=NB)
+    for step in range(4000):
+        ops = ["allocate", "expire", "take_copies", "pressure"]
         if m.reqs:
-            ops += ["allocate_like", "grow", "compute", "compute", "compute", "free", "pin", "swap_out"]
+            ops += ["allocate_like", "allocate_like", "grow", "compute", "compute", "compute", "compute",
+                    "free", "pin", "swap_out"]
         if m.kv.pins:
             ops.append("unpin")
         op = rng.choice(ops)
@@ -768,8 +786,13 @@ def test_long_randomized_sequences(eviction, host, collisions):
                        rng.choice(PROGRAMS))
         elif op == "allocate_like":
             toks = m.reqs[rid]["tokens"]
-            m.allocate(toks[:rng.randrange(len(toks) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(6))],
-                       rng.choice(PROGRAMS))
+            if rng.random() < 0.5:  # an exact twin, computed side by side
+                m.allocate(list(toks), rng.choice(PROGRAMS))
+            else:
+                m.allocate(toks[:rng.randrange(len(toks) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(6))],
+                           rng.choice(PROGRAMS))
+        elif op == "pressure":
+            m.pressure(rng.randrange(1, NB + 1))
         elif op == "grow":
             m.grow(rid, rng.randrange(1, 13))
         elif op == "compute":
@@ -787,6 +810,6 @@ def test_long_randomized_sequences(eviction, host, collisions):
         else:
             m.flush()
         m.check()
-        if step % 200 == 199:
+        if step % 500 == 499:
             m.drain()
     m.drain()

@@ -112,5 +112,5 @@ def make_policy(name: str, ctx: PolicyContext, **options) -> Policy:
 
 
 def policy_names() -> list[str]:
-    from agentserve.policy import policies  # noqa: F401
-    return list(POLICIES)
+    from agentserve.policy.policies import ORDER
+    return [n for n in ORDER if n in POLICIES] + [n for n in POLICIES if n not in ORDER]

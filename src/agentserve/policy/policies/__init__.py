@@ -8,3 +8,6 @@ from agentserve.policy.policies import (  # noqa: F401
     static_ttl,
     vllm_fcfs,
 )
+
+# How tables list them: the baseline, the paper's ablation steps, then the other papers.
+ORDER = ["vllm-fcfs", "program-fcfs", "static-ttl", "continuum", "autellix", "infercept"]
