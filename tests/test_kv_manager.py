@@ -221,6 +221,7 @@ def test_reclaimable_blocks_counts_shared_blocks_once():
     # the same program pins b as well: one pin, the prefix referenced twice by it
     kv.pin("P", "b", 20.0, 0.0, 1.0)
     assert kv.pins["P"].expiry == 20.0
+    assert len(kv.pins["P"].blocks) == 6 and kv.num_pinned_blocks == 4
     accounting_ok(kv)
     free_before = kv.num_free_blocks
     expected = kv.reclaimable_blocks("P")
@@ -659,6 +660,11 @@ class KVModel:
         for bid, n in holders.items():
             if n > 1:  # shared by two live holders: must be a cached (full, indexed) prefix block
                 assert kv.pool.blocks[bid].is_cached, bid
+        for rid in self.reqs:
+            st = kv._reqs[rid]
+            for i, b in enumerate(st.blocks):
+                if holders[b.block_id] > 1:
+                    assert i < st.num_indexed, (rid, i, "shared block outside the indexed prefix")
         assert set(self.reqs) == set(kv._reqs)
 
     def drain(self):
@@ -753,7 +759,7 @@ class KVMachine(RuleBasedStateMachine):
 
 
 KVMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=60, deadline=None,
+    max_examples=150, stateful_step_count=80, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestKVMachine = KVMachine.TestCase

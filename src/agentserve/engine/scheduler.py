@@ -117,13 +117,17 @@ class Scheduler:
         now = self.clock.now()
         if self.kv.unpin(program_id, now):
             self.stats.pins_released_at_end += 1
+            self._order_dirty = True
         prog = self.programs.end(program_id)
         if prog is not None:
             self.policy.on_program_end(prog)
 
     def release_program(self, program_id: str) -> bool:
         """A client's explicit release: drop the pin, keep the program."""
-        return self.kv.unpin(program_id, self.clock.now()) > 0
+        released = self.kv.unpin(program_id, self.clock.now()) > 0
+        if released:
+            self._order_dirty = True  # its waiting requests lose the pinned-first place
+        return released
 
     @property
     def has_work(self) -> bool:
@@ -176,7 +180,8 @@ class Scheduler:
             self.stats.pins_expired += 1
             self._order_dirty = True
         for pid in self.policy.review_pins(pins, now):
-            if pid in pins:
+            # a program whose next turn already waits keeps its pin (as with expiry)
+            if pid in pins and pid not in self._waiting_programs:
                 self.kv.unpin(pid, now)
                 self.stats.pins_released_early += 1
                 self._order_dirty = True
@@ -225,7 +230,8 @@ class Scheduler:
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
                     continue
-                victim = max(self.running[idx:], key=lambda r: self._key(r, now))
+                # ties go to the most recently admitted (least progress lost)
+                victim = max(reversed(self.running[idx:]), key=lambda r: self._key(r, now))
                 self._preempt(victim, now, out)
                 if victim is req:
                     break
@@ -262,6 +268,7 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, now: float, scheduled: list, out: SchedulerOutput) -> bool:
         match = self.kv.match(req.token_ids)
         hit = match.num_tokens
+        loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
         n = min(req.num_tokens - hit, budget)
         own_pin_released = False
         while not self.kv.admit(req.request_id, match, n, now):
@@ -274,6 +281,7 @@ class Scheduler:
                 # it; the matched blocks stay cached and are revived by admit.
                 self.kv.unpin(req.program_id, now)
                 own_pin_released = True
+                self._order_dirty = True
                 continue
             return False
         prog = self._program(req)
@@ -286,10 +294,10 @@ class Scheduler:
         req.queue_time += delay
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit
-            req.num_loaded_tokens = match.num_host_tokens
+            req.num_loaded_tokens = loaded
             self.stats.admitted_prompt_tokens += req.num_prompt_tokens
             self.stats.hit_tokens += hit
-            self.stats.loaded_tokens += match.num_host_tokens
+            self.stats.loaded_tokens += loaded
             self.policy.on_admitted(req, prog, now, delay, returning_evicted=prog.turns_finished > 0 and not pinned)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now

@@ -89,7 +89,9 @@ class KVCacheManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(p.blocks) for p in self.pins.values())
+        """Distinct blocks held by pins (a block two pins share, or one pin holds
+        twice, counts once)."""
+        return len({b.block_id for p in self.pins.values() for b in p.blocks})
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,0 +1,860 @@
+"""The scheduler driven by a tiny fake executor over a real KVCacheManager.
+
+The executor keeps a model of device and host memory: every chunk writes its
+tokens into the request's block table, performs the step's offloads and loads
+first, and checks that every position a chunk attends to (before `start`)
+holds this request's token. So prefix hits, pins, reloads and preemption are
+checked for the KV they hand out, not only for their accounting. A sampled
+token is a deterministic function of the whole context, so a request's output
+is fixed by its prompt: any run, preempted or not, must produce `expected()`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agentserve.clock import SimClock
+from agentserve.engine.executor import Executor, ExecutorResult
+from agentserve.engine.request import Request, RequestStatus
+from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.base import policy_names
+from agentserve.policy.program import ProgramState
+
+BS = 4
+STEP = 0.01
+
+
+def tok_fn(ctx) -> int:
+    """The 'model': the next token given the whole context."""
+    h = len(ctx)
+    for t in ctx:
+        h = (h * 31 + t) % 1_000_003
+    return 10 + h % 50
+
+
+def expected(prompt, max_tokens: int) -> list[int]:
+    ctx = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = tok_fn(ctx)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+class FakeExecutor(Executor):
+    def __init__(self, clock: SimClock, block_size: int = BS, step_time: float = STEP) -> None:
+        self.clock = clock
+        self.bs = block_size
+        self.step_time = step_time
+        self.dev: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    def execute(self, out: SchedulerOutput) -> ExecutorResult:
+        bs = self.bs
+        for d, h in out.blocks_to_offload:
+            self.host[h] = list(self.dev.get(d, [None] * bs))
+        for h, d in out.blocks_to_load:
+            assert h in self.host, f"load from host slot {h} that holds nothing"
+            self.dev[d] = list(self.host[h])
+        sampled = {}
+        seen = set()
+        for ch in out.chunks:
+            req = ch.request
+            rid = req.request_id
+            assert rid not in seen, "a request scheduled twice in one step"
+            seen.add(rid)
+            assert ch.num_tokens >= 1
+            assert ch.start + ch.num_tokens <= req.num_tokens
+            table = out.block_table(rid)
+            assert len(table) * bs >= ch.start + ch.num_tokens, "block table too short"
+            for pos in range(ch.start):
+                blk = self.dev.get(table[pos // bs])
+                assert blk is not None and blk[pos % bs] == req.token_ids[pos], \
+                    f"{rid}: wrong KV at position {pos}"
+            for pos in range(ch.start, ch.start + ch.num_tokens):
+                self.dev.setdefault(table[pos // bs], [None] * bs)[pos % bs] = req.token_ids[pos]
+            assert ch.sample == (ch.start + ch.num_tokens == req.num_tokens)
+            if ch.sample:
+                sampled[rid] = [tok_fn(req.token_ids)]
+        self.clock.advance(self.step_time)
+        return ExecutorResult(sampled, self.step_time)
+
+
+class Harness:
+    def __init__(self, policy: str = "vllm-fcfs", num_blocks: int = 64, budget: int = 32,
+                 max_seqs: int = 256, host: int = 0, eviction: str = "lru",
+                 reload_cost=None, step_time: float = STEP) -> None:
+        self.clock = SimClock()
+        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host)
+        self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+                           self.kv, policy, self.clock, reload_cost)
+        self.ex = FakeExecutor(self.clock, BS, step_time)
+        self.outputs: list[SchedulerOutput] = []
+        self.finished: list[Request] = []
+        self.admission_order: list[str] = []
+        self.max_running = 0
+
+    def req(self, rid: str, pid: str, prompt, max_tokens: int = 4, **kw) -> Request:
+        r = Request(rid, pid, list(prompt), max_tokens, arrival_time=kw.pop("arrival_time", self.clock.now()), **kw)
+        self.s.add_request(r)
+        self.s.check_integrity()
+        return r
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        before = {r.request_id for r in self.s.running}
+        out = self.s.schedule()
+        self.s.check_integrity()
+        for ch in out.chunks:
+            if ch.request.request_id not in before and ch.request.num_preemptions == 0 \
+                    and ch.request.request_id not in self.admission_order:
+                self.admission_order.append(ch.request.request_id)
+        self.max_running = max(self.max_running, self.s.num_running)
+        res = self.ex.execute(out)
+        fin = self.s.update(out, res)
+        self.s.check_integrity()
+        self.outputs.append(out)
+        self.finished.extend(fin)
+        return out, fin
+
+    def run(self, max_steps: int = 2000, until=None) -> int:
+        for i in range(max_steps):
+            if until is not None and until():
+                return i
+            if until is None and not self.s.has_work:
+                return i
+            self.step()
+        raise AssertionError(f"no progress after {max_steps} steps: {self.s.waiting} {self.s.running}")
+
+    def idle(self, dt: float) -> None:
+        """Time passes with nothing to run; an idle loop still calls schedule()."""
+        self.clock.advance(dt)
+        out = self.s.schedule()
+        self.s.check_integrity()
+        assert not out.chunks
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 200) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_vllm_fcfs_admits_in_arrival_order():
+    h = Harness("vllm-fcfs", max_seqs=1)
+    h.req("c", "pc", prompt_of(3, 6), arrival_time=3.0)
+    h.req("a", "pa", prompt_of(1, 6), arrival_time=1.0)
+    h.req("b", "pb", prompt_of(2, 6), arrival_time=2.0)
+    h.run()
+    assert h.admission_order == ["a", "b", "c"]
+    assert [r.request_id for r in h.finished] == ["a", "b", "c"]
+    for r in h.finished:
+        assert r.output_token_ids == expected(r.prompt_token_ids, 4)
+        assert r.status is RequestStatus.FINISHED_LENGTH
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_chunked_prefill_then_one_token_decode():
+    h = Harness(budget=8)
+    r = h.req("a", "p", prompt_of(0, 30), max_tokens=5)
+    sizes = []
+    while not r.is_finished:
+        out, _ = h.step()
+        assert len(out.chunks) == 1
+        ch = out.chunks[0]
+        sizes.append((ch.num_tokens, ch.sample, ch.is_decode))
+    assert sizes == [(8, False, False), (8, False, False), (8, False, False), (6, True, False)] + \
+        [(1, True, True)] * 4
+    assert r.output_token_ids == expected(r.prompt_token_ids, 5)
+    assert r.num_computed_tokens == 34  # the last sampled token is never computed
+    assert r.first_token_time == pytest.approx(4 * STEP)
+
+
+def test_token_budget_shared_between_decode_and_prefill():
+    h = Harness(budget=10)
+    a = h.req("a", "pa", prompt_of(0, 5), max_tokens=20)
+    h.step()  # a prefills 5
+    b = h.req("b", "pb", prompt_of(1, 30), max_tokens=2)
+    out, _ = h.step()
+    got = {c.request.request_id: c.num_tokens for c in out.chunks}
+    assert got == {"a": 1, "b": 9}  # running first, the rest of the budget for b
+    assert sum(got.values()) <= 10
+    h.run()
+    assert a.output_token_ids == expected(a.prompt_token_ids, 20)
+    assert b.output_token_ids == expected(b.prompt_token_ids, 2)
+
+
+def test_max_num_seqs_caps_running():
+    h = Harness(max_seqs=2)
+    reqs = [h.req(f"r{i}", f"p{i}", prompt_of(i, 5), max_tokens=3) for i in range(5)]
+    h.run()
+    assert h.max_running == 2
+    assert all(r.output_token_ids == expected(r.prompt_token_ids, 3) for r in reqs)
+
+
+def test_eos_stops_a_request():
+    h = Harness()
+    p = prompt_of(9, 7)
+    exp = expected(p, 6)
+    r = h.req("a", "p", p, max_tokens=6, eos_token_ids=frozenset({exp[2]}))
+    h.run()
+    assert r.output_token_ids == exp[:exp.index(exp[2]) + 1]
+    assert r.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_add_request_rejections():
+    h = Harness(num_blocks=8)
+    with pytest.raises(ValueError):
+        h.req("big", "p", prompt_of(0, 30), max_tokens=3)  # 33 tokens > 8 blocks of 4
+    h.req("ok", "p", prompt_of(0, 29), max_tokens=3)  # exactly 8 blocks
+    with pytest.raises(ValueError):
+        h.req("ok", "q", prompt_of(1, 4))
+    assert h.s.num_waiting == 1
+    h.run()
+    assert h.finished[0].request_id == "ok"
+    h.req("ok", "p", prompt_of(1, 4))  # a finished id may be reused
+    h.run()
+
+
+def test_abort_waiting_and_running():
+    h = Harness(num_blocks=16, max_seqs=2)
+    a = h.req("a", "pa", prompt_of(0, 10), max_tokens=30)
+    b = h.req("b", "pb", prompt_of(1, 10), max_tokens=30)
+    c = h.req("c", "pc", prompt_of(2, 10), max_tokens=5)
+    w = h.req("w", "pw", prompt_of(3, 10), max_tokens=5)
+    for _ in range(3):
+        h.step()
+    assert {r.request_id for r in h.s.running} == {"a", "b"}
+    assert h.s.abort("c") is c
+    assert c.status is RequestStatus.FINISHED_ABORTED
+    h.s.check_integrity()
+    free_before = h.kv.num_free_blocks
+    assert h.s.abort("a") is a
+    h.s.check_integrity()
+    assert h.kv.num_free_blocks > free_before
+    assert h.kv.num_blocks_of("a") == 0
+    assert h.s.abort("a") is None
+    assert h.s.abort("nope") is None
+    h.run()
+    assert b.output_token_ids == expected(b.prompt_token_ids, 30)
+    assert w.output_token_ids == expected(w.prompt_token_ids, 5)
+    assert "a" not in [r.request_id for r in h.finished] and "c" not in [r.request_id for r in h.finished]
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_abort_during_a_step_skips_its_chunk():
+    h = Harness()
+    a = h.req("a", "pa", prompt_of(0, 6), max_tokens=5)
+    b = h.req("b", "pb", prompt_of(1, 6), max_tokens=5)
+    out = h.s.schedule()
+    res = h.ex.execute(out)
+    h.s.abort("a")
+    fin = h.s.update(out, res)
+    h.s.check_integrity()
+    assert fin == [] and a.output_token_ids == []
+    h.run()
+    assert b.output_token_ids == expected(b.prompt_token_ids, 5)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_max_model_len_and_finish_request():
+    clock = SimClock()
+    kv = KVCacheManager(32, BS)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=12), kv, "vllm-fcfs", clock)
+    ex = FakeExecutor(clock)
+    with pytest.raises(ValueError):
+        s.add_request(Request("long", "p", prompt_of(0, 12), 3, arrival_time=0.0))
+    r = Request("r", "p", prompt_of(0, 8), 10, arrival_time=0.0)
+    q = Request("q", "q", prompt_of(1, 5), 10, arrival_time=0.0)
+    s.add_request(r)
+    s.add_request(q)
+    for _ in range(20):
+        if not s.has_work:
+            break
+        out = s.schedule()
+        fin = s.update(out, ex.execute(out))
+        s.check_integrity()
+        if q.num_output_tokens == 2 and q.status is RequestStatus.RUNNING:
+            s.finish_request("q")
+            s.check_integrity()
+    assert r.num_tokens == 12 and r.status is RequestStatus.FINISHED_LENGTH
+    assert r.output_token_ids == expected(r.prompt_token_ids, 4)
+    assert q.status is RequestStatus.FINISHED_STOPPED and q.num_output_tokens == 2
+    assert kv.num_free_blocks == kv.num_blocks
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError):
+        Request("x", "p", [], 1, arrival_time=0.0)
+    with pytest.raises(ValueError):
+        Request("x", "p", [1], 0, arrival_time=0.0)
+
+
+def test_idle_programs_are_forgotten_but_pinned_ones_kept():
+    clock = SimClock()
+    kv = KVCacheManager(32, BS)
+    s = Scheduler(SchedulerConfig(program_idle_timeout=10.0), kv, "continuum", clock)
+    ex = FakeExecutor(clock)
+    s.add_request(Request("a", "A", prompt_of(0, 9), 2, arrival_time=0.0))
+    s.add_request(Request("b", "B", prompt_of(1, 9), 2, arrival_time=0.0, ttl_hint=1e6))
+    while s.has_work:
+        out = s.schedule()
+        s.update(out, ex.execute(out))
+        s.check_integrity()
+    assert "B" in kv.pins and "A" in s.programs
+    clock.advance(100.0)
+    while s.stats.steps % 1024:
+        s.schedule()
+    s.schedule()
+    s.check_integrity()
+    assert "A" not in s.programs and "B" in s.programs
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def _preemption_workload(h: Harness):
+    return [h.req(f"r{i}", f"p{i}", prompt_of(10 + i, 9), max_tokens=24, arrival_time=float(i))
+            for i in range(3)]
+
+
+@pytest.mark.parametrize("policy", ["vllm-fcfs", "program-fcfs", "continuum", "autellix", "infercept"])
+def test_preemption_by_recompute(policy):
+    ref = Harness(policy, num_blocks=64)
+    ref_reqs = _preemption_workload(ref)
+    ref.run()
+    assert ref.s.stats.preemptions == 0
+
+    # 3 requests of 33 tokens need 27 blocks at the end; 16 do not hold them
+    h = Harness(policy, num_blocks=16)
+    reqs = _preemption_workload(h)
+    first_victim = None
+    for _ in range(2000):
+        if not h.s.has_work:
+            break
+        out, _ = h.step()
+        if out.preempted and first_victim is None:
+            first_victim = out.preempted[0]
+            # the latest-arriving (lowest-priority) running request went first
+            assert first_victim.request_id == "r2"
+            assert first_victim.status is RequestStatus.WAITING and first_victim.preempted
+            assert first_victim.num_computed_tokens == 0
+            assert h.kv.num_blocks_of("r2") == 0
+    assert not h.s.has_work
+    assert first_victim is not None
+    assert h.s.stats.preemptions >= 1
+    assert h.s.stats.preemptions == sum(r.num_preemptions for r in reqs)
+    for r, rr in zip(reqs, ref_reqs):
+        assert r.output_token_ids == rr.output_token_ids == expected(r.prompt_token_ids, 24)
+        assert r.is_finished and not r.preempted
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_preempted_request_goes_first_when_readmitted():
+    h = Harness("vllm-fcfs", num_blocks=16)
+    reqs = _preemption_workload(h)
+    h.run(until=lambda: h.s.stats.preemptions > 0)
+    late = h.req("late", "pl", prompt_of(99, 5), max_tokens=2, arrival_time=-1.0)  # 'earliest' arrival
+    victim = next(r for r in reqs if r.preempted)
+    key_victim = h.s._key(victim, h.clock.now())
+    key_late = h.s._key(late, h.clock.now())
+    assert key_victim < key_late
+    h.run()
+    for r in reqs:
+        assert r.output_token_ids == expected(r.prompt_token_ids, 24)
+
+
+def test_preemption_with_host_tier_and_swap_policy():
+    """A policy that swaps on preemption (the host tier keeps the victim's KV):
+    the victim reloads instead of recomputing, and outputs still match."""
+    h = Harness("vllm-fcfs", num_blocks=16, host=32)
+    h.s.policy.swap_on_preempt = lambda req: True
+    reqs = _preemption_workload(h)
+    h.run()
+    assert h.s.stats.preemptions >= 1
+    assert any(o.blocks_to_offload for o in h.outputs)
+    for r in reqs:
+        assert r.output_token_ids == expected(r.prompt_token_ids, 24)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_host_tier_reload_counts_loaded_tokens():
+    """A turn's KV evicted to the host comes back by reload: the hit counts as
+    cached and as loaded (this used to read 0 loaded tokens, measured after
+    admit had already given the host nodes device blocks)."""
+    h = Harness("vllm-fcfs", num_blocks=8, host=16)
+    r1 = h.req("t1", "P", prompt_of(1, 18), max_tokens=5)
+    h.run()
+    filler = h.req("f", "Q", prompt_of(2, 30), max_tokens=1)  # 8 blocks: evicts all of t1's
+    h.run()
+    assert sum(len(o.blocks_to_offload) for o in h.outputs) >= 5
+    r2 = h.req("t2", "P", r1.token_ids + [1, 2, 3], max_tokens=2)
+    out, _ = h.step()
+    assert len(out.blocks_to_load) == 5
+    assert r2.num_cached_tokens == 20 and r2.num_loaded_tokens == 20
+    assert h.s.stats.loaded_tokens == 20 and h.s.stats.hit_tokens == 20
+    assert [d for _, d in out.blocks_to_load] == h.kv.block_ids("t2")[:5]
+    h.run()
+    assert r2.output_token_ids == expected(r2.prompt_token_ids, 2)
+    assert filler.output_token_ids == expected(filler.prompt_token_ids, 1)
+
+
+# ---------------------------------------------------------------- continuum pins
+
+
+def reload_cost(n: int) -> float:
+    return 0.5 * n  # expensive rebuilds: the cold-start TTL is long enough to pin
+
+
+def _turn1(h: Harness, pid: str = "P", rid: str = "t1", n: int = 18, max_tokens: int = 5, **kw):
+    r = h.req(rid, pid, prompt_of(hash(pid) % 1000, n), max_tokens=max_tokens, tool_name="search", **kw)
+    h.run(until=lambda: r.is_finished)
+    return r
+
+
+def test_continuum_pins_tool_turn_and_next_turn_hits():
+    h = Harness("continuum", reload_cost=reload_cost)
+    r1 = _turn1(h)
+    assert "P" in h.kv.pins
+    pin = h.kv.pins["P"]
+    assert pin.expiry > h.clock.now()
+    assert h.s.stats.pins_created == 1
+    computed = r1.num_computed_tokens
+    assert computed == r1.num_tokens - 1
+    h.idle(0.2)  # the tool runs (well within the TTL)
+    assert "P" in h.kv.pins
+    prompt2 = r1.token_ids + [7, 8, 9, 10, 11]
+    r2 = h.req("t2", "P", prompt2, max_tokens=3)
+    h.step()
+    assert r2.num_cached_tokens == (computed // BS) * BS == 20
+    assert h.s.stats.pins_hit == 1
+    assert "P" not in h.kv.pins  # the pin is released on admission
+    h.run()
+    assert r2.output_token_ids == expected(prompt2, 3)
+    # the tool's duration was learned from finish -> next arrival
+    assert h.s.policy.tool_stats.count("search") == 1
+    # without a tool call (and no hint), nothing is pinned
+    assert "P" not in h.kv.pins
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_vllm_fcfs_never_pins_but_prefix_cache_still_hits():
+    h = Harness("vllm-fcfs")
+    r1 = _turn1(h)
+    assert not h.kv.pins
+    r2 = h.req("t2", "P", r1.token_ids + [1, 2], max_tokens=2)
+    h.run()
+    assert r2.num_cached_tokens == 20
+    assert h.s.stats.pins_hit == 0
+
+
+def test_pin_expires_at_ttl_without_waiting_request():
+    h = Harness("continuum")
+    _turn1(h, ttl_hint=0.5)
+    pin = h.kv.pins["P"]
+    t_pin = pin.expiry - 0.5
+    h.clock.advance_to(t_pin + 0.4)
+    h.idle(0.0)
+    assert "P" in h.kv.pins
+    h.idle(0.1)  # now == expiry
+    assert "P" not in h.kv.pins
+    assert h.s.stats.pins_expired == 1
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_pin_does_not_expire_while_program_waits():
+    h = Harness("continuum", max_seqs=1)
+    _turn1(h, ttl_hint=0.5)
+    r1 = h.finished[-1]
+    # another program occupies the only running slot for a long while
+    blocker = h.req("blk", "Q", prompt_of(5, 4), max_tokens=200)
+    h.step()
+    r2 = h.req("t2", "P", r1.token_ids + [1, 2, 3], max_tokens=2)
+    h.run(until=lambda: h.clock.now() > h.kv.pins["P"].expiry + 0.5 if "P" in h.kv.pins else True)
+    assert "P" in h.kv.pins, "the pin expired while its program had a request waiting"
+    assert r2.status is RequestStatus.WAITING
+    assert h.s.stats.pins_expired == 0
+    h.run()
+    assert r2.num_cached_tokens == 20
+    assert h.s.stats.pins_hit == 1
+    assert blocker.output_token_ids == expected(blocker.prompt_token_ids, 200)
+
+
+def test_end_of_program_releases_pin():
+    h = Harness("continuum", reload_cost=reload_cost)
+    a = h.req("a", "P", prompt_of(1, 10), max_tokens=2, tool_name="grep")
+    b = h.req("b", "P", prompt_of(2, 10), max_tokens=12, is_last_turn=True)
+    h.run(until=lambda: a.is_finished)
+    assert "P" in h.kv.pins and not b.is_finished
+    h.run()
+    assert b.is_finished
+    assert "P" not in h.kv.pins
+    assert h.s.stats.pins_released_at_end == 1
+    assert "P" not in h.s.programs
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_last_turn_is_not_pinned_and_end_program_releases():
+    h = Harness("continuum", reload_cost=reload_cost)
+    r = h.req("a", "P", prompt_of(1, 10), max_tokens=2, tool_name="grep", is_last_turn=True)
+    h.run()
+    assert r.is_finished and not h.kv.pins
+    _turn1(h, pid="Q")
+    assert "Q" in h.kv.pins
+    h.s.end_program("Q")
+    assert "Q" not in h.kv.pins and h.s.stats.pins_released_at_end == 1
+    h.s.check_integrity()
+    _turn1(h, pid="R", rid="r1")
+    assert h.s.release_program("R") is True
+    assert h.s.release_program("R") is False
+    assert "R" in h.s.programs
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_pins_are_reclaimed_latest_program_first_no_deadlock():
+    h = Harness("continuum", num_blocks=32)
+    for i in range(8):
+        h.clock.advance(1.0)
+        _turn1(h, pid=f"P{i}", rid=f"t{i}", n=12, max_tokens=3, ttl_hint=100.0)
+    assert len(h.kv.pins) == 8
+    assert h.kv.num_free_blocks == 0
+    assert h.kv.num_pinned_blocks == 32
+    # a new program's request that needs 20 blocks, nothing running
+    big = h.req("new", "NEW", prompt_of(777, 70), max_tokens=5)
+    h.run(max_steps=200)
+    assert big.output_token_ids == expected(big.prompt_token_ids, 5)
+    assert h.s.stats.pins_reclaimed >= 1
+    # the latest-arriving programs lost their pins first
+    left = sorted(h.kv.pins)
+    assert left == [f"P{i}" for i in range(len(left))]
+    assert len(left) <= 3
+
+
+def test_pin_reclaim_respects_program_arrival_while_something_runs():
+    """While something runs, a waiting request may only reclaim pins of programs
+    that arrived after its own (latest first, only as many as needed); once
+    nothing runs, any pin."""
+    h = Harness("continuum", num_blocks=20, max_seqs=4)
+    h.clock.advance(1.0)
+    _turn1(h, pid="EARLY", rid="e1", n=12, max_tokens=3, ttl_hint=100.0)  # 4 blocks
+    h.clock.advance(1.0)
+    _turn1(h, pid="LATE", rid="l1", n=12, max_tokens=3, ttl_hint=100.0)  # 4 blocks
+    runner = h.req("run", "RUN", prompt_of(3, 7), max_tokens=20)  # 2 .. 7 blocks
+    h.step()
+    h.s.programs.touch("MID", 1.5)  # arrived between EARLY and LATE
+    mid = h.req("mid", "MID", prompt_of(4, 40), max_tokens=2)  # 10 blocks: LATE's suffice
+    h.run(until=lambda: mid.is_finished)
+    assert "LATE" not in h.kv.pins and "EARLY" in h.kv.pins
+    assert h.s.stats.pins_reclaimed == 1
+    h.s.programs.touch("MID2", 1.5)
+    mid2 = h.req("mid2", "MID2", prompt_of(5, 66), max_tokens=2)  # 17 blocks: needs EARLY's too
+    h.run(until=lambda: runner.is_finished)
+    assert "EARLY" in h.kv.pins, "reclaimed an earlier program's pin while something ran"
+    assert mid2.status is RequestStatus.WAITING
+    h.run()
+    assert "EARLY" not in h.kv.pins and h.s.stats.pins_reclaimed == 2
+    assert mid2.output_token_ids == expected(mid2.prompt_token_ids, 2)
+    assert runner.output_token_ids == expected(runner.prompt_token_ids, 20)
+
+
+def test_own_pin_does_not_deadlock_a_big_next_turn():
+    """The next turn needs nearly the whole cache and its own program's pin holds
+    blocks the turn does not reuse (the partial last block): with nothing
+    running and no other pin to reclaim it must still be admitted."""
+    h = Harness("continuum", num_blocks=10)
+    r1 = _turn1(h, n=15, max_tokens=3, ttl_hint=100.0)
+    assert h.kv.num_pinned_blocks == 5
+    p2 = r1.token_ids + prompt_of(5, 20)  # 38 tokens + 1 = 10 blocks, 4 of them pinned hits
+    r2 = h.req("t2", "P", p2, max_tokens=1)
+    h.run(max_steps=50)
+    assert r2.output_token_ids == expected(p2, 1)
+    assert r2.num_cached_tokens == 16
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+# ---------------------------------------------------------------- priority orders
+
+
+def _prog(pid, arrival, service=0.0):
+    p = ProgramState(pid, arrival)
+    p.attained_service = service
+    return p
+
+
+def _r(rid, pid, arrival, preempted=False, waiting_since=None):
+    r = Request(rid, pid, [1, 2, 3], 1, arrival_time=arrival)
+    r.preempted = preempted
+    if waiting_since is not None:
+        r.waiting_since = waiting_since
+    return r
+
+
+def test_program_fcfs_orders_by_program_arrival():
+    h = Harness("program-fcfs", max_seqs=1)
+    a1 = h.req("a1", "A", prompt_of(1, 5), max_tokens=1)
+    h.clock.advance(1.0)
+    b1 = h.req("b1", "B", prompt_of(2, 5), max_tokens=1)
+    h.run()
+    blocker = h.req("blk", "Z", prompt_of(3, 5), max_tokens=30)
+    h.step()
+    h.clock.advance(1.0)
+    b2 = h.req("b2", "B", b1.token_ids + [1], max_tokens=1)  # B's turn arrives first ...
+    h.clock.advance(1.0)
+    a2 = h.req("a2", "A", a1.token_ids + [1], max_tokens=1)  # ... but A is the older program
+    h.run()
+    assert h.admission_order[-2:] == ["a2", "b2"]
+    # vllm-fcfs would go by request arrival instead
+    v = Harness("vllm-fcfs")
+    pa, pb = v.s.programs.touch("A", 0.0), v.s.programs.touch("B", 1.0)
+    assert v.s.policy.priority(_r("b2", "B", 5.0), pb, 9.0) < v.s.policy.priority(_r("a2", "A", 6.0), pa, 9.0)
+    assert h.s.policy.priority(_r("a2", "A", 6.0), pa, 9.0) < h.s.policy.priority(_r("b2", "B", 5.0), pb, 9.0)
+
+
+def test_continuum_order_preempted_then_pinned_then_arrival():
+    h = Harness("continuum", max_seqs=1)
+    pol = h.s.policy
+    # programs: A oldest and unpinned, B pinned, C preempted and youngest
+    h.s.programs.touch("A", 0.0)
+    _turn1(h, pid="B", rid="b1", ttl_hint=100.0)
+    h.s.programs.touch("C", 50.0)
+    now = h.clock.now()
+    pa, pb, pc = h.s.programs.get("A"), h.s.programs.get("B"), h.s.programs.get("C")
+    ka = pol.priority(_r("a", "A", 1.0), pa, now)
+    kb = pol.priority(_r("b", "B", 2.0), pb, now)
+    kc = pol.priority(_r("c", "C", 3.0, preempted=True), pc, now)
+    assert kc < kb < ka
+    # and through the scheduler: the waiting queue is sorted that way
+    blocker = h.req("blk", "Z", prompt_of(3, 5), max_tokens=30)
+    h.step()
+    ra = h.req("a", "A", prompt_of(11, 5), max_tokens=1)
+    rb = h.req("b2", "B", h.finished[-1].token_ids + [1, 2], max_tokens=1)
+    h.step()
+    assert [r.request_id for r in h.s.waiting] == ["b2", "a"]
+    h.run()
+    assert h.admission_order[-2:] == ["b2", "a"]
+    assert rb.num_cached_tokens > 0 and h.s.stats.pins_hit == 1
+
+
+def test_release_program_reorders_waiting():
+    """After a client releases a pin, the program's waiting request loses its
+    pinned-first place in the queue."""
+    h = Harness("continuum", max_seqs=1)
+    h.s.programs.touch("A", 0.0)
+    _turn1(h, pid="B", rid="b1", ttl_hint=100.0)
+    h.req("blk", "Z", prompt_of(3, 5), max_tokens=10)
+    h.step()
+    h.req("a", "A", prompt_of(11, 5), max_tokens=1)
+    h.clock.advance(0.001)
+    h.req("b2", "B", h.finished[-1].token_ids + [1, 2], max_tokens=1)
+    h.step()
+    assert [r.request_id for r in h.s.waiting] == ["b2", "a"]
+    assert h.s.release_program("B")
+    h.run()
+    assert h.admission_order[-2:] == ["a", "b2"]
+
+
+def test_autellix_least_attained_service_first_and_starvation():
+    h = Harness("autellix", max_seqs=1, step_time=0.5)
+    heavy1 = h.req("h1", "H", prompt_of(1, 5), max_tokens=8)  # 8 steps x 0.5 s = 4 s of service
+    h.run()
+    assert h.s.programs.get("H").attained_service == pytest.approx(4.0)
+    blocker = h.req("blk", "Z", prompt_of(3, 5), max_tokens=2)
+    h.step()
+    h2 = h.req("h2", "H", heavy1.token_ids + [1], max_tokens=1)
+    h.clock.advance(0.1)
+    l1 = h.req("l1", "L", prompt_of(2, 5), max_tokens=1)  # later, but no service yet
+    h.run()
+    assert h.admission_order[-2:] == ["l1", "h2"]
+    pol = h.s.policy
+    heavy = _prog("H", 0.0, service=4.0)
+    light = _prog("L", 0.0, service=0.0)
+    now = 100.0
+    # a fresh request of a heavy program waits behind a light one ...
+    assert pol.priority(_r("x", "L", now, waiting_since=now - 1), light, now) < \
+        pol.priority(_r("y", "H", now, waiting_since=now - 2), heavy, now)
+    # ... until it waited beta x its service: then it is promoted to the top
+    # level, and the longer wait wins among equals
+    starving = _r("y", "H", 0.0, waiting_since=now - 8.0 * 4.0)
+    assert pol.priority(starving, heavy, now) < pol.priority(_r("x", "L", now, waiting_since=now - 1), light, now)
+    # preempted first of all
+    assert pol.priority(_r("z", "H", 0.0, preempted=True, waiting_since=now), heavy, now) < \
+        pol.priority(starving, heavy, now)
+
+
+def test_autellix_starving_request_promoted_in_scheduler():
+    h = Harness("autellix", max_seqs=1, step_time=0.5)
+    heavy1 = h.req("h1", "H", prompt_of(1, 5), max_tokens=8)  # 4 s of service: level 3
+    h.run()
+    h.req("blk", "Z", prompt_of(3, 5), max_tokens=80)  # 40 s busy, gains service fast
+    h.step()
+    h2 = h.req("h2", "H", heavy1.token_ids + [1], max_tokens=1)
+    # light programs keep arriving; h2 waits 8 x 4 s = 32 s and then beats them
+    for i in range(10):
+        h.run(until=lambda: h.clock.now() >= 3.0 * (i + 2))
+        h.req(f"l{i}", f"L{i}", prompt_of(20 + i, 5), max_tokens=1)
+    h.run()
+    assert h.admission_order == ["h1", "blk", "h2"] + [f"l{i}" for i in range(10)]
+
+
+def test_autellix_without_promotion_heavy_program_waits_behind_light_ones():
+    h = Harness("autellix", max_seqs=1, step_time=0.5)
+    h.s.policy.beta = 1e9  # never starving
+    heavy1 = h.req("h1", "H", prompt_of(1, 5), max_tokens=8)
+    h.run()
+    h.req("blk", "Z", prompt_of(3, 5), max_tokens=80)
+    h.step()
+    h.req("h2", "H", heavy1.token_ids + [1], max_tokens=1)
+    for i in range(10):
+        h.run(until=lambda: h.clock.now() >= 3.0 * (i + 2))
+        h.req(f"l{i}", f"L{i}", prompt_of(20 + i, 5), max_tokens=1)
+    h.run()
+    assert h.admission_order == ["h1", "blk"] + [f"l{i}" for i in range(10)] + ["h2"]
+
+
+def test_infercept_preserve_short_tool_discard_long_tool():
+    h = Harness("infercept", reload_cost=lambda n: 0.001 * n)
+    pol = h.s.policy
+    for _ in range(5):
+        pol.tool_stats.record("fast", 0.001)
+        pol.tool_stats.record("slow", 1000.0)
+    r1 = h.req("f1", "F", prompt_of(1, 18), max_tokens=3, tool_name="fast")
+    h.run()
+    assert "F" in h.kv.pins and h.kv.pins["F"].expiry == float("inf")
+    r2 = h.req("s1", "S", prompt_of(2, 18), max_tokens=3, tool_name="slow")
+    h.run()
+    assert "S" not in h.kv.pins
+    assert h.s.stats.pins_created == 1
+    h.s.end_program("F")
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+    # direct decisions
+    req = _r("q", "Q", 0.0)
+    req.tool_name, req.num_computed_tokens = "fast", 100
+    assert pol.retention(req, _prog("Q", 0.0), 1.0).action == "pin"
+    req.tool_name = "slow"
+    assert pol.retention(req, _prog("Q", 0.0), 1.0).action == "free"
+    req.tool_name = None
+    assert pol.retention(req, _prog("Q", 0.0), 1.0).action == "free"
+
+
+def test_infercept_swaps_with_host_tier_when_batch_is_small():
+    """swap waste (2 x rebuild x batch) beats discard (rebuild x (own + batch))
+    when the finished request is larger than the running batch."""
+    h = Harness("infercept", host=64, budget=256, reload_cost=lambda n: 0.001 * n)
+    pol = h.s.policy
+    for _ in range(5):
+        pol.tool_stats.record("slow", 1000.0)
+    bg = h.req("bg", "BG", prompt_of(9, 3), max_tokens=40)  # a small running batch
+    r = h.req("s1", "S", prompt_of(2, 60), max_tokens=2, tool_name="slow")
+    h.run(until=lambda: r.is_finished)
+    assert "S" not in h.kv.pins
+    assert h.kv.host.num_used == 15  # its 15 full blocks were copied to the host at once
+    assert sum(len(o.blocks_to_offload) for o in h.outputs) == 0  # the copies go out with the next step
+    out, _ = h.step()
+    assert len(out.blocks_to_offload) == 15
+    h.run()
+    assert bg.output_token_ids == expected(bg.prompt_token_ids, 40)
+    # the next turn reloads from the host (or hits the device copies still cached)
+    r2 = h.req("s2", "S", r.token_ids + [1, 2], max_tokens=1)
+    h.run()
+    assert r2.num_cached_tokens == 60
+    assert r2.output_token_ids == expected(r2.prompt_token_ids, 1)
+
+
+def test_infercept_review_drops_pin_when_batch_shrinks():
+    """Preserve is chosen while a big batch makes discarding costly; once the
+    batch is gone, discarding wastes less than the tool time that remains."""
+    h = Harness("infercept", budget=256, reload_cost=lambda n: 0.01 * n)
+    pol = h.s.policy
+    for _ in range(5):
+        pol.tool_stats.record("t", 1.0)
+    bg = h.req("bg", "BG", prompt_of(9, 100), max_tokens=4)
+    r = h.req("s1", "S", prompt_of(2, 18), max_tokens=2, tool_name="t")
+    h.run(until=lambda: r.is_finished)
+    assert "S" in h.kv.pins
+    h.run(until=lambda: bg.is_finished)
+    assert "S" in h.kv.pins
+    h.idle(0.0)  # the next review sees an empty batch
+    assert "S" not in h.kv.pins
+    assert h.s.stats.pins_released_early == 1
+
+
+def test_infercept_review_keeps_pin_once_next_turn_waits():
+    """Once the program's next turn has arrived the tool is done: review must
+    not drop the pin before that turn is admitted (it used to: the arrival
+    forgot the expected duration and review fell back to the default)."""
+    h = Harness("infercept", max_seqs=1, reload_cost=lambda n: 0.001 * n)
+    pol = h.s.policy
+    for _ in range(5):
+        pol.tool_stats.record("fast", 0.001)
+    r1 = h.req("f1", "F", prompt_of(1, 18), max_tokens=3, tool_name="fast")
+    h.run()
+    assert "F" in h.kv.pins
+    blocker = h.req("blk", "Z", prompt_of(3, 5), max_tokens=5)
+    h.step()
+    r2 = h.req("f2", "F", r1.token_ids + [3, 4], max_tokens=2)
+    h.run()
+    assert r2.num_cached_tokens == 20
+    assert h.s.stats.pins_hit == 1 and h.s.stats.pins_released_early == 0
+
+
+# ---------------------------------------------------------------- randomized workloads
+
+
+@pytest.mark.parametrize("policy", sorted(policy_names()))
+@pytest.mark.parametrize("host", [0, 24])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_agent_workload_completes_with_correct_outputs(policy, host, seed):
+    """Many multi-turn programs on a small cache (preemptions, evictions,
+    reloads, pin reclaims): every turn finishes (no deadlock), every output is
+    the reference output, the KV checks and the executor's KV-content checks
+    hold at every step, and all memory comes back at the end."""
+    rng = random.Random(f"{policy}-{host}-{seed}")
+    h = Harness(policy, num_blocks=24, budget=16, max_seqs=4, host=host,
+                eviction=rng.choice(["lru", "leaf-lru", "lfu", "arc"]),
+                reload_cost=lambda n: 0.02 * n)
+    system = prompt_of(1, 9)
+    programs = {}
+    pending = []  # (time, program)
+    for p in range(14):
+        programs[f"P{p}"] = {"turns": rng.randrange(1, 6), "done": 0,
+                             "ctx": list(system) + prompt_of(100 + p, rng.randrange(1, 12))}
+        pending.append((rng.uniform(0, 0.2), f"P{p}"))
+    checked = 0
+    for _ in range(5000):
+        now = h.clock.now()
+        for t, pid in sorted(pending):
+            if t <= now:
+                pending.remove((t, pid))
+                st = programs[pid]
+                k = st["done"]
+                max_tokens = rng.randrange(1, 12)
+                last = k == st["turns"] - 1 or len(st["ctx"]) + max_tokens + 20 > h.kv.num_blocks * BS
+                if last:
+                    st["turns"] = k + 1
+                h.req(f"{pid}-{k}", pid, st["ctx"], max_tokens=max_tokens,
+                      tool_name=None if last else rng.choice(["a", "b", None]),
+                      is_last_turn=last, ttl_hint=rng.choice([None, None, 0.05, 5.0]))
+        if not h.s.has_work:
+            if not pending:
+                break
+            h.idle(min(t for t, _ in pending) - now)
+            continue
+        _, fin = h.step()
+        for r in fin:
+            assert r.output_token_ids == expected(r.prompt_token_ids, r.max_tokens)
+            checked += 1
+            st = programs[r.program_id]
+            st["done"] += 1
+            if st["done"] < st["turns"]:
+                st["ctx"] = r.token_ids + prompt_of(rng.randrange(10**6), rng.randrange(1, 10))
+                pending.append((h.clock.now() + rng.choice([0.0, 0.02, 0.3]), r.program_id))
+    assert not pending and not h.s.has_work, "workload did not finish"
+    assert checked == sum(st["turns"] for st in programs.values())
+    for pid in list(h.kv.pins):  # infercept pins have no expiry
+        h.s.release_program(pid)
+    h.s.check_integrity()
+    assert h.kv.num_free_blocks == h.kv.num_blocks
