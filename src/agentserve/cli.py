@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
 WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
 
@@ -81,22 +79,9 @@ def build_workload(args, rate: float):
     except (OSError, ValueError) as e:
         raise CliError(str(e)) from None
     if args.hang_fraction > 0:
-        programs = with_hanging_tools(programs, args.hang_fraction, args.seed)
+        from agentserve.sim.robustness import split_hanging
+        programs = split_hanging(programs, args.hang_fraction, args.seed)[0]
     return programs
-
-
-def with_hanging_tools(programs, fraction: float, seed: int):
-    """Make a tool never return in `fraction` of the programs (at a random turn)."""
-    rng = random.Random(seed ^ 0x5EED)
-    out = []
-    for p in programs:
-        if len(p.calls) > 1 and rng.random() < fraction:
-            k = rng.randrange(len(p.calls) - 1)
-            calls = list(p.calls)
-            calls[k] = replace(calls[k], tool_duration=float("inf"))
-            p = replace(p, calls=calls)
-        out.append(p)
-    return out
 
 
 def _run_one(job):
