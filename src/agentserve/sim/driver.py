@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from agentserve.bench.tokens import program_token_plan, shared_token_pool
-from agentserve.bench.trace import Program
+from agentserve.bench.trace import NON_TOOL_NAMES, Program, percentile  # noqa: F401  (re-exported)
 from agentserve.clock import SimClock
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -60,17 +60,6 @@ class SimResult:
     @property
     def throughput(self) -> float:
         return self.completed / self.makespan if self.makespan > 0 else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); nan when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def mean(values: list[float]) -> float:
@@ -130,7 +119,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         )
         # The simulator knows which tool the scripted output calls; a human or
         # unknown next step is no tool call.
-        req.tool_name = call.tool_name if call.tool_name not in ("human", "unknown") else None
+        req.tool_name = call.tool_name if call.tool_name not in NON_TOOL_NAMES else None
         first_arrival.setdefault(i, now)
         try:
             sched.add_request(req)
