@@ -78,6 +78,7 @@ def test_cli_sim_writes_table_json_and_plot(tmp_path, capsys):
     (["sim", "--workload", "nope"], "unknown workload"),
     (["sim", "--profile", "nope"], "nope"),
     (["sim", "--rates", "0"], "positive"),
+    (["sim", "--eviction", "fifo"], "unknown eviction"),
 ])
 def test_cli_errors_are_one_line(argv, msg, capsys):
     assert main(argv + ["--programs", "2", "--jobs", "1"]) == 2

@@ -105,6 +105,11 @@ def cmd_sim(args) -> int:
         raise CliError("--programs must be at least 1")
     if any(r <= 0 for r in args.rates):
         raise CliError("--rates must be positive")
+    from agentserve.kv.eviction import STRATEGIES
+    if args.eviction not in STRATEGIES:
+        raise CliError(f"unknown eviction strategy {args.eviction!r}: choose from {', '.join(STRATEGIES)}")
+    if args.block_size < 1 or (args.kv_tokens is not None and args.kv_tokens < args.block_size):
+        raise CliError("--block-size must be >= 1 and --kv-tokens at least one block")
     if not 0 <= args.hang_fraction < 1:
         raise CliError("--hang-fraction must be in [0, 1)")
     try:
