@@ -54,7 +54,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: str | Policy,
-                 clock: Clock, reload_cost: Callable[[int], float] | None = None) -> None:
+                 clock: Clock, reload_cost: Callable[[int], float] | None = None,
+                 policy_options: dict | None = None) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -72,7 +73,7 @@ class Scheduler:
                 running_tokens=self._running_tokens,
                 host_tier=kv.host.enabled,
             )
-            policy = make_policy(policy, ctx)
+            policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
         self._order_dirty = True
 
@@ -242,7 +243,7 @@ class Scheduler:
 
         # 2. Waiting requests in priority order (not in a step that had to preempt).
         if not out.preempted and self.waiting and budget > 0:
-            if self._order_dirty or getattr(self.policy, "time_dependent", False):
+            if self._order_dirty or self.policy.time_dependent:
                 self.waiting.sort(key=lambda r: self._key(r, now))
                 self._order_dirty = False
             admitted = 0

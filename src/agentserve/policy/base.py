@@ -45,6 +45,7 @@ _FREE = Retention("free")
 
 class Policy(abc.ABC):
     name: ClassVar[str]
+    time_dependent: ClassVar[bool] = False  # priorities change as time passes: re-sort every step
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

@@ -79,10 +79,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
     )
-    sched = Scheduler(sconf, kv, cfg.policy, clock, reload_cost)
-    if cfg.policy_options:
-        for k, v in cfg.policy_options.items():
-            setattr(sched.policy, k, v)
+    sched = Scheduler(sconf, kv, cfg.policy, clock, reload_cost, cfg.policy_options)
     executor = SimExecutor(clock, cost)
 
     need_shared = max((c.shared_prefix_tokens for p in programs for c in p.calls), default=0)
