@@ -556,7 +556,11 @@ def test_pin_reclaim_respects_program_arrival_while_something_runs():
     assert "EARLY" in h.kv.pins, "reclaimed an earlier program's pin while something ran"
     assert mid2.status is RequestStatus.WAITING
     h.run()
-    assert "EARLY" not in h.kv.pins and h.s.stats.pins_reclaimed == 2
+    state = (f"pins={sorted(h.kv.pins)} reclaimed={h.s.stats.pins_reclaimed} "
+             f"mid2={mid2.status} out={mid2.output_token_ids} preemptions={h.s.stats.preemptions} "
+             f"steps={len(h.outputs)} now={h.clock.now():.2f}")
+    assert "EARLY" not in h.kv.pins, state
+    assert h.s.stats.pins_reclaimed == 2, state
     assert mid2.output_token_ids == expected(mid2.prompt_token_ids, 2)
     assert runner.output_token_ids == expected(runner.prompt_token_ids, 20)
 
