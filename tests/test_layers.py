@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "src" / "agentserve"
-PURE = ["policy", "kv", "engine", "sim", "bench"]
+PURE = ["policy", "kv", "engine", "sim", "bench", "server"]
 NO_CLOCK = ["policy", "kv", "engine"]
 
 

@@ -20,3 +20,6 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         """Run the copies, then one forward pass over the scheduled chunks."""
+
+    def release(self, request_id: str) -> None:
+        """The request is over: drop any per-request state (a sampler's seed)."""

@@ -64,6 +64,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._waiting_programs: Counter[str] = Counter()
         self._requests: dict[str, Request] = {}
+        # Called with (request, token) for each new token before the finish checks; may
+        # return a finished status (the engine's stop strings). None: no output processing.
+        self.token_hook: Callable[[Request, int], RequestStatus | None] | None = None
         self.stats = SchedulerStats()
         if isinstance(policy, str):
             ctx = PolicyContext(
@@ -345,11 +348,12 @@ class Scheduler:
                 req.append_output(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                status = None
-                if tok in req.eos_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
-                    status = RequestStatus.FINISHED_LENGTH
+                status = self.token_hook(req, tok) if self.token_hook is not None else None
+                if status is None:
+                    if tok in req.eos_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
+                        status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     self._finish(req, status, now)
                     finished.append(req)

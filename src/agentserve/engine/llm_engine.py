@@ -1,0 +1,194 @@
+"""The step loop over a scheduler and an executor, with output processing:
+incremental detokenization, stop strings, stop tokens and finish reasons.
+
+Text that might be the start of a stop string is held back from the stream
+until it is known not to be one, so a streaming client never sees a stop
+string or a piece of one. The decoded text is also handed to the request
+(`output_text`) before the scheduler finishes it, which is how the policy's
+tool-call parser learns which tool the turn calls."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agentserve.clock import Clock
+from agentserve.engine.executor import Executor
+from agentserve.engine.request import Request, RequestStatus
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.engine.scheduler import Scheduler
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    program_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort"
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    queue_time: float
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    params: SamplingParams
+    detok: Detokenizer
+    text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    stop_reason: str | int | None = None
+    max_stop: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_stop = max((len(s) for s in self.params.stop), default=0)
+
+
+class LLMEngine:
+    def __init__(self, scheduler: Scheduler, executor: Executor, clock: Clock,
+                 detokenizer: Callable[[], Detokenizer], eos_token_ids: Iterable[int] = ()) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        self.new_detokenizer = detokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        scheduler.token_hook = self._on_token
+
+    # --- requests in ---
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    program_id: str | None = None, ttl_hint: float | None = None,
+                    is_last_turn: bool = False, arrival_time: float | None = None) -> Request:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._tracked:
+            raise ValueError(f"request id {rid!r} is already in use")
+        eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req = Request(rid, program_id if program_id is not None else rid, list(prompt_token_ids),
+                      params.max_tokens, arrival_time=self.clock.now() if arrival_time is None else arrival_time,
+                      eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params)
+        self.scheduler.add_request(req)  # raises ValueError for a request that can never fit
+        self._tracked[rid] = _Tracked(req, params, self.new_detokenizer())
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return False
+        self.scheduler.abort(request_id)
+        self.executor.release(request_id)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._tracked)
+
+    # --- the step ---
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.executor.execute(out)
+        self.scheduler.update(out, result)
+        outputs = []
+        for ch in out.chunks:
+            t = self._tracked.get(ch.request.request_id)
+            if t is None or not ch.sample:
+                continue
+            o = self._output(t)
+            if o is not None:
+                outputs.append(o)
+        return outputs
+
+    def _on_token(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Called by the scheduler for each new token, before it decides whether the request ends."""
+        t = self._tracked.get(req.request_id)
+        if t is None:
+            return None
+        if token_id in req.eos_token_ids:
+            t.stop_reason = token_id if token_id in t.params.stop_token_ids else None
+            return None  # the scheduler ends it; the stop token adds no text
+        piece = t.detok.push(token_id)
+        if piece:
+            t.text += piece
+            if t.max_stop:
+                hit = self._find_stop(t, len(piece))
+                if hit is not None:
+                    req.output_text = t.text
+                    return RequestStatus.FINISHED_STOPPED
+        req.output_text = t.text
+        return None
+
+    def _find_stop(self, t: _Tracked, added: int) -> str | None:
+        window_start = max(0, len(t.text) - added - t.max_stop + 1)
+        best = None
+        for s in t.params.stop:
+            i = t.text.find(s, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        t.text = t.text[:best[0]]
+        t.stop_reason = best[1]
+        return best[1]
+
+    def _output(self, t: _Tracked) -> RequestOutput | None:
+        req = t.request
+        finished = req.is_finished
+        new_tokens = req.output_token_ids[t.emitted_tokens:]
+        if not new_tokens and not finished:
+            return None
+        t.emitted_tokens = req.num_output_tokens
+        visible = len(t.text) if finished else len(t.text) - _held_back(t.text, t.params.stop)
+        visible = max(visible, t.emitted_chars)
+        new_text = t.text[t.emitted_chars:visible]
+        t.emitted_chars = visible
+        if finished:
+            self._tracked.pop(req.request_id, None)
+            self.executor.release(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, program_id=req.program_id, new_token_ids=new_tokens, new_text=new_text,
+            token_ids=list(req.output_token_ids), text=t.text[:visible], finished=finished,
+            finish_reason=FINISH_REASONS.get(req.status) if finished else None,
+            stop_reason=t.stop_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            finish_time=req.finish_time, queue_time=req.queue_time)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

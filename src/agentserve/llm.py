@@ -1,0 +1,136 @@
+"""The offline Python API: `LLM(model=...).generate(prompts, params)` and
+`.chat(messages, tools=...)`. It assembles the same pieces the server runs
+(loader, model, paged KV tensors, KV manager, scheduler with a policy, engine)
+and drives the step loop until the given requests finish."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentserve.clock import WallClock
+from agentserve.engine.llm_engine import LLMEngine, RequestOutput
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
+from agentserve.runner import device as devices
+from agentserve.runner.executor import ModelExecutor
+from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.loader import LoadedModel, load_model
+from agentserve.runner.model import LlamaModel
+from agentserve.runner.profiling import reload_cost_for
+from agentserve.runner.tokenizer import IncrementalDetokenizer
+from agentserve.server.chat_template import ChatTemplate
+
+log = logging.getLogger("agentserve")
+
+
+@dataclass
+class ChatOutput:
+    text: str  # the reply with tool-call markup removed when calls were parsed
+    tool_calls: list[ToolCall]
+    output: RequestOutput
+    prompt: str = field(repr=False, default="")
+
+
+class LLM:
+    def __init__(self, model: str | LoadedModel | None = None, *, dtype: str = "auto", device: str = "auto",
+                 kv_cache_tokens: int | None = None, host_kv_tokens: int = 0, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
+                 threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.model_source = loaded.source
+        self.config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.device = devices.resolve_device(device)
+        self.dtype = devices.resolve_dtype(dtype, self.device)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.model = LlamaModel(cfg, loaded.weights, self.dtype, self.device, self.max_model_len)
+        template = loaded.chat_template
+        del loaded  # the float32 copies of the weights
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        per_token = cfg.kv_bytes_per_token(self.model.embed.element_size())
+        if kv_cache_tokens is None:
+            kv_cache_tokens = devices.auto_kv_tokens(self.device, per_token, self.model.weight_bytes)
+        num_blocks = kv_cache_tokens // block_size
+        if num_blocks * block_size < min(self.max_model_len, 2048) and kv_cache_tokens < self.max_model_len:
+            log.warning("KV cache of %d tokens is smaller than max_model_len %d: long requests will be refused",
+                        kv_cache_tokens, self.max_model_len)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_tokens {kv_cache_tokens} gives no block of {block_size} tokens")
+        host_blocks = host_kv_tokens // block_size
+        self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.dtype, self.device)
+        self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks)
+        self.clock = WallClock()
+        sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                max_model_len=self.max_model_len)
+        self.reload_cost = reload_cost_for(profile, self, host_tier=host_blocks > 0)
+        self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options)
+        self.executor = ModelExecutor(self.model, self.kv_cache)
+        tok = self.tokenizer
+        self.engine = LLMEngine(self.scheduler, self.executor, self.clock,
+                                detokenizer=lambda: IncrementalDetokenizer(tok),
+                                eos_token_ids=cfg.eos_token_ids or tok.eos_token_ids)
+        self.chat_template = ChatTemplate(template, tok.bos_token or "", tok.eos_token or "")
+        log.info("model %s on %s (%s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB) in blocks of %d, "
+                 "host tier %d tokens; policy %s", self.model_source, self.device, devices.dtype_name(self.dtype),
+                 cfg.num_layers, cfg.num_params() / 1e6, num_blocks * block_size, self.kv_cache.bytes / 2**20,
+                 block_size, host_blocks * block_size, self.scheduler.policy.name)
+
+    # --- generation ---
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 program_ids: list[str | None] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
+        pids = program_ids or [None] * len(prompts)
+        rids = []
+        for prompt, p, pid in zip(prompts, plist, pids):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rids.append(self.engine.add_request(ids, p, program_id=pid).request_id)
+        return self._run(rids)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+             tools: list[dict[str, Any]] | None = None, program_id: str | None = None,
+             end_program: bool = False) -> ChatOutput:
+        """One chat turn. Reusing `program_id` across turns keeps the program's KV
+        between them (the policy decides for how long)."""
+        prompt = self.chat_template.render(messages, tools=tools)
+        ids = self.tokenizer.encode(prompt)
+        p = params or SamplingParams(max_tokens=256, temperature=0.0)
+        req = self.engine.add_request(ids, p, program_id=program_id, is_last_turn=end_program)
+        out = self._run([req.request_id])[0]
+        calls = parse_tool_calls(out.text) if tools else []
+        text = strip_tool_markup(out.text) if calls else out.text
+        return ChatOutput(text, calls, out, prompt)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        want = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        while want - done.keys():
+            for o in self.engine.step():
+                if o.finished and o.request_id in want:
+                    done[o.request_id] = o
+        return [done[r] for r in request_ids]
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def strip_tool_markup(text: str) -> str:
+    """The reply text without the Hermes `<tool_call>` blocks (they become `tool_calls`)."""
+    return re.sub(r"<tool_call>.*?(</tool_call>|$)", "", text, flags=re.S).strip()

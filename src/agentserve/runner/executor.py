@@ -1,0 +1,69 @@
+"""The real model behind the scheduler's Executor interface: one step = the
+host-tier copies the KV manager asked for, then one forward pass over the
+step's chunks, then sampling for the chunks that reach the end of their
+request's tokens."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from agentserve.engine.executor import Executor, ExecutorResult
+from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.runner.attention import build_metadata
+from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.model import LlamaModel
+from agentserve.runner.sampler import GREEDY, Sampler
+
+
+class ModelExecutor(Executor):
+    def __init__(self, model: LlamaModel, kv: PagedKVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.sampler = Sampler(model.device)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    def execute(self, out: SchedulerOutput) -> ExecutorResult:
+        t0 = time.perf_counter()
+        # offloads first: a block written out this step may be reused by a load
+        self.kv.offload(out.blocks_to_offload)
+        self.kv.load(out.blocks_to_load)
+        if not out.chunks:
+            return ExecutorResult({}, time.perf_counter() - t0)
+        decodes = [c for c in out.chunks if c.num_tokens == 1 and c.start > 0]
+        prefills = [c for c in out.chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ids: list[int] = []
+        pos: list[int] = []
+        for c in decodes:
+            ids.append(c.request.token_ids[c.start])
+            pos.append(c.start)
+        for c in prefills:
+            ids.extend(c.request.token_ids[c.start:c.start + c.num_tokens])
+            pos.extend(range(c.start, c.start + c.num_tokens))
+        bs = self.kv.block_size
+        need = lambda c: -(-(c.start + c.num_tokens) // bs)  # noqa: E731
+        meta = build_metadata(
+            [out.block_table(c.request.request_id)[:need(c)] for c in decodes],
+            [c.start + 1 for c in decodes],
+            [(out.block_table(c.request.request_id)[:need(c)], c.start, c.num_tokens) for c in prefills],
+            bs, self.device)
+        rows, sampled_chunks, row = [], [], 0
+        for c in decodes + prefills:
+            row += c.num_tokens
+            if c.sample:
+                rows.append(row - 1)
+                sampled_chunks.append(c)
+        dev = self.device
+        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv,
+                                    torch.tensor(rows, device=dev, dtype=torch.int64))
+        sampled: dict[str, list[int]] = {}
+        if sampled_chunks:
+            params = [c.request.sampling or GREEDY for c in sampled_chunks]
+            rids = [c.request.request_id for c in sampled_chunks]
+            for rid, tok in zip(rids, self.sampler.sample(logits, params, rids)):
+                sampled[rid] = [tok]
+        return ExecutorResult(sampled, time.perf_counter() - t0)

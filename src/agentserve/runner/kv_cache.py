@@ -1,0 +1,66 @@
+"""The paged KV cache tensors: device blocks and the host-memory tier.
+
+Layout: one tensor per tier of shape [2, layers, blocks, block_size, kv_heads,
+head_dim] (K then V). A block id from `kv/` indexes dimension 2 on every layer
+at once, so a swap or reload of any set of blocks is a single indexed copy
+over all layers instead of 2 x layers small ones. Per layer, the view
+[blocks * block_size, kv_heads, head_dim] is addressed by slot
+(block * block_size + offset), which is how tokens are written and gathered."""
+
+from __future__ import annotations
+
+import torch
+
+from agentserve.runner.config import ModelConfig
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_host_blocks: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.device_kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.host_kv: torch.Tensor | None = None
+        if num_host_blocks > 0:
+            hshape = (2, cfg.num_layers, num_host_blocks) + shape[3:]
+            # pinned host memory makes the device<->host copies asynchronous DMA on CUDA
+            pin = self.device.type == "cuda"
+            self.host_kv = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
+        slots = num_blocks * block_size
+        self._k = [self.device_kv[0, i].view(slots, cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
+        self._v = [self.device_kv[1, i].view(slots, cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        return self.device_kv.numel() * self.device_kv.element_size()
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.host_kv is None else self.host_kv.numel() * self.host_kv.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer i, each [slots, kv_heads, head_dim]."""
+        return self._k[i], self._v[i]
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host slots: pairs of (device block, host block)."""
+        if not pairs:
+            return
+        if self.host_kv is None:
+            raise RuntimeError("offload asked but the cache has no host tier")
+        dev = torch.tensor([d for d, _ in pairs], device=self.device)
+        host = torch.tensor([h for _, h in pairs])
+        self.host_kv[:, :, host] = self.device_kv[:, :, dev].to("cpu")
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots back into device blocks: pairs of (host block, device block)."""
+        if not pairs:
+            return
+        if self.host_kv is None:
+            raise RuntimeError("reload asked but the cache has no host tier")
+        host = torch.tensor([h for h, _ in pairs])
+        dev = torch.tensor([d for _, d in pairs], device=self.device)
+        self.device_kv[:, :, dev] = self.host_kv[:, :, host].to(self.device)

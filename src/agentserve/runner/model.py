@@ -1,0 +1,132 @@
+"""A Llama-family decoder (RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU MLP, tied or untied embeddings) whose attention reads and writes the
+paged KV cache, over a flattened mixed batch of prefill chunks and decode tokens.
+
+Weights arrive in Hugging Face names; the q/k/v and gate/up projections are
+fused into one matrix each, so a layer runs four matrix multiplies. The norms
+follow transformers exactly (statistics in float32, cast back before the weight
+is applied), which is what makes the float32 path token-exact against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from agentserve.runner.attention import AttentionMetadata, paged_attention
+from agentserve.runner.config import ModelConfig
+from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.rope import RotaryTable, apply_rotary
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str, max_positions: int | None = None) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = cfg.head_dim ** -0.5
+        w = _Weights(weights, dtype, self.device)
+        self.embed = w.take("model.embed_tokens.weight")
+        if self.embed.shape[0] != cfg.vocab_size:
+            raise ValueError(f"embedding has {self.embed.shape[0]} rows, config says vocab {cfg.vocab_size}")
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.norm = w.take("model.norm.weight")
+        if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w.take("lm_head.weight")
+        self.rope = RotaryTable(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+
+    def _layer(self, w: "_Weights", i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        qkv = torch.cat([w.take(a + f"{n}_proj.weight") for n in "qkv"])
+        bias = None
+        if w.has(a + "q_proj.bias"):
+            bias = torch.cat([w.take(a + f"{n}_proj.bias") for n in "qkv"])
+        return _Layer(
+            input_norm=w.take(p + "input_layernorm.weight"),
+            qkv=qkv,
+            qkv_bias=bias,
+            o=w.take(a + "o_proj.weight"),
+            post_norm=w.take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([w.take(m + "gate_proj.weight"), w.take(m + "up_proj.weight")]),
+            down=w.take(m + "down_proj.weight"),
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
+        for L in self.layers:
+            for t in (L.input_norm, L.qkv, L.qkv_bias, L.o, L.post_norm, L.gate_up, L.down):
+                if t is not None:
+                    seen[id(t)] = t
+        return sum(t.numel() * t.element_size() for t in seen.values())
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T]; returns float32 logits [len(logit_rows), vocab]."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = H * D, KVH * D
+        eps = cfg.rms_norm_eps
+        cos, sin = self.rope.lookup(positions)
+        h = F.embedding(input_ids, self.embed)
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.input_norm, eps)
+            qkv = F.linear(x, L.qkv, L.qkv_bias)
+            q = qkv[:, :q_size].view(T, H, D)
+            k = qkv[:, q_size:q_size + kv_size].view(T, KVH, D)
+            v = qkv[:, q_size + kv_size:].view(T, KVH, D)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            k_cache, v_cache = kv.layer(i)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn, L.o)
+            x = rms_norm(h, L.post_norm, eps)
+            gu = F.linear(x, L.gate_up)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(g) * u, L.down)
+        h = h[logit_rows]
+        h = rms_norm(h, self.norm, eps)
+        return F.linear(h, self.lm_head).float()
+
+
+class _Weights:
+    """The loader's tensors, converted to the compute dtype on the device as taken."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.tensors = tensors
+        self.dtype = dtype
+        self.device = device
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str) -> torch.Tensor:
+        try:
+            t = self.tensors[name]
+        except KeyError:
+            raise ValueError(f"the checkpoint has no tensor {name!r}") from None
+        return t.to(device=self.device, dtype=self.dtype).contiguous()

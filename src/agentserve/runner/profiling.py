@@ -1,0 +1,210 @@
+"""Measuring this machine with the real model: prefill time against context
+length (fitted to the paper's t(L) = a*L^2 + b*L + c), decode step time
+against batch size and context, and host copy bandwidth. The result is a
+profile in the simulator's format, so the simulator and the TTL cost model
+read the same numbers; `reload_cost_for` turns it into the Prefill-Reload(r)
+the policies price a pin with.
+
+Timing runs the model directly on scratch KV blocks (no scheduler), each point
+a median of repeats after a warm-up, so it measures the kernels and the
+Python dispatch, not queueing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from agentserve.runner.attention import build_metadata
+from agentserve.runner.device import dtype_name
+from agentserve.sim.cost_model import CostModel
+from agentserve.sim.profile import ModelSpec, Profile, load_profile
+
+if TYPE_CHECKING:
+    from agentserve.llm import LLM
+
+log = logging.getLogger("agentserve")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class ModelTimer:
+    """Runs bare forward passes of an LLM's model on its own KV tensors. The
+    blocks it writes are scratch: use it on an LLM that serves nothing else."""
+
+    def __init__(self, llm: "LLM") -> None:
+        self.llm = llm
+        self.model = llm.model
+        self.kv = llm.kv_cache
+        self.bs = llm.kv_cache.block_size
+        self.device = llm.device
+        self.vocab = llm.config.vocab_size
+
+    def _blocks(self, first: int, tokens: int) -> list[int]:
+        n = -(-tokens // self.bs)
+        if first + n > self.kv.num_blocks:
+            raise ValueError(f"the KV cache has {self.kv.num_blocks} blocks; {first + n} needed for this measurement")
+        return list(range(first, first + n))
+
+    def prefill(self, length: int) -> Callable[[], object]:
+        """One forward over a `length`-token prompt; logits for the last row only."""
+        g = torch.Generator().manual_seed(length)
+        ids = torch.randint(0, self.vocab, (length,), generator=g).to(self.device)
+        pos = torch.arange(length, device=self.device)
+        meta = build_metadata([], [], [(self._blocks(0, length), 0, length)], self.bs, self.device)
+        rows = torch.tensor([length - 1], device=self.device)
+        return lambda: self.model.forward(ids, pos, meta, self.kv, rows)
+
+    def decode(self, batch: int, context: int) -> Callable[[], object]:
+        """One decode step of `batch` sequences each with `context` tokens of KV."""
+        per = -(-(context + 1) // self.bs)
+        tables = [self._blocks(i * per, context + 1) for i in range(batch)]
+        meta = build_metadata(tables, [context + 1] * batch, [], self.bs, self.device)
+        ids = torch.randint(0, self.vocab, (batch,)).to(self.device)
+        pos = torch.full((batch,), context, device=self.device)
+        rows = torch.arange(batch, device=self.device)
+        return lambda: self.model.forward(ids, pos, meta, self.kv, rows)
+
+    def copy_bandwidth(self, num_blocks: int) -> tuple[float, float]:
+        """Seconds to offload and reload `num_blocks` blocks through a scratch host
+        buffer; returns (bytes per second, seconds of a one-block copy)."""
+        kv = self.kv
+        num_blocks = min(num_blocks, kv.num_blocks)
+        shape = (2, kv.device_kv.shape[1], num_blocks) + tuple(kv.device_kv.shape[3:])
+        host = torch.empty(shape, dtype=kv.dtype, pin_memory=self.device.type == "cuda")
+        idx = torch.arange(num_blocks, device=self.device)
+
+        def roundtrip(n: int) -> Callable[[], object]:
+            def run() -> None:
+                host[:, :, :n] = kv.device_kv[:, :, idx[:n]].to("cpu")
+                kv.device_kv[:, :, idx[:n]] = host[:, :, :n].to(self.device)
+            return run
+
+        t_many = median_time(roundtrip(num_blocks), self.device)
+        t_one = median_time(roundtrip(1), self.device)
+        moved = 2 * host.numel() * host.element_size()
+        bw = moved / max(t_many - t_one, 1e-9)
+        return bw, t_one / 2
+
+
+def fit_quadratic(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a*x^2 + b*x + c with a, b >= 0 (refit without a term that comes out negative)."""
+    X = torch.tensor([[x * x, x, 1.0] for x in xs], dtype=torch.float64)
+    Y = torch.tensor(ys, dtype=torch.float64)[:, None]
+    a, b, c = torch.linalg.lstsq(X, Y).solution.squeeze(1).tolist()
+    if a < 0:
+        b, c = torch.linalg.lstsq(X[:, 1:], Y).solution.squeeze(1).tolist()
+        a = 0.0
+    return a, max(b, 1e-12), max(c, 0.0)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    X = torch.tensor([[x, 1.0] for x in xs], dtype=torch.float64)
+    Y = torch.tensor(ys, dtype=torch.float64)[:, None]
+    slope, icpt = torch.linalg.lstsq(X, Y).solution.squeeze(1).tolist()
+    return slope, icpt
+
+
+def measure_profile(llm: "LLM", prefill_lengths: list[int], batch_sizes: list[int],
+                    contexts: tuple[int, int] = (128, 1024), copy_blocks: int = 256,
+                    progress: Callable[[str], None] = lambda s: None) -> tuple[Profile, dict]:
+    timer = ModelTimer(llm)
+    dev = llm.device
+    raw: dict = {"prefill": {}, "decode": {}, "copy": {}}
+    for n in prefill_lengths:
+        t = median_time(timer.prefill(n), dev)
+        raw["prefill"][n] = t
+        progress(f"prefill {n:6d} tokens: {t * 1e3:8.1f} ms  ({n / t:8.0f} tok/s)")
+    a, b, c = fit_quadratic(list(raw["prefill"]), list(raw["prefill"].values()))
+    slopes = []
+    for ctx in contexts:
+        pts = {}
+        for bsz in batch_sizes:
+            t = median_time(timer.decode(bsz, ctx), dev, repeats=5)
+            pts[bsz] = t
+            progress(f"decode batch {bsz:3d} at context {ctx:5d}: {t * 1e3:8.1f} ms/step  ({bsz / t:8.0f} tok/s)")
+        raw["decode"][ctx] = pts
+        slopes.append(fit_line(list(pts), list(pts.values())))
+    # t(B, ctx) = base + B * (per_seq + kv * ctx): two contexts separate the two slopes
+    (s1, i1), (s2, i2) = slopes
+    kv_per_token = max((s2 - s1) / (contexts[1] - contexts[0]), 0.0)
+    per_seq = max(s1 - kv_per_token * contexts[0], 0.0)
+    base = max((i1 + i2) / 2, 0.0)
+    bw, latency = timer.copy_bandwidth(copy_blocks)
+    raw["copy"] = {"bytes_per_s": bw, "latency_s": latency}
+    progress(f"host copy: {bw / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per copy")
+    cfg = llm.config
+    elt = llm.model.embed.element_size()
+    name = f"{Path(llm.model_source).stem}-{dev.type}-{dtype_name(llm.dtype)}"
+    derivation = (
+        f"Measured by `agentserve profile` on this machine ({os.cpu_count()} CPUs visible, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, device {dev}). Prefill: median of 3 forwards per "
+        f"length {prefill_lengths}, least-squares fit t(L) = a*L^2 + b*L + c. Decode: median of 5 steps per batch size "
+        f"{batch_sizes} at contexts {list(contexts)}, fitted per context as a line in the batch size; the two slopes "
+        f"give the per-sequence and per-context-token costs, the mean intercept the weight-read term (step overhead "
+        f"folded in). Host copy: offload+reload of {copy_blocks} blocks minus one block, both directions.")
+    prof = Profile(
+        name=name, description=f"{cfg.name} ({llm.model_source}) in {dtype_name(llm.dtype)} on {dev}",
+        derivation=derivation,
+        model=ModelSpec(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                        float(cfg.num_params()), elt),
+        kv_bytes_per_token=cfg.kv_bytes_per_token(elt),
+        kv_capacity_tokens=llm.kv_cache.num_blocks * llm.kv_cache.block_size,
+        host_kv_capacity_tokens=0, host_copy_bandwidth_bytes_s=bw,
+        max_num_batched_tokens=llm.scheduler.config.max_num_batched_tokens,
+        max_num_seqs=llm.scheduler.config.max_num_seqs,
+        step_overhead_s=c, prefill_a_s_per_token2=a, prefill_b_s_per_token=b,
+        decode_weight_read_s=base, kv_read_s_per_token=kv_per_token, per_seq_overhead_s=per_seq,
+        host_copy_latency_s=latency, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "")
+    return prof, raw
+
+
+def default_profile_path(llm: "LLM") -> Path:
+    base = Path(os.environ.get("AGENTSERVE_CACHE", Path.home() / ".cache" / "agentserve"))
+    return base / "profiles" / f"{Path(llm.model_source).stem}-{llm.device.type}-{dtype_name(llm.dtype)}.json"
+
+
+def reload_cost_for(profile: str | None, llm: "LLM", host_tier: bool) -> Callable[[int], float]:
+    """Prefill-Reload(r) in seconds for r tokens: from the given profile, else the
+    one `agentserve profile` saved for this model, device and dtype, else a
+    rough FLOP estimate (logged, so the user knows to profile)."""
+    path = Path(profile) if profile else default_profile_path(llm)
+    if profile or path.exists():
+        cost = CostModel(load_profile(path), llm.kv_cache.block_size)
+        log.info("reload cost from profile %s", path)
+        return cost.reload_time if host_tier else cost.prefill_time
+    flops = 3e14 if llm.device.type == "cuda" else 2e11
+    per_token = 2 * llm.config.num_params() / flops
+    log.info("no profile for this model and device (run `agentserve profile`); reload cost estimated at "
+             "%.2f ms per 1000 tokens", per_token * 1e6)
+    return lambda n: per_token * n
+
+
+def write_profile(prof: Profile, raw: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.dump(path)
+    raw_path = path.with_suffix(".raw.json")
+    raw_path.write_text(json.dumps(raw, indent=2) + "\n")

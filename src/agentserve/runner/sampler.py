@@ -1,0 +1,84 @@
+"""Batched token sampling on the device: greedy, temperature, top-k, top-p,
+per-request seeds.
+
+Random rows are drawn with the exponential race (argmax of p / E, E ~ Exp(1)),
+which samples exactly from p and needs one noise draw per row: a seeded
+request draws its noise from its own generator, so its tokens depend on its
+seed and its logits only, never on what else shares the batch. Only the
+sampled ids cross to the host."""
+
+from __future__ import annotations
+
+import torch
+
+from agentserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class Sampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+        self._shared = torch.Generator(device=self.device)
+        self._shared.seed()
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        g = self._generators.get(request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self._generators[request_id] = g
+        return g
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
+        """logits [rows, vocab] float32 -> one token id per row."""
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        rows = logits.shape[0]
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)
+        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
+        scaled = logits / temp[:, None]
+        order = None
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
+            scaled, order = _truncate(scaled, params, self.device)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs)
+        shared_rows = []
+        for i, (p, rid) in enumerate(zip(params, request_ids)):
+            if p.greedy:
+                noise[i].fill_(1.0)
+            elif p.seed is not None:
+                noise[i].exponential_(generator=self._generator(rid, p.seed))
+            else:
+                shared_rows.append(i)
+        if shared_rows:
+            idx = torch.tensor(shared_rows, device=self.device)
+            noise[idx] = torch.empty(len(shared_rows), probs.shape[1], device=self.device).exponential_(
+                generator=self._shared)
+        drawn = (probs / noise).argmax(dim=-1)
+        if order is not None:
+            drawn = order.gather(1, drawn[:, None]).squeeze(1)
+        out = torch.where(greedy, logits.argmax(dim=-1), drawn)
+        assert out.shape[0] == rows
+        return out.tolist()
+
+
+def _truncate(scaled: torch.Tensor, params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row and mask what top-k and top-p drop; returns the masked
+    sorted logits and the sort order (to map a drawn position back to a token)."""
+    vocab = scaled.shape[1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    drop = before >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always stays
+    return sorted_logits.masked_fill(drop, float("-inf")), order

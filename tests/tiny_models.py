@@ -1,0 +1,81 @@
+"""Tiny random Llama models and a byte-level tokenizer for runner tests.
+
+Weights are drawn with a large initializer range so the logits are peaked:
+greedy decoding of a near-uniform random model would hinge on float32 ties,
+which is not what the token-exactness tests are about."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from agentserve.runner.config import ModelConfig
+from agentserve.runner.loader import LoadedModel
+from agentserve.runner.tokenizer import Tokenizer
+
+VOCAB = 320
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+
+
+def hf_llama(tied: bool = False, seed: int = 0, layers: int = 2, kv_heads: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                      tie_word_embeddings=tied, initializer_range=0.3, rope_theta=10000.0,
+                      bos_token_id=None, eos_token_id=257, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level BPE with no merges: ids 0..255 are bytes, 256/257 the ChatML specials."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=_byte_table().__getitem__)
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    return Tokenizer(backend, eos_token_ids=[257])
+
+
+_TABLE: dict[str, int] = {}
+
+
+def _byte_table() -> dict[str, int]:
+    """ByteLevel's character for each byte: printable bytes map to themselves, the rest to U+0100 upward."""
+    if not _TABLE:
+        printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+            list(range(ord("®"), ord("ÿ") + 1))
+        chars = printable[:]
+        n = 0
+        for b in range(256):
+            if b not in printable:
+                printable.append(b)
+                chars.append(256 + n)
+                n += 1
+        _TABLE.update({chr(c): b for b, c in zip(printable, chars)})
+    return _TABLE
+
+
+def loaded(hf_model, tokenizer: Tokenizer | None = None) -> LoadedModel:
+    cfg = ModelConfig.from_hf(hf_model.config.to_dict(), name="tiny-llama")
+    weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    return LoadedModel(cfg, weights, tokenizer or byte_tokenizer(), None, "tiny-llama")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    # an explicit mask: otherwise generate() masks out prompt tokens equal to the pad id
+    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
