@@ -7,11 +7,10 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from agentserve.cli_errors import CliError
+from agentserve.cli_model import add_generate, add_profile
+
 WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def _csv(kind):
@@ -152,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "TTL-based KV retention across tool calls).")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_sim(sub)
+    add_generate(sub)
+    add_profile(sub)
     return ap
 
 

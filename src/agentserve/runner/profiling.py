@@ -208,3 +208,24 @@ def write_profile(prof: Profile, raw: dict, path: Path) -> None:
     prof.dump(path)
     raw_path = path.with_suffix(".raw.json")
     raw_path.write_text(json.dumps(raw, indent=2) + "\n")
+
+
+def read_bandwidth(device: torch.device, gib: float = 1.0) -> float:
+    """Bytes per second streamed by a reduction over a `gib`-GiB float32 tensor (median of 5)."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    t = median_time(lambda: x.sum(), device, repeats=5)
+    return x.numel() * 4 / t
+
+
+def engine_decode_rate(llm: "LLM", batch: int, prompt_len: int = 64, new_tokens: int = 64) -> float:
+    """Aggregate tokens/s of `batch` greedy requests through the whole engine
+    (scheduler, KV manager, sampling), decode phase only."""
+    from agentserve.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, llm.config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    start = max(o.first_token_time for o in outs)
+    end = max(o.finish_time for o in outs)
+    return batch * (new_tokens - 1) / max(end - start, 1e-9)

