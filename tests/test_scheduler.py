@@ -11,6 +11,7 @@ is fixed by its prompt: any run, preempted or not, must produce `expected()`."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 
@@ -411,7 +412,9 @@ def reload_cost(n: int) -> float:
 
 
 def _turn1(h: Harness, pid: str = "P", rid: str = "t1", n: int = 18, max_tokens: int = 5, **kw):
-    r = h.req(rid, pid, prompt_of(hash(pid) % 1000, n), max_tokens=max_tokens, tool_name="search", **kw)
+    # a stable seed per program (str hash() changes between processes and once made prompts collide)
+    r = h.req(rid, pid, prompt_of(10_000 + zlib.crc32(pid.encode()) % 100_000, n), max_tokens=max_tokens,
+              tool_name="search", **kw)
     h.run(until=lambda: r.is_finished)
     return r
 

@@ -1,0 +1,269 @@
+"""Load a llama.cpp GGUF file into the runner's Hugging Face-shaped form.
+
+Three translations happen here, each undoing a choice llama.cpp made:
+
+* Quantized blocks -> float32 (`gguf.quants.dequantize`); the runner computes
+  in plain dense tensors, it has no quantized kernels.
+* ggml names (`blk.3.attn_q.weight`) -> Hugging Face Llama names
+  (`model.layers.3.self_attn.q_proj.weight`); ggml lists dimensions fastest
+  first (ne), so a tensor's numpy shape is ne reversed, which is already
+  [out, in] like torch's Linear.
+* llama.cpp's converter reorders the rows of q and k inside every head so its
+  interleaved ("GPT-J") rope can rotate adjacent pairs; the runner uses the
+  rotate-half layout, so `unpermute_qk` puts the rows back.
+
+The config comes from `{general.architecture}.*` metadata and the tokenizer
+from `tokenizer.ggml.*` (see tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf.quants import dequantize
+
+from agentserve.runner.config import ModelConfig
+from agentserve.runner.loader import LoadedModel, check_weights
+from agentserve.runner.tokenizer import Tokenizer
+
+# Architecture -> whether its converter permuted q/k rows for interleaved rope.
+# Qwen2 is converted for llama.cpp's NEOX rope (rotate-half), so it is not.
+_ARCHITECTURES = {"llama": True, "qwen2": False}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1's rope scaling, stored by llama.cpp as per-frequency divisors; folded into the config.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf(path: str | Path) -> LoadedModel:
+    """Read a GGUF model: config, float32 weights in HF names and layout, tokenizer."""
+    path = Path(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture", "llama")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
+    tensors = {t.name: t for t in reader.tensors}
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    config = config_from_metadata(meta, tensors, tokenizer)
+    if _ROPE_FREQS in tensors:
+        config.rope_scaling = llama3_scaling_from_freq_factors(
+            dequantize_tensor(tensors[_ROPE_FREQS]).numpy(), config, str(path))
+    weights = load_weights(tensors, config, permuted=_ARCHITECTURES[arch], source=str(path))
+    check_weights(config, weights, str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
+                       chat_template=meta.get("tokenizer.chat_template"), source=str(path))
+
+
+def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted: bool,
+                 source: str) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized, renamed, and (if `permuted`) q/k rows restored."""
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    weights = {}
+    for name, t in tensors.items():
+        if name == _ROPE_FREQS:
+            continue
+        hf = hf_name(name, source)
+        w = dequantize_tensor(t)
+        proj = hf.split(".")[-2]
+        if permuted and proj in heads:
+            w = unpermute_qk(w, heads[proj])
+        weights[hf] = w
+    return weights
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/IndexError/... on a foreign or truncated file
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key/value as plain Python (str, int, float, bool, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # header bookkeeping the reader exposes as fields
+            continue
+        value = field.contents()
+        if field.types == [GGUFValueType.FLOAT32]:
+            value = _shortest_float32(value)
+        meta[key] = value
+    return meta
+
+
+def _shortest_float32(x: float) -> float:
+    """GGUF stores 1e-5 as float32 (9.99999975e-06); read it back as the decimal it
+    was written from, which is what config.json would say."""
+    return float(str(np.float32(x)))
+
+
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, ReaderTensor],
+                         tokenizer: Tokenizer) -> ModelConfig:
+    arch = meta.get("general.architecture", "llama")
+
+    def get(key: str, default: Any = ...) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is ...:
+            raise ValueError(f"GGUF metadata is missing {full}")
+        return default
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rot_dim = int(get("rope.dimension_count", head_dim))
+    if rot_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rot_dim} of {head_dim} dims) are not supported")
+    return ModelConfig(
+        num_layers=int(get("block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        vocab_size=_vocab_size(get("vocab_size", None), meta, tensors),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(get),
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=int(get("context_length", 4096)),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=list(tokenizer.eos_token_ids),
+        name=meta.get("general.name") or arch,
+    )
+
+
+def _vocab_size(declared: int | None, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:
+    """The embedding's row count is what the model really has (some files pad it
+    past the token list); otherwise the declared size, otherwise the token count."""
+    embed = tensors.get("token_embd.weight")
+    if embed is not None:
+        return int(embed.shape[1])  # ne = [hidden, vocab]
+    if declared is not None:
+        return int(declared)
+    return len(meta["tokenizer.ggml.tokens"])
+
+
+def _rope_scaling(get) -> dict[str, Any] | None:
+    """llama.cpp's `rope.scaling.*` keys as an HF rope_scaling dict (linear, yarn)."""
+    kind = get("rope.scaling.type", None)
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
+    original = get("rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def hf_name(gguf_name: str, source: str = "GGUF") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    raise ValueError(f"{source}: tensor {gguf_name!r} has no Llama counterpart")
+
+
+def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
+    """A GGUF reader tensor as float32 torch, shape [out, in] (ne reversed)."""
+    qtype = GGMLQuantizationType(t.tensor_type)
+    try:
+        values = dequantize(t.data, qtype)
+    except NotImplementedError:
+        raise ValueError(f"tensor {t.name}: GGUF type {qtype.name} cannot be dequantized") from None
+    shape = tuple(int(d) for d in reversed(t.shape))
+    # F32 comes back as a read-only view of the memory-mapped file: copy it out.
+    if not values.flags.writeable:
+        values = values.copy()
+    values = values.astype(np.float32, copy=False)
+    return torch.from_numpy(values.reshape(shape))
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    Its converter views each head's rows as [2, head_dim/2] (the two rotate-half
+    halves) and transposes to [head_dim/2, 2], so row i of the first half and
+    row i of the second half become neighbours 2i and 2i+1 - the pairs that
+    interleaved rope rotates together. Viewing as [head_dim/2, 2] and
+    transposing back restores the halves. Works for weights and biases (rows
+    are dim 0)."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {rows} rows over {n_heads} heads")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def llama3_scaling_from_freq_factors(factors: np.ndarray, cfg: ModelConfig, source: str) -> dict[str, Any] | None:
+    """Recover Llama 3.1's rope_scaling dict from llama.cpp's `rope_freqs` tensor.
+
+    The tensor holds, per frequency, the divisor llama3 scaling applies: 1 for
+    short wavelengths, `factor` for long ones and, in between,
+    1 / ((1 - s)/factor + s) with s linear in 1/wavelength. `factor` is the
+    largest divisor and a line through the in-between points gives the band;
+    (original_len, low, high) are only defined up to a common scale, so
+    original_len is fixed at Llama 3's 8192 and low/high follow from the line.
+    The result is checked by recomputing every divisor.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if np.allclose(factors, 1.0):
+        return None
+    d = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    if factors.shape != inv.shape:
+        raise ValueError(f"{source}: rope_freqs has {factors.size} values, expected {inv.size}")
+    wavelen = 2 * math.pi / inv
+    factor = float(factors.max())
+    mid = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    if mid.sum() < 2:
+        raise ValueError(f"{source}: rope_freqs does not look like llama3 rope scaling")
+    s = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)  # smooth factor per in-between frequency
+    slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)   # s = original/(high-low)/wavelen - low/(high-low)
+    original = 8192
+    width = original / slope
+    low = -intercept * width
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+               "high_freq_factor": low + width, "original_max_position_embeddings": original}
+    if not np.allclose(_llama3_divisors(inv, scaling), factors, rtol=1e-3):
+        raise ValueError(f"{source}: rope_freqs does not match llama3 rope scaling")
+    return scaling
+
+
+def _llama3_divisors(inv: np.ndarray, sc: dict[str, Any]) -> np.ndarray:
+    """What llama3 scaling divides each frequency by (to check a recovered dict)."""
+    factor, low, high, old = (sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"],
+                              sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1 - smooth) / factor + smooth)

