@@ -96,11 +96,10 @@ class LlamaModel:
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.input_norm, eps)
             qkv = F.linear(x, L.qkv, L.qkv_bias)
-            q = qkv[:, :q_size].view(T, H, D)
-            k = qkv[:, q_size:q_size + kv_size].view(T, KVH, D)
+            # q and k sit side by side in the fused projection: rotate them in one pass
+            qk = apply_rotary(qkv[:, :q_size + kv_size].view(T, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, q_size + kv_size:].view(T, KVH, D)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
             k_cache, v_cache = kv.layer(i)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn, L.o)

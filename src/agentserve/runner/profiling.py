@@ -93,14 +93,15 @@ class ModelTimer:
         buffer; returns (bytes per second, seconds of a one-block copy)."""
         kv = self.kv
         num_blocks = min(num_blocks, kv.num_blocks)
-        shape = (2, kv.device_kv.shape[1], num_blocks) + tuple(kv.device_kv.shape[3:])
+        d = kv.device_kv.shape
+        shape = (d[0], d[1], d[2], num_blocks, d[4], d[5])
         host = torch.empty(shape, dtype=kv.dtype, pin_memory=self.device.type == "cuda")
         idx = torch.arange(num_blocks, device=self.device)
 
         def roundtrip(n: int) -> Callable[[], object]:
             def run() -> None:
-                host[:, :, :n] = kv.device_kv[:, :, idx[:n]].to("cpu")
-                kv.device_kv[:, :, idx[:n]] = host[:, :, :n].to(self.device)
+                host[:, :, :, :n] = kv.device_kv[:, :, :, idx[:n]].to("cpu")
+                kv.device_kv[:, :, :, idx[:n]] = host[:, :, :, :n].to(self.device)
             return run
 
         t_many = median_time(roundtrip(num_blocks), self.device)
