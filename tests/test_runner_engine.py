@@ -1,0 +1,207 @@
+"""The engine around the runner: output processing (stop strings held back
+from the stream, stop tokens, finish reasons), sampling parameters, the
+sampler's truncation, chat templates, profiles and the CLI's model commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentserve.cli import main as cli_main
+from agentserve.engine.llm_engine import _held_back
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.llm import LLM
+from agentserve.runner.profiling import fit_quadratic, measure_profile, reload_cost_for
+from agentserve.runner.sampler import Sampler
+from agentserve.server.chat_template import ChatTemplate, TemplateError
+from agentserve.sim.cost_model import CostModel
+from agentserve.sim.profile import load_profile
+from tiny_models import byte_tokenizer, hf_llama, loaded, prompt
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_llama()
+
+
+def make_llm(hf, **kw) -> LLM:
+    opts = dict(dtype="float32", device="cpu", kv_cache_tokens=2048, block_size=4, policy="continuum")
+    opts.update(kw)
+    return LLM(loaded(hf), **opts)
+
+
+def _stream(llm: LLM, ids, params):
+    req = llm.engine.add_request(ids, params)
+    pieces, final = [], None
+    while final is None:
+        for o in llm.engine.step():
+            if o.request_id == req.request_id:
+                pieces.append(o.new_text)
+                if o.finished:
+                    final = o
+    return pieces, final
+
+
+def test_stop_string_ends_output_and_is_never_streamed(hf):
+    llm = make_llm(hf)
+    free = llm.generate([prompt(1, 9)], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]  # a stop string that appears in the free-running output
+    pieces, out = _stream(llm, prompt(1, 9), SamplingParams(max_tokens=40, temperature=0.0, stop=[stop],
+                                                             ignore_eos=True))
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    assert "".join(pieces) == out.text
+    assert llm.kv.num_free_blocks + llm.kv.num_pinned_blocks == llm.kv.num_blocks
+    llm.check_integrity()
+
+
+def test_held_back_suffix():
+    assert _held_back("hello wor", ["world"]) == 3
+    assert _held_back("hello", ["xyz"]) == 0
+    assert _held_back("ab", ["abc", "b"]) == 2
+
+
+def test_stop_token_and_length_finish_reasons(hf):
+    llm = make_llm(hf)
+    free = llm.generate([prompt(2, 7)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    tok = free.token_ids[4]
+    out = llm.generate([prompt(2, 7)], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[tok],
+                                                      ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+    assert out.token_ids == free.token_ids[:free.token_ids.index(tok) + 1]
+
+
+def test_eos_ends_unless_ignored(hf):
+    llm = make_llm(hf)
+    free = llm.generate([prompt(3, 5)], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    eos = free.token_ids[2]
+    llm.engine.eos_token_ids = frozenset([eos])
+    out = llm.generate([prompt(3, 5)], SamplingParams(max_tokens=30, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos and len(out.token_ids) == 3
+
+
+def test_abort_frees_kv(hf):
+    llm = make_llm(hf)
+    req = llm.engine.add_request(prompt(4, 30), SamplingParams(max_tokens=50, temperature=0.0))
+    llm.engine.step()
+    assert llm.kv.num_free_blocks < llm.kv.num_blocks
+    assert llm.engine.abort(req.request_id)
+    assert not llm.engine.abort(req.request_id)
+    assert llm.kv.num_free_blocks == llm.kv.num_blocks
+    llm.check_integrity()
+
+
+def test_request_that_cannot_fit_is_refused_and_nothing_leaks(hf):
+    llm = make_llm(hf, kv_cache_tokens=64, max_model_len=1024)
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.engine.add_request(prompt(5, 60), SamplingParams(max_tokens=20))
+    assert not llm.engine.has_unfinished
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(stop=["x"] * 17), "stop")])
+def test_sampling_params_are_validated(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
+    s = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0]] * 3)
+    seen_k, seen_p = set(), set()
+    for i in range(200):
+        toks = s.sample(logits, [SamplingParams(temperature=1.0, top_k=2),
+                                 SamplingParams(temperature=1.0, top_p=0.6),
+                                 SamplingParams(temperature=0.0)], [f"a{i}", f"b{i}", f"c{i}"])
+        seen_k.add(toks[0])
+        seen_p.add(toks[1])
+        assert toks[2] == 0
+    assert seen_k == {0, 1}
+    assert seen_p == {0}  # token 0 alone holds 66% of the mass
+    s.release("a0")
+
+
+def test_chat_template_renders_chatml_and_hermes_tools():
+    t = ChatTemplate(None)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    text = t.render([{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": "1", "type": "function",
+                                      "function": {"name": "calc", "arguments": "{\"x\": 1}"}}]},
+                     {"role": "tool", "tool_call_id": "1", "content": "2"}], tools=tools)
+    assert text.startswith("<|im_start|>system\n") and "<tools>" in text and '"name": "calc"' in text
+    assert '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>' in text
+    assert "<tool_response>\n2\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(TemplateError):
+        t.render([])
+    with pytest.raises(TemplateError, match="image_url"):
+        t.render([{"role": "user", "content": [{"type": "image_url"}]}])
+    boom = ChatTemplate("{{ raise_exception('no system role') }}")
+    with pytest.raises(TemplateError, match="no system role"):
+        boom.render([{"role": "user", "content": "x"}])
+
+
+def test_chat_with_tools_parses_hermes_calls(hf):
+    llm = make_llm(hf)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0),
+                   tools=[{"type": "function", "function": {"name": "calc"}}], program_id="prog")
+    assert out.output.num_prompt_tokens > 100  # the tools block was rendered into the prompt
+    assert out.tool_calls == []  # a random model writes no call
+
+
+def test_fit_quadratic_recovers_coefficients():
+    xs = [64, 128, 256, 512, 1024]
+    a, b, c = fit_quadratic(xs, [2e-7 * x * x + 1e-3 * x + 0.01 for x in xs])
+    assert a == pytest.approx(2e-7, rel=1e-6) and b == pytest.approx(1e-3, rel=1e-6)
+    assert c == pytest.approx(0.01, rel=1e-5)
+
+
+def test_profile_is_written_in_the_simulators_format_and_used_for_reload_cost(hf, tmp_path):
+    llm = make_llm(hf, kv_cache_tokens=4096, block_size=16, max_num_batched_tokens=256)
+    prof, raw = measure_profile(llm, [16, 32, 64, 128], [1, 2, 4], (32, 96), copy_blocks=8)
+    path = tmp_path / "p.json"
+    prof.dump(path)
+    loaded_prof = load_profile(path)
+    assert loaded_prof.model.num_layers == 2 and loaded_prof.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    cost = CostModel(loaded_prof, 16)
+    assert cost.prefill_time(128) > cost.prefill_time(16) > 0
+    assert set(raw["prefill"]) == {16, 32, 64, 128}
+    fn = reload_cost_for(str(path), llm, host_tier=False)
+    assert fn(1000) == pytest.approx(cost.prefill_time(1000))
+    with pytest.raises(Exception, match="profile"):
+        reload_cost_for(str(tmp_path / "missing.json"), llm, host_tier=False)
+
+
+def test_cli_generate_and_errors(capsys, tmp_path):
+    bad = tmp_path / "x.txt"
+    bad.write_text("hello")
+    assert cli_main(["generate", "hi", "--model", str(bad)]) == 2
+    assert "is not a model" in capsys.readouterr().err
+    assert cli_main(["generate", "hi", "--model", str(tmp_path / "nope.gguf")]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert cli_main(["generate", "hi", "--temperature", "-3"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert cli_main(["profile", "--contexts", "100"]) == 2
+    assert "--contexts" in capsys.readouterr().err
+
+
+def test_cli_generate_runs_the_default_model(capsys, smollm_path):
+    assert cli_main(["generate", "--chat", "What is the capital of France?", "--max-tokens", "12",
+                     "--kv-cache-tokens", "2048"]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" in captured.out and "prompt tokens" in captured.err
+
+
+def test_tiny_tokenizer_roundtrip():
+    tok = byte_tokenizer()
+    ids = tok.encode("a<|im_end|>é")
+    assert 257 in ids and tok.decode(ids) == "aé"
+    assert json.dumps(tok.decode(tok.encode("x y"))) == '"x y"'
