@@ -9,6 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_generate, add_profile
+from agentserve.cli_serve import add_serve
 
 WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
 
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "TTL-based KV retention across tool calls).")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_sim(sub)
+    add_serve(sub)
     add_generate(sub)
     add_profile(sub)
     return ap

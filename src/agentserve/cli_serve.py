@@ -1,0 +1,132 @@
+"""`agentserve serve`: the OpenAI-compatible server, with vllm-serve-like flags.
+
+This module builds the model (it may import torch, through cli_model); the
+HTTP layer it starts (`agentserve.server.app`) never does."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from pathlib import Path
+
+from agentserve.cli_errors import CliError
+from agentserve.cli_model import add_model_options, build_llm
+
+log = logging.getLogger("agentserve")
+
+# GGUF file names end in their quantization ("SmolLM2-135M-Instruct.Q4_1",
+# "Llama-3.2-1B-Instruct-Q4_K_M", "model.f16"): not part of the model's name.
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d+(?:_[A-Z0-9]+)*|F16|F32|BF16|FP16)$", re.IGNORECASE)
+
+
+def default_served_name(model_source: str | Path) -> str:
+    """A model's name from its file or folder: the stem without a quantization suffix."""
+    p = Path(model_source)
+    stem = p.stem if p.suffix.lower() == ".gguf" else p.name
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+def _positive(kind: str):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} must be an integer, got {s!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{kind} must be >= 0, got {v}")
+        return v
+    return parse
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what happens)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+# The command line's defaults (the app itself defaults to no queue limit).
+DEFAULT_MAX_QUEUE = 1024
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible API: POST /v1/chat/completions (tools, streaming), "
+                    "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus), and "
+                    "POST /v1/programs/{id}/release|end. Requests of one agent program are tied together by "
+                    "the X-Program-Id header (or program_id / session_id / user); the scheduler keeps a "
+                    "program's KV across its tool calls for a learned TTL.",
+        formatter_class=_HelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send as `model`; the first is reported in responses "
+                        "(default: the model file or folder name without its quantization suffix, e.g. "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the server and of uvicorn (debug logs every request's token counts)")
+    g.add_argument("--max-queue", type=_positive("--max-queue"), default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait for admission at once; more get 503 (0: no limit)")
+    g.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted; larger bodies get 413")
+    g.add_argument("--graceful-shutdown-s", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds to let requests in flight finish before they are aborted")
+    add_model_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _graceful_server(config, engine, grace: float):
+    """uvicorn's Server, whose shutdown (SIGINT/SIGTERM) first lets the requests
+    in flight finish for `grace` seconds and then ends the rest through the
+    engine, so every stream closes with an error event and [DONE] instead of
+    being cancelled mid-write."""
+    import asyncio
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.ensure_future(engine.drain(grace))
+            await super().shutdown(sockets)  # closes the listeners, waits for the connections
+            await drain
+
+    return GracefulServer(config)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from agentserve.server.app import ServerConfig, create_app
+
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body_bytes < 1:
+        raise CliError("--max-body-bytes must be at least 1")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("agentserve").setLevel(args.log_level.upper())
+    llm = build_llm(args)
+    names = args.served_model_name or [default_served_name(llm.model_source)]
+    config = ServerConfig(names, api_key=args.api_key, max_queue=args.max_queue or None,
+                          max_body_bytes=args.max_body_bytes)
+    app = create_app(llm, config)
+    kv = llm.scheduler.kv
+    log.info("serving %s (%s) on http://%s:%d/v1 - max_model_len %d; KV cache %d tokens (%.1f MiB, %d blocks "
+             "of %d); policy %s; max queue %s; API key %s", names[0], llm.model_source, args.host, args.port,
+             llm.max_model_len, kv.num_blocks * kv.block_size, llm.kv_cache.bytes / 2**20, kv.num_blocks,
+             kv.block_size, llm.scheduler.policy.name, config.max_queue or "unlimited",
+             "required" if args.api_key else "not required")
+    # uvicorn's own limit is only a backstop: the engine ends late requests first.
+    uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                             timeout_graceful_shutdown=args.graceful_shutdown_s + 5)
+    server = _graceful_server(uconfig, app.state.server.engine, args.graceful_shutdown_s)
+    try:
+        server.run()  # uvicorn handles SIGINT/SIGTERM: stop accepting, drain, then the lifespan stops the engine
+    except OSError as e:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    return 0 if server.started else 1

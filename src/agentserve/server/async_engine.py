@@ -1,0 +1,495 @@
+"""The engine on one background thread, with an asyncio-facing API.
+
+`LLMEngine` is not thread-safe, and a step (a forward pass) blocks for
+milliseconds to seconds, so it cannot run on the event loop. One engine thread
+owns the engine, the scheduler and the KV manager; everything else reaches them
+through commands: a callable put on a thread-safe queue, run by the engine
+thread between steps, its result handed back through a future. Adding a
+request, aborting one, releasing or ending a program, taking a metrics snapshot
+and checking block accounting are all such commands, so none of them races a
+step.
+
+Outputs go the other way: after each step the engine thread hands the step's
+`RequestOutput`s to the event loop in one `call_soon_threadsafe`, each into the
+`asyncio.Queue` of its request's `RequestStream`. A stream that is closed before
+its request finished (the client went away) aborts the request, which frees its
+KV at the next command.
+
+When nothing runs but pins exist, the thread still steps the scheduler at the
+next pin expiry (and at least every second), so expired pins are released on
+an idle server too."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentserve.engine.llm_engine import RequestOutput
+from agentserve.engine.request import Request
+from agentserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("agentserve.server")
+
+IDLE_WAKE_S = 1.0  # the longest the idle thread sleeps (pin review, program-table pruning)
+NO_PROGRESS_WAIT_S = 0.005  # backoff when requests wait but nothing could be scheduled
+
+
+class EngineError(RuntimeError):
+    """The engine failed while the request was in it (the request is aborted)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running (not started, shut down, or crashed)."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting for admission."""
+
+
+class EngineListener(Protocol):
+    """Told about progress, on the engine thread (metrics implement it)."""
+
+    def on_request_output(self, out: RequestOutput, now: float, last_token_time: float | None) -> None: ...
+
+    def on_request_aborted(self) -> None: ...
+
+    def on_program_end(self, jct: float) -> None: ...
+
+    def on_ttl_decisions(self, ttls: list[float]) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Scheduler and KV state at one instant, taken on the engine thread."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    num_pinned_blocks: int
+    num_pinned_programs: int
+    block_size: int
+    steps: int
+    preemptions: int
+    admitted_prompt_tokens: int
+    hit_tokens: int
+    loaded_tokens: int
+    pins_created: int
+    pins_hit: int
+    pins_expired: int
+    pins_reclaimed: int
+    pins_released_early: int
+    pins_released_at_end: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class RequestStream:
+    """The incremental outputs of one request, as an async iterator.
+
+    Iteration ends after the finished output; an engine failure is raised from
+    `__anext__`. `close()` aborts the request if it has not finished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.request: Request | None = None  # set on the engine thread when added
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it finished; safe to call more than once, from a finally."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Live:
+    """A request in the engine, as the engine thread tracks it."""
+
+    stream: RequestStream
+    request: Request
+    explicit_program: bool
+    release_after: bool
+    last_token_time: float | None = None
+
+
+@dataclass
+class _ProgramTimes:
+    first_arrival: float
+    last_activity: float
+    in_flight: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future | None
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, llm: Any, *, max_queue: int | None = None, listener: EngineListener | None = None,
+                 program_idle_timeout: float = 600.0) -> None:
+        """`llm` is an `agentserve.llm.LLM` (or anything with its `engine`,
+        `scheduler`, `kv` and `check_integrity`). `max_queue`: requests that may
+        wait for admission at once (None: no limit)."""
+        self.llm = llm
+        self.engine = llm.engine
+        self.scheduler = llm.scheduler
+        self.kv = llm.scheduler.kv
+        self.clock = llm.engine.clock
+        self.max_queue = max_queue
+        self.listener = listener
+        self.program_idle_timeout = program_idle_timeout
+        self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._programs: dict[str, _ProgramTimes] = {}  # engine thread only
+        self._ttl_seen = self.scheduler.stats.pins_created
+        self._stopping = False
+        self._lock = threading.Lock()  # orders posting a command against the thread's final drain
+        self._last_prune = 0.0
+        self.crashed: BaseException | None = None
+
+    # --- lifecycle (event loop side) ---
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._main, name="agentserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight (its streams get EngineStopped) and join the thread."""
+        t = self._thread
+        if t is None or not t.is_alive():
+            return
+        self._commands.put(_STOP)
+        t.join(timeout)
+        if t.is_alive():
+            log.error("the engine thread did not stop within %.0f s", timeout)
+
+    async def drain(self, timeout: float) -> int:
+        """Let the requests in flight finish for up to `timeout` seconds, then end
+        the rest with EngineStopped (their streams close cleanly with an error
+        event). For a graceful shutdown: call it once no new requests can arrive.
+        Returns the number of requests that had to be ended."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while await self.call(lambda: len(self._live)) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            return await self.call(self._end_all_for_shutdown)
+        except EngineStopped:
+            return 0
+
+    def _end_all_for_shutdown(self) -> int:
+        n = len(self._live)
+        if n:
+            log.warning("shutting down: ending %d request(s) still in flight", n)
+            self._fail_all(EngineStopped("the server is shutting down"))
+        return n
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # --- commands ---
+
+    def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self.alive:
+                raise EngineStopped("the engine is not running" + (f" (it crashed: {self.crashed})"
+                                                                   if self.crashed else ""))
+            self._commands.put(_Command(fn, fut))
+        return fut
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between steps; its result or exception."""
+        return await asyncio.wrap_future(self._post(fn))
+
+    def call_sync(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """`call` for code on other threads (tests, a debugger): blocks until done."""
+        return self._post(fn).result(timeout)
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
+                     program_id: str | None = None, ttl_hint: float | None = None, is_last_turn: bool = False,
+                     release_after: bool = False) -> RequestStream:
+        """Add a request. Raises ValueError (it can never fit), QueueFullError or EngineStopped."""
+        stream = RequestStream(self, request_id)
+        await self.call(lambda: self._add(stream, prompt_token_ids, params, program_id, ttl_hint,
+                                          is_last_turn, release_after))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; returns at once (the engine thread frees its KV)."""
+        with self._lock:
+            if self.alive:
+                self._commands.put(_Command(lambda: self._abort(request_id), None))
+
+    async def release_program(self, program_id: str) -> bool:
+        """Drop the program's pin now (and after any turn of it still in flight)."""
+        return await self.call(lambda: self._release_program(program_id))
+
+    async def end_program(self, program_id: str) -> bool:
+        """The program is over: drop its pin, forget it, record its JCT. A turn
+        still in flight becomes its last. False if the program was unknown."""
+        return await self.call(lambda: self._end_program(program_id))
+
+    async def check_integrity(self) -> None:
+        await self.call(self.llm.check_integrity)
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.call(self._snapshot)
+
+    # --- the engine thread ---
+
+    def _main(self) -> None:
+        try:
+            while not self._stopping:
+                busy = self.engine.has_unfinished
+                self._run_commands(None if busy else self._idle_wait())
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished:
+                    if not self._step():
+                        self._run_commands(NO_PROGRESS_WAIT_S)
+                elif self.kv.pins:
+                    self._step()  # nothing to run: schedule() releases the pins that expired
+                self._housekeeping()
+        except BaseException as e:  # a bug in this loop: fail loudly, never hang clients
+            self.crashed = e
+            log.exception("the engine thread crashed")
+        finally:
+            with self._lock:
+                self._stopping = True
+            self._fail_all(EngineStopped("the server is shutting down" if self.crashed is None
+                                         else f"the engine crashed: {self.crashed}"))
+            self._drain_after_stop()
+
+    def _idle_wait(self) -> float:
+        pins = self.kv.pins
+        if not pins:
+            return IDLE_WAKE_S
+        first = min(p.expiry for p in pins.values())
+        return min(max(first - self.clock.now(), 0.001), IDLE_WAKE_S)
+
+    def _run_commands(self, timeout: float | None) -> None:
+        """Run queued commands; with a timeout, wait up to that long for the first."""
+        try:
+            cmd = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd is _STOP:
+                self._stopping = True
+                return
+            self._execute(cmd)  # type: ignore[arg-type]
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _execute(cmd: _Command) -> None:
+        try:
+            result = cmd.fn()
+        except BaseException as e:
+            if cmd.future is not None:
+                cmd.future.set_exception(e)
+            else:
+                log.exception("engine command failed")
+            return
+        if cmd.future is not None:
+            cmd.future.set_result(result)
+
+    def _drain_after_stop(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Command) and cmd.future is not None:
+                cmd.future.set_exception(EngineStopped("the server is shutting down"))
+
+    def _step(self) -> bool:
+        """One engine step; False when it made no progress."""
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; aborting the %d requests in flight", len(self._live))
+            self._fail_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
+            return False
+        now = self.clock.now()
+        batch = []
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            self._notify("on_request_output", out, now, live.last_token_time)
+            if out.new_token_ids:
+                live.last_token_time = now
+            if out.finished:
+                del self._live[out.request_id]
+                self._finished(live, out, now)
+            batch.append((live.stream, out))
+        self._deliver(batch)
+        return bool(outputs) or self.scheduler.num_running > 0
+
+    def _deliver(self, batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        if not batch or self._loop is None:
+            return
+
+        def put_all() -> None:
+            for stream, item in batch:
+                stream._put(item)
+        try:
+            self._loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for rid, live in list(self._live.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("aborting %s failed", rid)
+            batch.append((live.stream, error))
+        self._live.clear()
+        self._deliver(batch)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        if self.listener is None:
+            return
+        try:
+            getattr(self.listener, method)(*args)
+        except Exception:  # metrics must never take the engine down
+            log.exception("listener %s failed", method)
+
+    # --- commands' bodies (engine thread) ---
+
+    def _add(self, stream: RequestStream, ids: list[int], params: SamplingParams, program_id: str | None,
+             ttl_hint: float | None, is_last_turn: bool, release_after: bool) -> None:
+        if self.max_queue is not None and self.scheduler.num_waiting >= self.max_queue:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are already waiting "
+                                 f"(--max-queue {self.max_queue}); retry later")
+        req = self.engine.add_request(ids, params, request_id=stream.request_id, program_id=program_id,
+                                      ttl_hint=ttl_hint, is_last_turn=is_last_turn)
+        stream.request = req
+        self._live[req.request_id] = _Live(stream, req, program_id is not None, release_after)
+        if program_id is not None:
+            now = self.clock.now()
+            prog = self._programs.get(program_id)
+            if prog is None:
+                prog = self._programs[program_id] = _ProgramTimes(req.arrival_time, now)
+            prog.last_activity = now
+            prog.in_flight.add(req.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return  # finished meanwhile
+        self.engine.abort(request_id)
+        self._notify("on_request_aborted")
+        req = live.request
+        if not live.explicit_program:
+            self.scheduler.end_program(req.program_id)  # a one-request program: nothing comes back
+            return
+        prog = self._programs.get(req.program_id)
+        if prog is not None:
+            prog.in_flight.discard(request_id)
+        if req.is_last_turn:
+            self._end_program(req.program_id)
+
+    def _finished(self, live: _Live, out: RequestOutput, now: float) -> None:
+        req = live.request
+        if live.release_after and not req.is_last_turn:
+            self.scheduler.release_program(req.program_id)
+        if not live.explicit_program:
+            return
+        prog = self._programs.get(req.program_id)
+        if prog is None:
+            return
+        prog.in_flight.discard(req.request_id)
+        prog.last_activity = now
+        if req.is_last_turn:  # the scheduler already ended it
+            del self._programs[req.program_id]
+            self._notify("on_program_end", now - prog.first_arrival)
+
+    def _release_program(self, program_id: str) -> bool:
+        for live in self._live.values():
+            if live.request.program_id == program_id:
+                live.release_after = True
+        return self.scheduler.release_program(program_id)
+
+    def _end_program(self, program_id: str) -> bool:
+        in_flight = [live for live in self._live.values() if live.request.program_id == program_id]
+        for live in in_flight:
+            live.request.is_last_turn = True  # the scheduler ends the program when it finishes
+        prog = self._programs.get(program_id)
+        known = prog is not None or program_id in self.kv.pins
+        if not in_flight:
+            self.scheduler.end_program(program_id)
+            if prog is not None:
+                del self._programs[program_id]
+                self._notify("on_program_end", prog.last_activity - prog.first_arrival)
+        return known or bool(in_flight)
+
+    def _housekeeping(self) -> None:
+        stats = self.scheduler.stats
+        new = stats.pins_created - self._ttl_seen
+        if new > 0:
+            hist = stats.ttl_history
+            self._notify("on_ttl_decisions", list(hist[-min(new, len(hist)):]) if hist else [])
+            self._ttl_seen = stats.pins_created
+        now = self.clock.now()
+        if now - self._last_prune >= IDLE_WAKE_S:
+            self._last_prune = now
+            idle = [pid for pid, p in self._programs.items()
+                    if not p.in_flight and now - p.last_activity > self.program_idle_timeout]
+            for pid in idle:  # abandoned programs: forgotten without a JCT
+                del self._programs[pid]
+
+    def _snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler.stats, self.kv
+        return EngineSnapshot(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+            num_pinned_blocks=kv.num_pinned_blocks, num_pinned_programs=len(kv.pins), block_size=kv.block_size,
+            steps=s.steps, preemptions=s.preemptions, admitted_prompt_tokens=s.admitted_prompt_tokens,
+            hit_tokens=s.hit_tokens, loaded_tokens=s.loaded_tokens, pins_created=s.pins_created,
+            pins_hit=s.pins_hit, pins_expired=s.pins_expired, pins_reclaimed=s.pins_reclaimed,
+            pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end)

@@ -1,0 +1,111 @@
+"""Which program a request belongs to, and the client's retention hints.
+
+The scheduler keeps KV and orders work by *program* (DESIGN.md, "Request
+identity"), so the server has to name the program of every request. Clients
+differ in how they say it; the first of these that is present wins:
+
+1. body `program_id`
+2. header `X-Program-Id`
+3. body `session_id`, then header `X-Session-Id` (the names vLLM accepts)
+4. body `user` (OpenAI's end-user field)
+
+Without any, the request is its own program: it ends when the request ends,
+so nothing is pinned for a follow-up that cannot be recognised (its blocks
+still stay in the prefix cache for whoever sends the same prefix).
+
+Hints, all optional: a TTL in seconds (body `ttl`, header `X-Program-TTL`) that
+overrides the policy's learned TTL where the policy honours hints; an explicit
+release after this turn (body `release_program: true`, header
+`X-Program-Release`); and the end of the program (body `end_program: true`,
+header `X-Program-End`), after which its pin is dropped and its job completion
+time recorded. Body fields win over headers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_ID_LENGTH = 256
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class IdentityError(ValueError):
+    """A malformed identity field or hint; `param` names it for the 400 reply."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ProgramIdentity:
+    program_id: str | None  # None: the request is its own program
+    source: str  # where the id came from ("program_id", "X-Program-Id", ..., or "request")
+    ttl: float | None = None
+    release_after: bool = False
+    end_program: bool = False
+
+    @property
+    def explicit(self) -> bool:
+        return self.program_id is not None
+
+    @property
+    def is_last_turn(self) -> bool:
+        """An anonymous request is a one-turn program; an explicit one ends when told."""
+        return self.end_program or not self.explicit
+
+
+def resolve_identity(body: Any, headers: Mapping[str, str]) -> ProgramIdentity:
+    """`body` is a parsed request (attributes `program_id`, `session_id`, `user`,
+    `ttl`, `release_program`, `end_program`); `headers` is case-insensitive."""
+    pid, source = None, "request"
+    for value, name in ((getattr(body, "program_id", None), "program_id"),
+                        (headers.get("x-program-id"), "X-Program-Id"),
+                        (getattr(body, "session_id", None), "session_id"),
+                        (headers.get("x-session-id"), "X-Session-Id"),
+                        (getattr(body, "user", None), "user")):
+        if value is None:
+            continue
+        value = value.strip()
+        if not value:
+            continue  # an empty id names nothing: fall through to the next source
+        if len(value) > MAX_ID_LENGTH:
+            raise IdentityError(f"{name} is longer than {MAX_ID_LENGTH} characters", name)
+        pid, source = value, name
+        break
+
+    ttl = getattr(body, "ttl", None)
+    ttl_param = "ttl"
+    if ttl is None and headers.get("x-program-ttl") is not None:
+        ttl_param = "X-Program-TTL"
+        try:
+            ttl = float(headers["x-program-ttl"])
+        except ValueError:
+            raise IdentityError(f"X-Program-TTL must be a number of seconds, got {headers['x-program-ttl']!r}",
+                                ttl_param) from None
+    if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
+        raise IdentityError(f"{ttl_param} must be a finite number of seconds >= 0, got {ttl!r}", ttl_param)
+
+    release = bool(getattr(body, "release_program", False)) or _flag(headers, "x-program-release", "X-Program-Release")
+    end = bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
+    if pid is None and (ttl is not None or release):
+        # Hints about a program nobody can come back to would be silently meaningless.
+        raise IdentityError("a retention hint (ttl / release_program) needs a program id: send program_id, "
+                            "X-Program-Id, session_id, X-Session-Id or user", "ttl" if ttl is not None
+                            else "release_program")
+    return ProgramIdentity(pid, source, ttl, release, end)
+
+
+def _flag(headers: Mapping[str, str], key: str, name: str) -> bool:
+    raw = headers.get(key)
+    if raw is None:
+        return False
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise IdentityError(f"{name} must be true or false, got {raw!r}", name)

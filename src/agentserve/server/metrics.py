@@ -1,0 +1,144 @@
+"""Prometheus metrics, named `agentserve:*` like vLLM's `vllm:*`.
+
+Two sources. Per-request latencies (TTFT, inter-token latency, end-to-end,
+queue time), per-program job completion time and the scheduler's TTL
+decisions are observed as they happen, on the engine thread (`ServerMetrics`
+is the engine's listener; prometheus-client is thread-safe). Engine state
+(running/waiting requests, KV usage, pins) and the scheduler's cumulative
+counters are read from an `EngineSnapshot` taken on the engine thread when
+/metrics is scraped, so a scrape never reads a structure a step is changing.
+
+Each server has its own CollectorRegistry, so tests can run several servers in
+one process and the default registry's process metrics stay out of the way."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from agentserve.engine.llm_engine import RequestOutput
+from agentserve.server.async_engine import EngineSnapshot
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+P = "agentserve:"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0)
+_JCT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 900.0, 1800.0, 3600.0)
+_TTL_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _SnapshotCollector(Collector):
+    """Engine state from the latest snapshot, as gauges and counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self):
+        s = self.snapshot
+        if s is None:
+            return
+        labels, value = ["model_name"], [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting for admission.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (running or pinned).", s.kv_usage)
+        yield gauge("kv_cache_blocks", "Device KV blocks in all.", s.num_blocks)
+        yield gauge("kv_cache_free_blocks", "Device KV blocks free (empty or cached and evictable).",
+                    s.num_free_blocks)
+        yield gauge("pinned_blocks", "Device KV blocks held by program pins.", s.num_pinned_blocks)
+        yield gauge("pinned_programs", "Programs whose KV is pinned across a tool call.", s.num_pinned_programs)
+        yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.admitted_prompt_tokens)
+        yield counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache at admission.", s.hit_tokens)
+        yield counter("prefix_loaded_tokens", "Prefix-hit tokens reloaded from the host tier.", s.loaded_tokens)
+        yield counter("preemptions", "Running requests preempted for lack of KV.", s.preemptions)
+        yield counter("pins_created", "Pins made at the end of a turn.", s.pins_created)
+        yield counter("pins_hit", "Pins still held when the program's next turn was admitted.", s.pins_hit)
+        yield counter("pins_expired", "Pins released at the end of their TTL.", s.pins_expired)
+        yield counter("pins_reclaimed", "Pins released early because another program needed the KV.",
+                      s.pins_reclaimed)
+        yield counter("pins_released_early", "Pins the policy released before their TTL.", s.pins_released_early)
+        yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
+        yield counter("engine_steps", "Scheduler steps.", s.steps)
+
+
+class ServerMetrics:
+    """The server's registry; also the engine's listener (see async_engine.EngineListener)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.model_name = model_name
+        self._ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", lab,
+                               buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self._itl = Histogram(P + "inter_token_latency_seconds", "Time between two output tokens of a request.",
+                              lab, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self._e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token of a finished request.",
+                              lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self._queue = Histogram(P + "request_queue_time_seconds", "Time a finished request spent waiting for "
+                                "admission (first admission and after preemptions).", lab,
+                                buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self._jct = Histogram(P + "program_jct_seconds", "Job completion time of ended programs: first request's "
+                              "arrival to the last response, tool time included.", lab, buckets=_JCT_BUCKETS,
+                              registry=r).labels(model_name)
+        self._ttl = Histogram(P + "pin_ttl_seconds", "TTLs the policy chose when pinning a program's KV.", lab,
+                              buckets=_TTL_BUCKETS, registry=r).labels(model_name)
+        self._finished = Counter(P + "request_success", "Finished requests by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self._gen_tokens = Counter(P + "generation_tokens", "Output tokens generated.", lab,
+                                   registry=r).labels(model_name)
+        self._engine = _SnapshotCollector(model_name)
+        r.register(self._engine)
+
+    # --- engine listener (engine thread) ---
+
+    def on_request_output(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:
+        n = len(out.new_token_ids)
+        if n:
+            self._gen_tokens.inc(n)
+            if last_token_time is None:
+                if out.first_token_time is not None:
+                    self._ttft.observe(out.first_token_time - out.arrival_time)
+            else:
+                gap = (now - last_token_time) / n
+                for _ in range(n):
+                    self._itl.observe(gap)
+        if out.finished:
+            self._finished.labels(self.model_name, out.finish_reason or "unknown").inc()
+            if out.finish_time is not None:
+                self._e2e.observe(out.finish_time - out.arrival_time)
+            self._queue.observe(out.queue_time)
+
+    def on_request_aborted(self) -> None:
+        self._finished.labels(self.model_name, "abort").inc()
+
+    def on_program_end(self, jct: float) -> None:
+        self._jct.observe(max(jct, 0.0))
+
+    def on_ttl_decisions(self, ttls: list[float]) -> None:
+        for t in ttls:
+            self._ttl.observe(t)
+
+    # --- scrape ---
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """The exposition text; engine-state metrics come from `snapshot` (None: left out)."""
+        self._engine.snapshot = snapshot
+        return generate_latest(self.registry)

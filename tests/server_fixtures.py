@@ -1,0 +1,94 @@
+"""A real server on loopback for the server tests: the tiny random Llama of
+tiny_models.py behind `create_app`, run by uvicorn on a background thread.
+
+A random model never writes a tool call, so `ScriptedExecutor` wraps the real
+executor and, for the programs a test names, replaces the sampled tokens by a
+scripted text (byte tokenizer: one token per byte) followed by EOS. The
+forward pass still runs, so KV, prefix hits and pins behave as for any other
+request."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from agentserve.engine.executor import Executor, ExecutorResult
+from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.llm import LLM
+from agentserve.server.app import ServerConfig, create_app
+from tiny_models import byte_tokenizer, hf_llama, loaded
+
+EOS = 257  # <|im_end|> of the byte tokenizer
+
+
+class ScriptedExecutor(Executor):
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.scripts: dict[str, list[int]] = {}  # program id -> the tokens its requests sample
+
+    def script(self, program_id: str, text: str) -> None:
+        self.scripts[program_id] = list(text.encode()) + [EOS]
+
+    def execute(self, output: SchedulerOutput) -> ExecutorResult:
+        result = self.inner.execute(output)
+        for ch in output.chunks:
+            script = self.scripts.get(ch.request.program_id)
+            if ch.sample and script is not None:
+                i = ch.request.num_output_tokens
+                result.sampled[ch.request.request_id] = [script[i] if i < len(script) else EOS]
+        return result
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+
+def tiny_llm(**kw) -> LLM:
+    opts = dict(dtype="float32", device="cpu", kv_cache_tokens=4096, block_size=4, max_num_seqs=8,
+                max_num_batched_tokens=256)
+    opts.update(kw)
+    return LLM(loaded(hf_llama(), byte_tokenizer()), **opts)
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1 on a free port, on a daemon thread."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                   timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def start_tiny_server(api_key: str = "test-key", max_body_bytes: int = 64 * 1024, **llm_kw):
+    """(server thread, llm, scripted executor) for the tiny model named 'tiny'."""
+    llm = tiny_llm(**llm_kw)
+    scripted = ScriptedExecutor(llm.engine.executor)
+    llm.engine.executor = scripted
+    app = create_app(llm, ServerConfig(["tiny", "tiny-alias"], api_key=api_key, max_queue=64,
+                                       max_body_bytes=max_body_bytes))
+    return ServerThread(app).start(), llm, scripted
