@@ -205,3 +205,33 @@ def test_tiny_tokenizer_roundtrip():
     ids = tok.encode("a<|im_end|>é")
     assert 257 in ids and tok.decode(ids) == "aé"
     assert json.dumps(tok.decode(tok.encode("x y"))) == '"x y"'
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "calc", "parameters": {
+        "type": "object", "properties": {"expr": {"type": "string", "maxLength": 12}}, "required": ["expr"]}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather", "calc"])
+def test_required_tool_choice_forces_a_valid_call_even_from_a_random_model(hf, choice):
+    pytest.importorskip("xgrammar")
+    llm = make_llm(hf, kv_cache_tokens=4096)
+    out = llm.chat([{"role": "user", "content": "weather?"}], SamplingParams(max_tokens=200, temperature=0.0),
+                   tools=WEATHER_TOOLS, tool_choice=choice)
+    assert len(out.tool_calls) == 1, out.output.text
+    call = out.tool_calls[0]
+    if choice != "required":
+        assert call.name == choice
+    if call.name == "get_weather":
+        assert set(call.arguments) == {"city", "unit"} and call.arguments["unit"] in ("c", "f")
+        assert len(call.arguments["city"]) <= 10  # a random model would never close the string itself
+    else:
+        assert set(call.arguments) == {"expr"} and len(call.arguments["expr"]) <= 12
+    assert out.output.finish_reason == "stop"
+    llm.check_integrity()
+    with pytest.raises(ValueError, match="not among the tools"):
+        llm.chat([{"role": "user", "content": "x"}], tools=WEATHER_TOOLS, tool_choice="nope")

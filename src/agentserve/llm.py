@@ -5,6 +5,7 @@ and drives the step loop until the given requests finish."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class LLM:
         self.engine = LLMEngine(self.scheduler, self.executor, self.clock,
                                 detokenizer=lambda: IncrementalDetokenizer(tok),
                                 eos_token_ids=cfg.eos_token_ids or tok.eos_token_ids)
+        self._tool_grammars = None
         self.chat_template = ChatTemplate(template, tok.bos_token or "", tok.eos_token or "")
         log.info("model %s on %s (%s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB) in blocks of %d, "
                  "host tier %d tokens; policy %s", self.model_source, self.device, devices.dtype_name(self.dtype),
@@ -106,12 +108,18 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
              tools: list[dict[str, Any]] | None = None, program_id: str | None = None,
-             end_program: bool = False) -> ChatOutput:
+             end_program: bool = False, tool_choice: str | None = None) -> ChatOutput:
         """One chat turn. Reusing `program_id` across turns keeps the program's KV
-        between them (the policy decides for how long)."""
+        between them (the policy decides for how long). `tool_choice` "required"
+        or a function name forces one valid call (constrained decoding)."""
         prompt = self.chat_template.render(messages, tools=tools)
         ids = self.tokenizer.encode(prompt)
         p = params or SamplingParams(max_tokens=256, temperature=0.0)
+        if tool_choice not in (None, "auto", "none"):
+            if not tools:
+                raise ValueError("tool_choice needs tools")
+            p = dataclasses.replace(p, constraint=self.tool_call_constraint(
+                tools, None if tool_choice == "required" else tool_choice))
         req = self.engine.add_request(ids, p, program_id=program_id, is_last_turn=end_program)
         out = self._run([req.request_id])[0]
         calls = parse_tool_calls(out.text) if tools else []
@@ -126,6 +134,16 @@ class LLM:
                 if o.finished and o.request_id in want:
                     done[o.request_id] = o
         return [done[r] for r in request_ids]
+
+    def tool_call_constraint(self, tools: list[dict[str, Any]], name: str | None = None):
+        """A constraint for SamplingParams.constraint that holds the output to one
+        valid call of one of `tools` (or of the function `name`). Needs xgrammar."""
+        if self._tool_grammars is None:  # a benign race: two threads may both build one
+            from agentserve.runner.structured import ToolGrammars
+
+            eos = list(self.engine.eos_token_ids) or list(self.tokenizer.eos_token_ids)
+            self._tool_grammars = ToolGrammars(self.tokenizer, self.config.vocab_size, eos)
+        return self._tool_grammars.constraint(tools, name)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

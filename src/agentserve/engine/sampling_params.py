@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -15,6 +16,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # the output ends before the first match
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # a grammar the runner holds the output to (tool_choice "required"/named); opaque here
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

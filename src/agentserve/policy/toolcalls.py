@@ -31,7 +31,9 @@ __all__ = ["ToolCall", "parse_tool_calls", "first_tool_name", "FORMATS"]
 
 FORMATS = ("openai", "hermes", "llama3", "bash")
 
-_DECODER = json.JSONDecoder()
+# strict=False: models (and grammar-constrained decoding) write raw control characters
+# such as tabs inside strings; refusing the whole call over them helps nobody
+_DECODER = json.JSONDecoder(strict=False)
 _WS = " \t\r\n"
 
 _HERMES_OPEN = "<tool_call>"
@@ -76,7 +78,7 @@ def _norm_args(args: Any) -> dict | str:
         s = args.strip()
         if s.startswith("{"):
             try:
-                val = json.loads(s)
+                val = json.loads(s, strict=False)
             except (ValueError, RecursionError):
                 return args
             if isinstance(val, dict):
@@ -189,7 +191,7 @@ def _parse_llama3(text: str) -> list[ToolCall]:
         return []
     if s[0] == "[":
         try:
-            val = json.loads(s)
+            val = json.loads(s, strict=False)
         except (ValueError, RecursionError):
             return []
         if not isinstance(val, list) or not val:

@@ -4,8 +4,10 @@ per-request seeds.
 Random rows are drawn with the exponential race (argmax of p / E, E ~ Exp(1)),
 which samples exactly from p and needs one noise draw per row: a seeded
 request draws its noise from its own generator, so its tokens depend on its
-seed and its logits only, never on what else shares the batch. Only the
-sampled ids cross to the host."""
+seed and its logits only, never on what else shares the batch. A request
+with a grammar constraint has the tokens its grammar forbids masked out first,
+and its matcher advanced with the token drawn. Only the sampled ids cross to
+the host."""
 
 from __future__ import annotations
 
@@ -22,9 +24,28 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
+        self._constraints = None  # ConstraintState, made on first use (needs xgrammar)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self._constraints is not None:
+            self._constraints.release(request_id)
+
+    def _constrain(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> None:
+        rows = [i for i, p in enumerate(params) if p.constraint is not None]
+        if not rows:
+            return
+        if self._constraints is None:
+            from agentserve.runner.structured import ConstraintState
+            self._constraints = ConstraintState(logits.shape[1])
+        self._constraints.mask(logits, rows, [params[i].constraint for i in rows], [request_ids[i] for i in rows])
+
+    def _accept(self, tokens: list[int], params: list[SamplingParams], request_ids: list[str]) -> list[int]:
+        if self._constraints is not None:
+            for tok, p, rid in zip(tokens, params, request_ids):
+                if p.constraint is not None:
+                    self._constraints.accept(rid, tok)
+        return tokens
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         g = self._generators.get(request_id)
@@ -34,10 +55,12 @@ class Sampler:
             self._generators[request_id] = g
         return g
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
         """logits [rows, vocab] float32 -> one token id per row."""
+        self._constrain(logits, params, request_ids)
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return self._accept(logits.argmax(dim=-1).tolist(), params, request_ids)
         rows = logits.shape[0]
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
         temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
@@ -64,7 +87,7 @@ class Sampler:
             drawn = order.gather(1, drawn[:, None]).squeeze(1)
         out = torch.where(greedy, logits.argmax(dim=-1), drawn)
         assert out.shape[0] == rows
-        return out.tolist()
+        return self._accept(out.tolist(), params, request_ids)
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -72,6 +73,7 @@ class ServerState:
     metrics: ServerMetrics
     config: ServerConfig
     created: int = field(default_factory=now_s)
+    warned_unconstrained: bool = False
 
     @property
     def model_name(self) -> str:
@@ -413,6 +415,25 @@ def _chat_tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
         raise APIError(400, str(e), param="tool_choice") from None
 
 
+def _constrain_call(st: ServerState, req: ChatCompletionRequest, choice: ToolChoice,
+                    params: SamplingParams) -> SamplingParams:
+    """tool_choice "required" or named: hold decoding to one valid call of an allowed
+    tool (its arguments following the tool's schema). Without the grammar library
+    the output is only parsed, and the server says so once in its log."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    tools = [t for t in tools if t.get("function", {}).get("name") in choice.allowed]
+    try:
+        constraint = st.llm.tool_call_constraint(tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    except RuntimeError as e:  # StructuredOutputUnavailable: xgrammar is not installed
+        if not st.warned_unconstrained:
+            log.warning("%s; tool_choice %s is parsed, not enforced", e, choice.mode)
+            st.warned_unconstrained = True
+        return params
+    return dataclasses.replace(params, constraint=constraint)
+
+
 def _render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     messages = []
     for m in req.messages:
@@ -443,6 +464,8 @@ async def chat_completions(request: Request) -> Response:
     max_tokens, max_param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
     params = _sampling(st, req, len(ids), max_tokens, "messages", max_param)
+    if choice is not None and choice.forced:
+        params = await run_in_threadpool(_constrain_call, st, req, choice, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = await _submit(st, ids, params, rid, ident, "messages")
     created = now_s()
