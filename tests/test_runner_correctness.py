@@ -109,7 +109,6 @@ def test_bfloat16_agrees_with_float32_reference(hf, references):
     ids = prompts[6] + refs[6]
     out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids  # runs end to end in bf16
-    from agentserve.runner.profiling import ModelTimer  # noqa: F401  (same forward path)
     from agentserve.runner.attention import build_metadata
 
     n = len(ids)

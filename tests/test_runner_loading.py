@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from agentserve.runner import loader
 from agentserve.runner.gguf_loader import llama3_scaling_from_freq_factors, load_gguf, unpermute_qk
-from agentserve.runner.loader import LoadedModel, default_model_path, load_model
+from agentserve.runner.loader import LoadedModel, load_model
 from agentserve.runner.safetensors_loader import load_safetensors_dir
 from agentserve.runner.tokenizer import IncrementalDetokenizer, Tokenizer
 from gguf_fixtures import (CHAT_TEMPLATE, SPECIAL_TOKENS, byte_level_vocab, llama3_freq_factors,
@@ -48,14 +48,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm_path() -> Path:
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"default model not installed: {e}")
-
-
-@pytest.fixture(scope="module")
 def smollm(smollm_path) -> LoadedModel:
     return load_model("default")
 
@@ -67,11 +59,8 @@ def hf_tokenizer(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict(smollm_path) -> dict[str, torch.Tensor]:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
-    return model.state_dict()
+def hf_state_dict(smollm_hf) -> dict[str, torch.Tensor]:
+    return smollm_hf.state_dict()  # transformers' model from the same GGUF (tests/conftest.py)
 
 
 def test_smollm_config_and_metadata(smollm, smollm_path):

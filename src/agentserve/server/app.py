@@ -449,12 +449,18 @@ def _render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     return st.llm.tokenizer.encode(prompt)
 
 
-async def chat_completions(request: Request) -> Response:
+async def _accept(request: Request, body_model: type[BaseModel]) -> tuple[ServerState, Any, str]:
+    """The checks every generation endpoint makes first: key, body, model, shared fields."""
     st = _state(request)
     _authorize(st, request)
-    req: ChatCompletionRequest = _validate(ChatCompletionRequest, await _read_json(st, request))
+    req = _validate(body_model, await _read_json(st, request))
     model = _check_model(st, req.model)
     _check_common(req)
+    return st, req, model
+
+
+async def chat_completions(request: Request) -> Response:
+    st, req, model = await _accept(request, ChatCompletionRequest)
     _reject(bool(req.logprobs) or bool(req.top_logprobs), "logprobs are not supported", "logprobs")
     _reject(req.response_format is not None and req.response_format.type != "text",
             "response_format other than text is not supported yet", "response_format")
@@ -547,11 +553,7 @@ def _completion_ids(st: ServerState, req: CompletionRequest) -> list[int]:
 
 
 async def completions(request: Request) -> Response:
-    st = _state(request)
-    _authorize(st, request)
-    req: CompletionRequest = _validate(CompletionRequest, await _read_json(st, request))
-    model = _check_model(st, req.model)
-    _check_common(req)
+    st, req, model = await _accept(request, CompletionRequest)
     _reject(req.echo, "echo is not supported", "echo")
     _reject(bool(req.suffix), "suffix is not supported", "suffix")
     _reject(req.best_of is not None and req.best_of != 1, "best_of is not supported", "best_of")
