@@ -17,18 +17,18 @@ import torch.nn.functional as F
 from agentserve.runner.attention import AttentionMetadata, paged_attention
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.linear import Linear, should_pack
 from agentserve.runner.rope import RotaryTable, apply_rotary
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,15 +45,14 @@ class LlamaModel:
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
         w = _Weights(weights, dtype, self.device)
+        self.pack = should_pack(dtype, self.device)
         self.embed = w.take("model.embed_tokens.weight")
         if self.embed.shape[0] != cfg.vocab_size:
             raise ValueError(f"embedding has {self.embed.shape[0]} rows, config says vocab {cfg.vocab_size}")
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.norm = w.take("model.norm.weight")
-        if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = w.take("lm_head.weight")
+        tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
+        self.lm_head = Linear(self.embed if tied else w.take("lm_head.weight"), pack=self.pack)
         self.rope = RotaryTable(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
 
     def _layer(self, w: "_Weights", i: int) -> _Layer:
@@ -63,24 +62,26 @@ class LlamaModel:
         bias = None
         if w.has(a + "q_proj.bias"):
             bias = torch.cat([w.take(a + f"{n}_proj.bias") for n in "qkv"])
+        pack = self.pack
         return _Layer(
             input_norm=w.take(p + "input_layernorm.weight"),
-            qkv=qkv,
-            qkv_bias=bias,
-            o=w.take(a + "o_proj.weight"),
+            qkv=Linear(qkv, bias, pack),
+            o=Linear(w.take(a + "o_proj.weight"), pack=pack),
             post_norm=w.take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([w.take(m + "gate_proj.weight"), w.take(m + "up_proj.weight")]),
-            down=w.take(m + "down_proj.weight"),
+            gate_up=Linear(torch.cat([w.take(m + "gate_proj.weight"), w.take(m + "up_proj.weight")]), pack=pack),
+            down=Linear(w.take(m + "down_proj.weight"), pack=pack),
         )
 
     @property
     def weight_bytes(self) -> int:
-        seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
+        """Bytes one decode step reads: every projection, the norms and the LM head
+        (the embedding table itself is only gathered from)."""
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        total = self.lm_head.nbytes + size(self.norm)
         for L in self.layers:
-            for t in (L.input_norm, L.qkv, L.qkv_bias, L.o, L.post_norm, L.gate_up, L.down):
-                if t is not None:
-                    seen[id(t)] = t
-        return sum(t.numel() * t.element_size() for t in seen.values())
+            total += L.qkv.nbytes + L.o.nbytes + L.gate_up.nbytes + L.down.nbytes
+            total += size(L.input_norm) + size(L.post_norm)
+        return total
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -95,21 +96,21 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.input_norm, eps)
-            qkv = F.linear(x, L.qkv, L.qkv_bias)
+            qkv = L.qkv(x)
             # q and k sit side by side in the fused projection: rotate them in one pass
             qk = apply_rotary(qkv[:, :q_size + kv_size].view(T, H + KVH, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, q_size + kv_size:].view(T, KVH, D)
             k_cache, v_cache = kv.layer(i)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn, L.o)
+            h = h + L.o(attn)
             x = rms_norm(h, L.post_norm, eps)
-            gu = F.linear(x, L.gate_up)
+            gu = L.gate_up(x)
             g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, L.down)
+            h = h + L.down(F.silu(g) * u)
         h = h[logit_rows]
         h = rms_norm(h, self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
 
 class _Weights:
