@@ -44,7 +44,7 @@ class LLM:
                  kv_cache_tokens: int | None = None, host_kv_tokens: int = 0, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, pack_weights: bool | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
@@ -54,7 +54,7 @@ class LLM:
         self.device = devices.resolve_device(device)
         self.dtype = devices.resolve_dtype(dtype, self.device)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model = LlamaModel(cfg, loaded.weights, self.dtype, self.device, self.max_model_len)
+        self.model = LlamaModel(cfg, loaded.weights, self.dtype, self.device, self.max_model_len, pack_weights)
         template = loaded.chat_template
         del loaded  # the float32 copies of the weights
         if block_size < 1 or block_size & (block_size - 1):

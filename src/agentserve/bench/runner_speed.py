@@ -5,6 +5,7 @@ roofline (measured read bandwidth / weight bytes), per dtype. Prints a table
 and writes JSON.
 
     python -m agentserve.bench.runner_speed --dtypes float32,bfloat16 --json runner_speed.json
+    python -m agentserve.bench.runner_speed --ab-packing     # packed vs plain bf16 weights, side by side
 
 The torch work lives in `agentserve.runner.profiling`; this script only
 orchestrates and reports."""
@@ -43,6 +44,31 @@ def measure(dtype: str, model: str | None, repeats: int) -> dict:
     return row
 
 
+def ab_packing(model: str | None, rounds: int = 3) -> list[dict]:
+    """bfloat16 with oneDNN-packed weights against plain weights, measured in
+    alternation in one process (medians over rounds), so machine noise hits both."""
+    import statistics
+
+    from agentserve.llm import LLM
+    from agentserve.runner.profiling import ModelTimer, median_time
+
+    llms = {name: LLM(model, dtype="bfloat16", kv_cache_tokens=max(BATCHES) * (CONTEXT + 16) + 4096,
+                      policy="vllm-fcfs", pack_weights=pack) for name, pack in (("packed", True), ("plain", False))}
+    points = [(f"decode b{b}", b, lambda t, b=b: t.decode(b, CONTEXT)) for b in (1, 8)] + \
+        [("prefill 512", 512, lambda t: t.prefill(512))]
+    got: dict = {name: {p[0]: [] for p in points} for name in llms}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            timer = ModelTimer(llm)
+            for label, tokens, make in points:
+                got[name][label].append(tokens / median_time(make(timer), llm.device, repeats=5))
+    rows = []
+    for label, _, _ in points:
+        packed, plain = (statistics.median(got[n][label]) for n in ("packed", "plain"))
+        rows.append({"point": label, "packed_tok_s": packed, "plain_tok_s": plain, "ratio": packed / plain})
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     cols = [("dtype", "dtype", "{}")] + [(f"prefill {n}", f"prefill_{n}_tok_s", "{:.0f}") for n in PREFILL] \
         + [(f"decode b{b}", f"decode_b{b}_tok_s", "{:.1f}") for b in BATCHES] \
@@ -60,7 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--ab-packing", action="store_true",
+                    help="instead: packed against plain bfloat16 weights, side by side")
     args = ap.parse_args(argv)
+    if args.ab_packing:
+        rows = ab_packing(args.model)
+        print(f"{'point':>12}  {'packed tok/s':>12}  {'plain tok/s':>11}  {'ratio':>5}")
+        for r in rows:
+            print(f"{r['point']:>12}  {r['packed_tok_s']:>12.1f}  {r['plain_tok_s']:>11.1f}  {r['ratio']:>5.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     rows = []
     for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         print(f"measuring {dt} ...", file=sys.stderr)

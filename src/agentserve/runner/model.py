@@ -39,13 +39,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str, max_positions: int | None = None) -> None:
+                 device: torch.device | str, max_positions: int | None = None,
+                 pack_weights: bool | None = None) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
         w = _Weights(weights, dtype, self.device)
-        self.pack = should_pack(dtype, self.device)
+        # None: pack where it is known to help and stay exact (bfloat16 on the CPU)
+        self.pack = should_pack(dtype, self.device) if pack_weights is None else \
+            pack_weights and should_pack(dtype, self.device)
         self.embed = w.take("model.embed_tokens.weight")
         if self.embed.shape[0] != cfg.vocab_size:
             raise ValueError(f"embedding has {self.embed.shape[0]} rows, config says vocab {cfg.vocab_size}")
