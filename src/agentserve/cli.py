@@ -71,7 +71,7 @@ def build_workload(args, rate: float):
         raise CliError(f"unknown workload {spec!r}: use one of {', '.join(WORKLOADS)} or a JSONL file path")
     opts = {}
     if args.traces:
-        opts["traces_dir"] = args.traces
+        opts["path"] = args.traces
     if args.token_scale != 1.0:
         opts["token_scale"] = args.token_scale
     try:
