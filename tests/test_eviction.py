@@ -124,6 +124,21 @@ def test_leaf_lru_keeps_shared_parent():
     assert len(s) == 0
 
 
+def test_leaf_lru_drains_a_dead_chain_before_newer_leaves():
+    s = LeafLRU()
+    a0 = mk(0)
+    a1 = mk(1, a0)
+    b0 = mk(2)
+    b1 = mk(3, b0)
+    for i, blk in enumerate((a0, a1, b0, b1)):  # program A freed before program B
+        s.add(blk, float(i))
+    assert s.pop() is a1
+    a0.num_children -= 1
+    s.on_children_changed(a0)  # A's head is now a leaf: it goes next, not after B's tail
+    assert s.pop() is a0
+    assert s.pop() is b1
+
+
 def test_leaf_lru_inner_fallback_and_moves():
     s = LeafLRU()
     p1, p2 = mk(0), mk(1)
@@ -340,9 +355,10 @@ class Sim:
         self.s.on_insert(b)
 
     def _children_changed(self, b: Block, was_leaf: bool) -> None:
-        # leaf-lru moves a free block to the recent end of its new list.
+        # leaf-lru moves a free block that became a leaf to the oldest end of the
+        # leaves (a negative, ever smaller tick), one that became inner to the recent end.
         if self.name == "leaf-lru" and b in self.free and was_leaf != (b.num_children == 0):
-            self.free[b] = self._tick()
+            self.free[b] = -self._tick() if b.num_children == 0 else self._tick()
 
     def free_(self, i: int) -> None:
         b = self.slots[i]

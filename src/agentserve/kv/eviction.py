@@ -71,6 +71,16 @@ class _LinkedList:
         self.size += 1
         b.strategy_data = self.owner
 
+    def appendleft(self, b: Block) -> None:
+        b.prev, b.next = None, self.head
+        if self.head is None:
+            self.tail = b
+        else:
+            self.head.prev = b
+        self.head = b
+        self.size += 1
+        b.strategy_data = self.owner
+
     def unlink(self, b: Block) -> None:
         if b.prev is None:
             self.head = b.next
@@ -128,8 +138,12 @@ class LeafLRU(EvictionStrategy):
     """LRU over leaves first: evict the least recently freed evictable block
     with no cached children; only when no evictable leaf exists, the least
     recently freed inner block. A shared prefix thus outlives every suffix
-    hanging off it. A block whose leaf status changes while evictable moves
-    to the most-recent end of its new list. All operations O(1)."""
+    hanging off it. A free block that becomes a leaf (its last cached child
+    was evicted) goes to the oldest end of the leaves, so a dead chain keeps
+    draining from its tail before a live program's newest blocks are touched
+    (appending it instead cost 3-10 points of hit ratio against plain LRU in
+    `agentserve bench apc`); one that gains a child goes to the newest end of
+    the inner list. All operations O(1)."""
 
     name = "leaf-lru"
 
@@ -168,7 +182,10 @@ class LeafLRU(EvictionStrategy):
         target = self._list_for(block)
         if target is not lst:
             lst.unlink(block)
-            target.append(block)
+            if target is self._leaves:
+                target.appendleft(block)
+            else:
+                target.append(block)
 
 
 class LFU(EvictionStrategy):
