@@ -7,6 +7,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from agentserve.cli_bench import add_bench
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_generate, add_profile
 from agentserve.cli_serve import add_serve
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_sim(sub)
     add_serve(sub)
+    add_bench(sub)
     add_generate(sub)
     add_profile(sub)
     return ap

@@ -1,0 +1,308 @@
+"""The replay client (`bench/replay.py`): text calibration, plans, metrics, and
+a live replay against the tiny server of server_fixtures.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from agentserve.bench import replay as rp
+from agentserve.bench import replay_report as rr
+from agentserve.bench.generators import generate_swebench
+from agentserve.bench.trace import Program, TraceCall, save_jsonl
+
+KEY = "replay-key"
+SLEEP = 0.05
+
+
+def program(pid: str, arrival: float, turns: int, shared: int = 60, task: int = 60, out: int = 6,
+            obs: int = 40, sleep: float = SLEEP) -> Program:
+    """A pure-append program: call 0 = shared + task, each later call adds out + obs."""
+    calls, prompt = [], shared + task
+    for k in range(turns):
+        last = k == turns - 1
+        calls.append(TraceCall(pid, k, arrival + k * sleep, prompt, prompt if k == 0 else obs, out,
+                               None if last else "bash", 0.0 if last else sleep, shared_prefix_tokens=shared))
+        prompt += out + obs
+    return Program(pid, calls)
+
+
+# ---------------------------------------------------------------------------
+# calibration
+
+
+def test_filler_text_is_deterministic_and_sized():
+    a = rp.filler_text(40, "s")
+    assert a == rp.filler_text(40, "s") != rp.filler_text(40, "t")
+    assert len(a.split()) == 40 and a.count("\n") == 2
+    assert rp.filler_text(0, "s").split() and len(rp.filler_text(0, "s").split()) == 1
+    tm = rp.TextModel(tokens_per_word=2.0, message_overhead=4.0)
+    assert tm.words_for(24) == 10 and tm.words_for(1) == 1
+    assert len(tm.text(24, "x").split()) == 10
+
+
+def test_calibration_recovers_a_linear_tokenizer():
+    # a fake server: 1.5 tokens per word, 7 template tokens per message, 3 for the generation prompt
+    def count(messages):
+        words = sum(len(m["content"].split()) for m in messages)
+        return round(1.5 * words) + 7 * len(messages) + 3
+
+    async def count_prompt(messages):
+        return count(messages)
+
+    tm = asyncio.run(rp.calibrate(count_prompt))
+    assert tm.tokens_per_word == pytest.approx(1.5, abs=0.02)
+    assert tm.message_overhead == pytest.approx(7.0, abs=0.5)
+    # a small context shrinks the probes
+    assert rp.probe_words(1024) < rp.probe_words(None)
+    seen = []
+
+    async def recording(messages):
+        seen.append(count(messages))
+        return seen[-1]
+
+    asyncio.run(rp.calibrate(recording, max_context=256))
+    assert max(seen) < 256
+
+
+def test_calibration_rejects_a_flat_count():
+    with pytest.raises(rp.ReplayError, match="tokens-per-word"):
+        rp.fit_text_model({"base": 10, "longer": 10, "more": 20}, 112)
+
+
+# ---------------------------------------------------------------------------
+# plans
+
+
+def test_plan_keeps_turns_prefix_and_tool_time():
+    tm = rp.TextModel(1.3, 5.0)
+    progs = generate_swebench(4, 1.0, seed=3)
+    plans = rp.plan_workload(progs, tm, token_scale=0.02, time_scale=0.5, seed=1)
+    assert plans[0].arrival == 0.0
+    systems = set()
+    for p, pl in zip(progs, plans):
+        assert len(pl.turns) == p.num_turns
+        first = pl.turns[0]
+        assert first.reset and [m["role"] for m in first.append] == ["system", "user"]
+        systems.add(first.append[0]["content"])
+        for c, tp in zip(p.calls, pl.turns):
+            assert tp.sleep_s == pytest.approx(c.tool_duration * 0.5)
+            assert tp.max_tokens == max(1, round(c.output_tokens * 0.02))
+            if tp.turn:
+                assert not tp.reset and [m["role"] for m in tp.append] == ["user"]
+                assert tp.planned_prompt_tokens > pl.turns[tp.turn - 1].planned_prompt_tokens
+        # planned prompts follow the scaled trace (the template adds a few tokens a message)
+        assert pl.turns[-1].planned_prompt_tokens == pytest.approx(p.calls[-1].prompt_tokens * 0.02, rel=0.5)
+    assert len(systems) == 1  # the shared system prompt
+    again = rp.plan_workload(progs, tm, token_scale=0.02, seed=1)
+    other = rp.plan_workload(progs, tm, token_scale=0.02, seed="x")
+    assert again[0].turns[1].append == plans[0].turns[1].append != other[0].turns[1].append
+
+
+def test_plan_clamps_to_max_context():
+    tm = rp.TextModel(1.0, 4.0)
+    p = program("big", 0.0, turns=6, shared=50, task=400, out=100, obs=300)
+    free = rp.plan_program(p, tm)
+    assert free.clamp == 1.0
+    pl = rp.plan_program(p, tm, max_context=800)
+    assert pl.clamp < 1.0 and len(pl.turns) == 6
+    assert all(t.planned_prompt_tokens + t.max_tokens <= 800 - 24 for t in pl.turns)
+    assert pl.turns[0].append[0] == free.turns[0].append[0]  # the shared prefix is not shrunk
+    with pytest.raises(rp.ReplayError, match="max-context"):
+        rp.plan_program(p, tm, max_context=40)
+
+
+def test_plan_compaction_restarts_the_conversation():
+    tm = rp.TextModel(1.0, 4.0)
+    calls = [TraceCall("c", 0, 0.0, 500, 500, 10, "tool", 0.1, shared_prefix_tokens=100),
+             TraceCall("c", 1, 0.1, 200, 150, 10, None, 0.0, shared_prefix_tokens=100)]
+    pl = rp.plan_program(Program("c", calls), tm)
+    assert pl.turns[1].reset and [m["role"] for m in pl.turns[1].append] == ["system", "user"]
+    assert pl.turns[1].append[0] == pl.turns[0].append[0]
+
+
+def test_plan_replays_real_text_and_tool_role():
+    msgs = [{"role": "system", "content": "S" * 400}, {"role": "user", "content": "task " * 100},
+            {"role": "assistant", "content": "a", "tool_calls": [{"id": "x", "function": {"name": "bash",
+                                                                                         "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "x", "content": "R" * 800},
+            {"role": "assistant", "content": "done"}]
+    calls = [TraceCall("s", 0, 0.0, 225, 225, 1, "bash", 0.2, shared_prefix_tokens=100, message_index=2),
+             TraceCall("s", 1, 0.2, 426, 200, 1, None, 0.0, shared_prefix_tokens=100, message_index=4)]
+    p = Program("s", calls, messages=msgs)
+    pl = rp.plan_program(p, rp.TextModel(1.0, 4.0), token_scale=0.5, tool_role="tool")
+    t0, t1 = pl.turns
+    assert [m["role"] for m in t0.append] == ["system", "user"]
+    assert t0.append[0]["content"] == "S" * 200 and t0.append[1]["content"] == ("task " * 100)[:250]
+    assert t0.tool_call_ids == ["call_0_0"]
+    assert t1.append == [{"role": "tool", "tool_call_id": "call_0_0", "content": "R" * 400}]
+    user = rp.plan_program(p, rp.TextModel(1.0, 4.0), token_scale=0.5)
+    assert user.turns[1].append == [{"role": "user", "content": "R" * 400}] and not user.turns[0].tool_call_ids
+
+
+# ---------------------------------------------------------------------------
+# metrics
+
+
+def _turn(pid, k, send, first, end, prompt=100, cached=0, err=None, sleep=0.0):
+    return {"program_id": pid, "turn": k, "t_send": send, "t_first": first, "t_end": end,
+            "ttft": None if err else first - send, "latency": end - send, "prompt_tokens": prompt,
+            "cached_tokens": cached, "completion_tokens": 5, "planned_prompt_tokens": prompt, "max_tokens": 5,
+            "sleep_s": sleep, "tool_name": None, "end_program": False, "error": err}
+
+
+def test_summarize_metrics():
+    turns = [_turn("a", 0, 0.0, 0.1, 0.5), _turn("a", 1, 1.0, 1.2, 1.5, prompt=200, cached=100),
+             _turn("b", 0, 1.0, 1.3, 2.0), _turn("b", 1, 3.0, 3.4, 5.0, prompt=300, cached=200),
+             _turn("c", 0, 2.0, 2.0, 2.5, err="timeout after 9 s")]
+    res = [{"program_id": "a", "arrival": 0.0, "start": 0.0, "end": 1.5, "jct": 1.5, "completed": True},
+           {"program_id": "b", "arrival": 1.0, "start": 1.0, "end": 5.0, "jct": 4.0, "completed": True},
+           {"program_id": "c", "arrival": 2.0, "start": 2.0, "end": None, "jct": None, "completed": False}]
+    s = rp.summarize(turns, res, {"server": "x", "workload": "w", "rate": 1.0})
+    for k in rp.SUMMARY_KEYS:
+        assert k in s
+    assert (s["programs"], s["completed"], s["failed"], s["errors"]) == (3, 2, 1, 1)
+    assert s["error_kinds"] == {"timeout after N s": 1}
+    assert s["mean_jct"] == pytest.approx(2.75) and s["p50_jct"] == pytest.approx(2.75)
+    assert s["p90_jct"] == pytest.approx(1.5 + 0.9 * 2.5)
+    assert s["mean_ttft"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4)
+    assert s["throughput_jobs_s"] == pytest.approx(2 / 5.0)
+    assert s["cached_ratio"] == pytest.approx(300 / 700)
+    empty = rp.summarize([], [], {})
+    assert empty["programs"] == 0 and math.isnan(empty["mean_jct"]) and empty["throughput_jobs_s"] == 0.0
+
+
+def test_stream_accumulator():
+    acc = rp.StreamAccumulator(1.0)
+    acc.feed('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', 1.1)
+    assert acc.t_first is None
+    acc.feed(": keep-alive", 1.15)
+    acc.feed('data: {"choices":[{"delta":{"content":"he"}}]}', 1.2)
+    acc.feed('data: {"choices":[{"delta":{"content":"llo"},"finish_reason":"length"}]}', 1.3)
+    acc.feed('data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,'
+             '"prompt_tokens_details":{"cached_tokens":4}}}', 1.3)
+    acc.feed("data: [DONE]", 1.4)
+    assert (acc.t_first, acc.text, acc.finish_reason, acc.done) == (1.2, "hello", "length", True)
+    assert (acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens) == (9, 2, 4)
+    with pytest.raises(rp.ReplayError, match="boom"):
+        acc.feed('data: {"error":{"message":"boom"}}', 1.5)
+
+
+# ---------------------------------------------------------------------------
+# live
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_fixtures import start_tiny_server
+
+    srv, llm, _ = start_tiny_server(api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+def test_calibration_against_the_server(server):
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            rep = rp.Replayer(rp.ReplayConfig(server.url), c, "tiny", 1024)
+            return await rp.calibrate(rep.count_prompt, 1024)
+
+    tm = asyncio.run(go())
+    # the byte tokenizer: one token per byte of text
+    w_b = rp.probe_words(1024)
+    probes = rp.probe_messages(w_b)
+    ya, yb = probes["base"][1]["content"], probes["longer"][1]["content"]
+    assert tm.tokens_per_word == pytest.approx((len(yb) - len(ya)) / (w_b - rp.W_A))
+    assert 5 <= tm.message_overhead <= 16  # ChatML: '<|im_start|>' role '\n' ... '<|im_end|>\n'
+
+
+def test_replay_live(server):
+    sub = program("p0:sub", 0.0, 2, shared=0)  # a subagent launched by p0's turn 1, no system prompt
+    sub.parent_id, sub.parent_turn = "p0", 1
+    progs = [program("p0", 0.0, 3), program("p1", 0.05, 4), program("p2", 0.1, 2), program("p3", 0.15, 3), sub]
+    cfg = rp.ReplayConfig(server.url + "/v1", api_key=KEY, workload="unit", rate=10.0, progress=False,
+                          request_timeout=30)
+    res = rp.replay(progs, cfg)
+    for k in rp.SUMMARY_KEYS:
+        assert k in res
+    assert res["model"] == "tiny" and res["config"]["max_context"] == 1024
+    assert (res["programs"], res["completed"], res["errors"]) == (5, 5, 0)
+    assert res["turns_ok"] == 14
+    by = {}
+    for t in res["turns"]:
+        by.setdefault(t["program_id"], []).append(t)
+    for pr in res["program_results"]:
+        ts = by[pr["program_id"]]
+        assert [t["turn"] for t in ts] == list(range(pr["turns"]))
+        assert pr["completed"] and pr["turns_done"] == pr["turns"]
+        for a, b in zip(ts, ts[1:]):  # turn k+1 is sent after turn k's response and its tool time
+            assert b["t_send"] >= a["t_end"] + a["sleep_s"] - 2e-3
+            assert b["cached_tokens"] > 0
+            assert b["prompt_tokens"] > a["prompt_tokens"]
+        assert pr["jct"] >= SLEEP * (pr["turns"] - 1) and pr["jct"] >= pr["tool_time"]
+        assert pr["jct"] == pytest.approx(ts[-1]["t_end"] - ts[0]["t_send"])
+        assert [t["end_program"] for t in ts] == [False] * (len(ts) - 1) + [True]
+        for t in ts:
+            assert t["completion_tokens"] == t["max_tokens"] == 6  # ignore_eos
+            assert 0 <= t["ttft"] <= t["latency"]
+            assert t["prompt_tokens"] == pytest.approx(t["planned_prompt_tokens"], rel=0.25)
+    assert by["p0:sub"][0]["t_send"] >= by["p0"][1]["t_end"]  # the subagent waits for its launch
+    # the shared system prompt hits across programs: p1's first turn reuses p0's
+    first = {t["program_id"]: t for t in res["turns"] if t["turn"] == 0}
+    assert max(first[p]["cached_tokens"] for p in ("p1", "p2", "p3")) > 0
+    assert 0 < res["cached_ratio"] < 1
+    assert res["mean_jct"] >= SLEEP and res["throughput_jobs_s"] > 0
+    json.dumps(rp._jsonable(res), allow_nan=False)
+
+
+def test_replay_counts_errors_instead_of_crashing(server):
+    progs = [program("e0", 0.0, 2), program("e1", 0.0, 3)]
+    cfg = rp.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0, request_timeout=1e-4,
+                          progress=False)
+    res = rp.replay(progs, cfg)
+    assert (res["completed"], res["failed"], res["errors"]) == (0, 2, 2)
+    assert all(p["turns_done"] == 0 and "turn 0" in p["error"] for p in res["program_results"])
+    # a server that is not there
+    bad = rp.ReplayConfig("http://127.0.0.1:9", model="m", tokens_per_word=1.0, progress=False)
+    res = rp.replay(progs, bad)
+    assert res["failed"] == 2 and "ConnectError" in next(iter(res["error_kinds"]))
+    # a wrong key: HTTP 401 per request
+    res = rp.replay(progs[:1], rp.ReplayConfig(server.url, model="tiny", api_key="wrong", tokens_per_word=6.0,
+                                               progress=False))
+    assert res["errors"] == 1 and "HTTP 401" in next(iter(res["error_kinds"]))
+
+
+def test_cli_run_and_report(server, tmp_path, capsys):
+    trace = tmp_path / "w.jsonl"
+    save_jsonl([program("g0", 0.0, 2), program("g1", 0.0, 3)], trace)
+    out = tmp_path / "run.json"
+    md = tmp_path / "run.md"
+    rc = rp.main(["run", "--url", server.url, "--api-key", KEY, "--workload", str(trace), "--programs", "3",
+                  "--rate", "20", "--time-scale", "0.5", "--text-seed", "t1", "--json", str(out), "--report", str(md),
+                  "--plot", str(tmp_path / "p"), "--label", "tiny-agentserve", "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tiny-agentserve" in printed and "mean JCT" in printed and "cached %" in printed
+    res = json.loads(out.read_text())
+    for k in rp.SUMMARY_KEYS:
+        assert k in res
+    assert res["server"] == "tiny-agentserve" and res["programs"] == 3 and res["completed"] == 3
+    assert res["config"]["text_seed"] == "t1"
+    assert res["turns"] and res["program_results"]
+    assert (tmp_path / "p_jct_cdf.png").stat().st_size > 0 and (tmp_path / "p_timeline.png").stat().st_size > 0
+    text = md.read_text()
+    assert "## Summary" in text and "p_jct_cdf.png" in text
+    # comparing two results: both in the table and the CDF
+    res2 = dict(res, server="other")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(res2))
+    assert rp.main(["report", str(out), str(other), "--plot", str(tmp_path / "cmp")]) == 0
+    table = capsys.readouterr().out
+    assert "tiny-agentserve" in table and "other" in table
+    assert (tmp_path / "cmp_timeline_other.png").exists()
+    assert rr.load_result(out)["server"] == "tiny-agentserve"
