@@ -1,5 +1,6 @@
 """`agentserve bench`: measuring servers on agent workloads. `run` replays a
-workload against any OpenAI-compatible URL; `report` compares result files;
+workload against any OpenAI-compatible URL; `compare` runs it against
+agentserve and its peers in turn; `report` compares result files;
 `apc` replays a workload through the KV manager alone and compares eviction
 strategies' prefix-cache hit ratios."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 def add_bench(sub) -> None:
     from agentserve.bench.apc import add_apc_parser
+    from agentserve.bench.compare import add_compare_parser
     from agentserve.bench.replay import add_run_parser
     from agentserve.bench.replay_report import add_report_parser
 
@@ -16,5 +18,6 @@ def add_bench(sub) -> None:
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
     add_run_parser(bsub)
     add_report_parser(bsub)
+    add_compare_parser(bsub)
     add_apc_parser(bsub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

