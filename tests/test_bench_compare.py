@@ -1,0 +1,40 @@
+"""`agentserve bench compare`: the table's ratios, and one live run with agentserve
+itself (the peers are tested where installed, in test_bench_peers.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentserve.bench.compare import compare_rows, format_compare
+from agentserve.cli import main as cli_main
+
+
+def _result(server, mean_jct):
+    return {"server": server, "completed": 4, "programs": 4, "errors": 0, "mean_jct": mean_jct, "p95_jct": 2 * mean_jct,
+            "mean_ttft": 0.1, "throughput_jobs_s": 0.5, "cached_ratio": 0.8}
+
+
+def test_rows_are_ratios_to_continuum():
+    rows = compare_rows([_result("vllm-cpu", 30.0), _result("agentserve-continuum", 20.0)])
+    assert [r["jct_vs_continuum"] for r in rows] == [1.5, 1.0]
+    table = format_compare(rows)
+    assert "1.50x" in table and "agentserve-continuum" in table
+
+
+def test_unknown_server_is_a_one_line_error(capsys):
+    assert cli_main(["bench", "compare", "--servers", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_live_compare_with_agentserve(tmp_path, smollm_path, capsys):
+    out = tmp_path / "c.json"
+    rc = cli_main(["bench", "compare", "--servers", "agentserve-continuum", "--programs", "2", "--rate", "2",
+                   "--token-scale", "0.01", "--time-scale", "0.05", "--kv-tokens", "4096", "--no-progress",
+                   "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["server"] == "agentserve-continuum" and row["done"] == "2/2" and row["jct_vs_continuum"] == 1.0
+    assert "mean JCT / continuum" in capsys.readouterr().out
