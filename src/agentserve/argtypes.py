@@ -1,0 +1,18 @@
+"""argparse value types the commands share."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def csv_list(kind):
+    """A comma-separated list of `kind` values, e.g. `--rates 0.5,1`."""
+    def parse(s: str):
+        try:
+            vals = [kind(x.strip()) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {s!r}")
+        if not vals:
+            raise argparse.ArgumentTypeError("empty list")
+        return vals
+    return parse
