@@ -110,11 +110,14 @@ def cmd_serve(args) -> int:
         raise CliError("--max-body-bytes must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("agentserve").setLevel(args.log_level.upper())
-    llm = build_llm(args)
+    from agentserve.server.engine_thread import EngineThread
+
+    thread = EngineThread()
+    llm = thread.run(lambda: build_llm(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
     config = ServerConfig(names, api_key=args.api_key, max_queue=args.max_queue or None,
                           max_body_bytes=args.max_body_bytes)
-    app = create_app(llm, config)
+    app = create_app(llm, config, thread=thread)
     kv = llm.scheduler.kv
     log.info("serving %s (%s) on http://%s:%d/v1 - max_model_len %d; KV cache %d tokens (%.1f MiB, %d blocks "
              "of %d); policy %s; max queue %s; API key %s", names[0], llm.model_source, args.host, args.port,

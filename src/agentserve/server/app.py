@@ -41,6 +41,7 @@ from starlette.routing import Route
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, QueueFullError, RequestStream
+from agentserve.server.engine_thread import EngineThread
 from agentserve.server.chat_template import TemplateError
 from agentserve.server.identity import IdentityError, ProgramIdentity, resolve_identity
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -96,12 +97,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = None) -> Starlette:
-    """The app for `llm`. The engine thread starts with the app's lifespan and stops with it;
+def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = None,
+               thread: EngineThread | None = None) -> Starlette:
+    """The app for `llm`. The engine loop starts with the app's lifespan and stops with it,
+    on `thread` if given (the thread that built `llm`: see engine_thread.py);
     `app.state.server` (a ServerState) gives tests the engine and the metrics."""
     metrics = ServerMetrics(config.served_model_names[0])
     if engine is None:
-        engine = AsyncEngine(llm, max_queue=config.max_queue, listener=metrics)
+        engine = AsyncEngine(llm, max_queue=config.max_queue, listener=metrics, thread=thread)
     state = ServerState(llm, engine, metrics, config)
 
     @contextlib.asynccontextmanager

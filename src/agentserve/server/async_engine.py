@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.request import Request
 from agentserve.engine.sampling_params import SamplingParams
+from agentserve.server.engine_thread import EngineThread
 
 log = logging.getLogger("agentserve.server")
 
@@ -158,10 +159,11 @@ _STOP = object()
 
 class AsyncEngine:
     def __init__(self, llm: Any, *, max_queue: int | None = None, listener: EngineListener | None = None,
-                 program_idle_timeout: float = 600.0) -> None:
+                 program_idle_timeout: float = 600.0, thread: EngineThread | None = None) -> None:
         """`llm` is an `agentserve.llm.LLM` (or anything with its `engine`,
         `scheduler`, `kv` and `check_integrity`). `max_queue`: requests that may
-        wait for admission at once (None: no limit)."""
+        wait for admission at once (None: no limit). `thread`: the thread that
+        built `llm`, to run the loop on (see engine_thread.py); default a new one."""
         self.llm = llm
         self.engine = llm.engine
         self.scheduler = llm.scheduler
@@ -171,7 +173,9 @@ class AsyncEngine:
         self.listener = listener
         self.program_idle_timeout = program_idle_timeout
         self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._home = thread
+        self._owns_home = False
+        self._running: concurrent.futures.Future | None = None  # the loop on its thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _Live] = {}  # engine thread only
         self._programs: dict[str, _ProgramTimes] = {}  # engine thread only
@@ -184,21 +188,26 @@ class AsyncEngine:
     # --- lifecycle (event loop side) ---
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        if self._thread is not None:
+        if self._running is not None:
             raise RuntimeError("the engine thread is already started")
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._main, name="agentserve-engine", daemon=True)
-        self._thread.start()
+        if self._home is None:
+            self._home = EngineThread()
+            self._owns_home = True
+        self._running = self._home.submit(self._main)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is in flight (its streams get EngineStopped) and join the thread."""
-        t = self._thread
-        if t is None or not t.is_alive():
+        running = self._running
+        if running is None or running.done():
             return
         self._commands.put(_STOP)
-        t.join(timeout)
-        if t.is_alive():
+        try:
+            running.result(timeout)
+        except concurrent.futures.TimeoutError:
             log.error("the engine thread did not stop within %.0f s", timeout)
+        if self._owns_home and self._home is not None:
+            self._home.close()
 
     async def drain(self, timeout: float) -> int:
         """Let the requests in flight finish for up to `timeout` seconds, then end
@@ -223,7 +232,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._running is not None and not self._running.done() and not self._stopping
 
     # --- commands ---
 
