@@ -23,6 +23,7 @@ from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import policy_names
 from agentserve.policy.program import ProgramState
+from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 BS = 4
 STEP = 0.01
@@ -323,7 +324,7 @@ def _preemption_workload(h: Harness):
             for i in range(3)]
 
 
-@pytest.mark.parametrize("policy", ["vllm-fcfs", "program-fcfs", "continuum", "autellix", "infercept"])
+@pytest.mark.parametrize("policy", ["vllm-fcfs", "program-fcfs", "autellix", "infercept"])
 def test_preemption_by_recompute(policy):
     ref = Harness(policy, num_blocks=64)
     ref_reqs = _preemption_workload(ref)
@@ -353,6 +354,51 @@ def test_preemption_by_recompute(policy):
         assert r.output_token_ids == rr.output_token_ids == expected(r.prompt_token_ids, 24)
         assert r.is_finished and not r.preempted
     assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_continuum_headroom_admits_whole_requests_instead_of_preempting():
+    # the workload above: with chunk-level admission all three start and preempt each
+    # other; continuum admits a request only when its whole prompt and output fit
+    h = Harness("continuum", num_blocks=16)
+    reqs = _preemption_workload(h)
+    h.run()
+    assert h.s.stats.preemptions == 0
+    assert h.max_running == 1  # 9 blocks each: a second never fits beside the first's reserve
+    assert [r.request_id for r in h.finished] == ["r0", "r1", "r2"]
+    for r in reqs:
+        assert r.output_token_ids == expected(r.prompt_token_ids, 24)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_headroom_counts_running_requests_remaining_output():
+    # 32 blocks; a runs with 9 prompt tokens and 24 to generate (9 blocks at the end).
+    h = Harness("continuum", num_blocks=32, budget=64)
+    a = h.req("a", "pa", prompt_of(1, 9), max_tokens=24)
+    h.step()
+    assert h.kv.num_blocks_of("a") == 3
+    # b needs 9 + 2 = 11 tokens: 3 blocks; free 29 - a's 6 still to come = 23: admitted
+    b = h.req("b", "pb", prompt_of(2, 9), max_tokens=2)
+    # c needs (60 + 24) / 4 = 21 blocks: 23 - b's 3 = 20 left, so c waits for b
+    c = h.req("c", "pc", prompt_of(3, 60), max_tokens=24)
+    h.step()
+    assert b.status is RequestStatus.RUNNING and c.status is RequestStatus.WAITING
+    h.run(until=lambda: b.is_finished)
+    h.step()
+    assert c.status is RequestStatus.RUNNING
+    h.run()
+    assert h.s.stats.preemptions == 0
+    assert all(r.output_token_ids == expected(r.prompt_token_ids, r.max_tokens) for r in (a, b, c))
+
+
+def test_headroom_never_blocks_a_request_when_nothing_runs():
+    # a pin of a later program fills the rest; a request that needs the whole cache still runs
+    h = Harness("continuum", num_blocks=8, budget=8, reload_cost=reload_cost)
+    _turn1(h, pid="LATE", n=9, max_tokens=2, arrival_time=5.0)
+    assert "LATE" in h.kv.pins
+    r = h.req("big", "EARLY", prompt_of(5, 20), max_tokens=12, arrival_time=0.0)
+    h.run(until=lambda: r.is_finished)
+    assert r.output_token_ids == expected(r.prompt_token_ids, 12)
+    assert h.s.stats.pins_reclaimed == 1
 
 
 def test_preempted_request_goes_first_when_readmitted():
@@ -440,8 +486,16 @@ def test_continuum_pins_tool_turn_and_next_turn_hits():
     assert r2.output_token_ids == expected(prompt2, 3)
     # the tool's duration was learned from finish -> next arrival
     assert h.s.policy.tool_stats.count("search") == 1
-    # without a tool call (and no hint), nothing is pinned
-    assert "P" not in h.kv.pins
+    # a turn without a tool call is pinned too (the program did not end): its gap is
+    # learned apart from the tools' and does not enter the global window
+    assert "P" in h.kv.pins
+    h.idle(0.5)
+    r3 = h.req("t3", "P", r2.token_ids + [12, 13], max_tokens=2)
+    h.run()
+    assert r3.num_cached_tokens > 0 and h.s.stats.pins_hit == 2
+    assert h.s.policy.tool_stats.count(NO_TOOL_CALL) == 1
+    assert h.s.policy.tool_stats.global_count() == 1
+    h.s.end_program("P")
     assert h.kv.num_free_blocks == h.kv.num_blocks
 
 

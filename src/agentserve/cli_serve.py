@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_model_options, build_llm
+from agentserve.server.stats_log import STATS_INTERVAL_S
 
 log = logging.getLogger("agentserve")
 
@@ -77,6 +78,9 @@ def add_serve(sub) -> None:
                    help="largest request body accepted; larger bodies get 413")
     g.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before they are aborted")
+    g.add_argument("--log-stats-interval", type=float, default=STATS_INTERVAL_S, metavar="SECONDS",
+                   help="seconds between the engine's stats log lines (throughput, prefix hits, queue, KV and "
+                        "pin use, model busy time); 0: none")
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 
@@ -106,6 +110,8 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
+    if args.log_stats_interval < 0:
+        raise CliError(f"--log-stats-interval must be 0 or more, got {args.log_stats_interval}")
     if args.max_body_bytes < 1:
         raise CliError("--max-body-bytes must be at least 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -116,7 +122,7 @@ def cmd_serve(args) -> int:
     llm = thread.run(lambda: build_llm(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
     config = ServerConfig(names, api_key=args.api_key, max_queue=args.max_queue or None,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None)
     app = create_app(llm, config, thread=thread)
     kv = llm.scheduler.kv
     log.info("serving %s (%s) on http://%s:%d/v1 - max_model_len %d; KV cache %d tokens (%.1f MiB, %d blocks "

@@ -3,9 +3,9 @@
 Running requests first (each gets its next prefill chunk or one decode token
 within the step's token budget; when KV runs out, pins of later programs are
 reclaimed, then the lowest-priority running request is preempted), then
-waiting requests in the policy's order (prefix match, admission, reclaiming
-pins of later programs when the head does not fit, and any pin when nothing is
-running, so pins can never deadlock). At the start of every step, expired pins
+waiting requests in the policy's order (prefix match, admission with the
+policy's headroom, reclaiming pins of later programs when the head does not
+fit, and any pin when nothing is running, so pins can never deadlock). At the start of every step, expired pins
 whose program has no waiting request are released."""
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class SchedulerStats:
     pins_reclaimed: int = 0
     pins_released_early: int = 0
     pins_released_at_end: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    decode_tokens: int = 0  # tokens sampled
+    execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)
     ttl_sum: float = 0.0
     ttl_history: list[float] = field(default_factory=list)  # recent TTL decisions (bounded)
 
@@ -275,7 +278,7 @@ class Scheduler:
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
         n = min(req.num_tokens - hit, budget)
         own_pin_released = False
-        while not self.kv.admit(req.request_id, match, n, now):
+        while not (self._has_headroom(req, match) and self.kv.admit(req.request_id, match, n, now)):
             nothing_runs = not self.running
             if self._reclaim_pin(req, any_program=nothing_runs, now=now):
                 continue
@@ -312,6 +315,22 @@ class Scheduler:
         scheduled.append((req, n))
         return True
 
+    def _has_headroom(self, req: Request, match) -> bool:
+        """The policy's admission headroom (Policy.decode_reserve_tokens): the
+        request's whole prompt and its reserved output fit in the free blocks
+        that the running requests' own reserves leave. Always true when nothing
+        runs, so a request that fits the cache at all is never held back."""
+        reserve = self.policy.decode_reserve_tokens
+        if reserve <= 0 or not self.running:
+            return True
+        kv = self.kv
+
+        def ahead(r: Request) -> int:  # tokens r still needs KV for
+            return r.num_tokens + min(r.max_tokens - r.num_output_tokens, reserve)
+
+        held = sum(max(0, kv.blocks_for(ahead(r)) - kv.num_blocks_of(r.request_id)) for r in self.running)
+        return kv.admit_need(match, ahead(req) - match.num_tokens) + held <= kv.num_free_blocks
+
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         self.running.remove(req)
         if self.policy.swap_on_preempt(req) and self.kv.host.enabled:
@@ -334,8 +353,12 @@ class Scheduler:
         now = self.clock.now()
         finished = []
         limit = self.config.max_model_len
+        stats = self.stats
+        stats.execute_s += result.elapsed
         for ch in out.chunks:
             req = ch.request
+            if ch.num_tokens > 1 or ch.start < req.num_prompt_tokens:
+                stats.prefill_tokens += ch.num_tokens
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
             prog = self.programs.get(req.program_id)
@@ -345,6 +368,7 @@ class Scheduler:
             if not ch.sample:
                 continue
             for tok in result.sampled.get(req.request_id, ()):
+                stats.decode_tokens += 1
                 req.append_output(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now

@@ -117,9 +117,9 @@ class KVCacheManager:
         return PrefixMatch(nodes, self.block_size)
 
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
-        return self._admit_need(match, num_new_tokens) <= self.pool.num_free
+        return self.admit_need(match, num_new_tokens) <= self.pool.num_free
 
-    def _admit_need(self, match: PrefixMatch, num_new_tokens: int) -> int:
+    def admit_need(self, match: PrefixMatch, num_new_tokens: int) -> int:
         """Free blocks an admission consumes: new blocks, plus matched blocks
         that are free now (taking a reference removes them from the free set)."""
         total = self.blocks_for(match.num_tokens + num_new_tokens)
@@ -132,7 +132,7 @@ class KVCacheManager:
         `num_new_tokens` more. False, with nothing changed, if it does not fit."""
         if request_id in self._reqs:
             raise RuntimeError(f"request {request_id} already holds KV")
-        if self._admit_need(match, num_new_tokens) > self.pool.num_free:
+        if self.admit_need(match, num_new_tokens) > self.pool.num_free:
             return False
         st = _ReqKV()
         for n in match.nodes:

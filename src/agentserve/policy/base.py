@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from agentserve.policy.program import ProgramState, ProgramTable
-from agentserve.policy.tool_stats import ToolDurationStats
+from agentserve.policy.tool_stats import NO_TOOL_CALL, ToolDurationStats
 from agentserve.policy.toolcalls import first_tool_name
 
 if TYPE_CHECKING:
@@ -46,6 +46,15 @@ _FREE = Retention("free")
 class Policy(abc.ABC):
     name: ClassVar[str]
     time_dependent: ClassVar[bool] = False  # priorities change as time passes: re-sort every step
+    # Admission headroom. 0: admit a waiting request as soon as its next chunk
+    # fits, as vLLM does; under KV pressure that admits requests that later
+    # preempt each other and evict the cached prefixes of programs between
+    # turns (recomputed on their next turn). N > 0: admit only when the
+    # request's whole prompt plus up to N of its output tokens fit, with the
+    # same headroom kept for every running request, so the programs already
+    # running keep their KV and the rest wait their turn (SGLang reserves
+    # decode room for running requests in the same spirit).
+    decode_reserve_tokens: ClassVar[int] = 0
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
@@ -71,7 +80,7 @@ class Policy(abc.ABC):
         """A non-final turn finished: record its tool call, then decide."""
         if req.tool_name is None and req.output_text:
             req.tool_name = first_tool_name(req.output_text)
-        self.tool_stats.on_finish(req.program_id, req.tool_name, now)
+        self.tool_stats.on_finish(req.program_id, req.tool_name or NO_TOOL_CALL, now)
         return self.retention(req, program, now)
 
     def on_program_end(self, program: ProgramState) -> None:

@@ -17,7 +17,13 @@ from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from typing import Sequence
 
-__all__ = ["ToolDurationStats"]
+__all__ = ["NO_TOOL_CALL", "ToolDurationStats"]
+
+# The gap after a non-final turn whose output had no parsable tool call (a
+# ReAct "Action:" line, a format the parser does not know, a question to the
+# user). Learned in its own window like a tool, but kept out of the global
+# window so that human-length gaps do not stretch every real tool's TTL.
+NO_TOOL_CALL = "(no tool call)"
 
 
 class _Window:
@@ -145,7 +151,8 @@ class ToolDurationStats:
         else:
             self._tools.move_to_end(tool)
         win.add(duration, tick)
-        self._global.add(duration, tick)
+        if tool != NO_TOOL_CALL:
+            self._global.add(duration, tick)
 
     # ------------------------------------------------------------------ queries
 

@@ -236,13 +236,13 @@ class TTLModel:
     def regime(self, tool_name: str | None) -> str:
         """Which regime ``ttl(tool_name, ...)`` would use now."""
         K = self.k_threshold
+        if tool_name is not None and self.stats.count(tool_name) > K:
+            return "tool"  # checked first: NO_TOOL_CALL samples are not in the global window
         if self.stats.global_count() <= K:
             return "default"
-        if tool_name is None or self.stats.count(tool_name) <= K:
-            return "global"
-        return "tool"
+        return "global"
 
-    def default_mean(self) -> float:
+    def default_mean(self, tool_name: str | None = None) -> float:
         """The mean mu of the exponential prior used by the default regime.
 
         THE COLD-START TRAP: the paper's T_default takes mu = 1 s literally, and with T = 0 at
@@ -254,6 +254,8 @@ class TTLModel:
         (configurable, 1 s by default as in the paper).
         """
         m = self.stats.global_mean() if self.stats.global_count() > 0 else None
+        if m is None and tool_name is not None and self.stats.count(tool_name) > 0:
+            m = sum(self.stats.samples(tool_name)) / self.stats.count(tool_name)  # only NO_TOOL_CALL gaps so far
         if m is None or not (m > 0.0):
             # No samples, or all recorded durations are 0 (instant tools): keep the configured
             # prior rather than mu = 0, which would never pin.
@@ -273,7 +275,7 @@ class TTLModel:
         regime = self.regime(tool_name)
         if regime == "default":
             benefit = T * 1.0 + reload_s  # T_default assumes a fully memoryful workload
-            tau = exp_optimal_ttl(self.default_mean(), benefit)
+            tau = exp_optimal_ttl(self.default_mean(tool_name), benefit)
         else:
             benefit = T * self.eta.value() + reload_s
             if regime == "global":

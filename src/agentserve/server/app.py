@@ -61,6 +61,7 @@ class ServerConfig:
     api_key: str | None = None  # Bearer token required on /v1/* when set
     max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
     max_body_bytes: int = 16 * 2**20  # beyond: 413
+    stats_interval: float | None = None  # seconds between the engine's stats log lines (None: none)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -104,7 +105,8 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
     `app.state.server` (a ServerState) gives tests the engine and the metrics."""
     metrics = ServerMetrics(config.served_model_names[0])
     if engine is None:
-        engine = AsyncEngine(llm, max_queue=config.max_queue, listener=metrics, thread=thread)
+        engine = AsyncEngine(llm, max_queue=config.max_queue, listener=metrics, thread=thread,
+                             stats_interval=config.stats_interval)
     state = ServerState(llm, engine, metrics, config)
 
     @contextlib.asynccontextmanager

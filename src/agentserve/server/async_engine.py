@@ -34,6 +34,7 @@ from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.request import Request
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.server.engine_thread import EngineThread
+from agentserve.server.stats_log import stats_line
 
 log = logging.getLogger("agentserve.server")
 
@@ -87,6 +88,9 @@ class EngineSnapshot:
     pins_reclaimed: int
     pins_released_early: int
     pins_released_at_end: int
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    execute_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -159,11 +163,13 @@ _STOP = object()
 
 class AsyncEngine:
     def __init__(self, llm: Any, *, max_queue: int | None = None, listener: EngineListener | None = None,
-                 program_idle_timeout: float = 600.0, thread: EngineThread | None = None) -> None:
+                 program_idle_timeout: float = 600.0, thread: EngineThread | None = None,
+                 stats_interval: float | None = None) -> None:
         """`llm` is an `agentserve.llm.LLM` (or anything with its `engine`,
         `scheduler`, `kv` and `check_integrity`). `max_queue`: requests that may
         wait for admission at once (None: no limit). `thread`: the thread that
-        built `llm`, to run the loop on (see engine_thread.py); default a new one."""
+        built `llm`, to run the loop on (see engine_thread.py); default a new one.
+        `stats_interval`: seconds between the log lines of stats_log.py (None: none)."""
         self.llm = llm
         self.engine = llm.engine
         self.scheduler = llm.scheduler
@@ -183,6 +189,8 @@ class AsyncEngine:
         self._stopping = False
         self._lock = threading.Lock()  # orders posting a command against the thread's final drain
         self._last_prune = 0.0
+        self.stats_interval = stats_interval
+        self._last_stats: tuple[float, EngineSnapshot] | None = None
         self.crashed: BaseException | None = None
 
     # --- lifecycle (event loop side) ---
@@ -491,6 +499,19 @@ class AsyncEngine:
                     if not p.in_flight and now - p.last_activity > self.program_idle_timeout]
             for pid in idle:  # abandoned programs: forgotten without a JCT
                 del self._programs[pid]
+        if self.stats_interval:
+            self._log_stats(now)
+
+    def _log_stats(self, now: float) -> None:
+        last = self._last_stats
+        if last is None:
+            self._last_stats = (now, self._snapshot())
+        elif now - last[0] >= self.stats_interval:
+            cur = self._snapshot()
+            line = stats_line(last[1], cur, now - last[0])
+            if line:
+                log.info("engine: %s", line)
+            self._last_stats = (now, cur)
 
     def _snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler.stats, self.kv
@@ -501,4 +522,5 @@ class AsyncEngine:
             steps=s.steps, preemptions=s.preemptions, admitted_prompt_tokens=s.admitted_prompt_tokens,
             hit_tokens=s.hit_tokens, loaded_tokens=s.loaded_tokens, pins_created=s.pins_created,
             pins_hit=s.pins_hit, pins_expired=s.pins_expired, pins_reclaimed=s.pins_reclaimed,
-            pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end)
+            pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end,
+            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, execute_s=s.execute_s)

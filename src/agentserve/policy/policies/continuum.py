@@ -1,16 +1,19 @@
 """CacheTTL / Continuum: pin a tool-calling turn's KV for the TTL of Eq. 2,
 learned online per tool, and order waiting requests by (preempted first,
-pinned program first, program arrival)."""
+pinned program first, program arrival). A request is admitted only when its
+whole prompt and some output fit beside the running requests' own reserves."""
 
 from __future__ import annotations
 
 from agentserve.policy.base import Policy, PolicyContext, Retention, register
+from agentserve.policy.tool_stats import NO_TOOL_CALL
 from agentserve.policy.ttl import EtaEstimator, QueueDelayWindow, TTLModel
 
 
 @register
 class Continuum(Policy):
     name = "continuum"
+    decode_reserve_tokens = 128  # admit whole programs' turns, not chunks (see Policy)
 
     def __init__(self, ctx: PolicyContext, k_threshold: int = 100, default_tool_mean: float = 1.0,
                  max_ttl: float = 600.0, age_credit: float | None = 15.0) -> None:
@@ -39,10 +42,10 @@ class Continuum(Policy):
         if req.ttl_hint is not None:  # the client knows better than the statistics
             ttl = min(max(req.ttl_hint, 0.0), self.max_ttl)
             return Retention("pin", ttl) if ttl > 0 else Retention.free()
-        if req.tool_name is None:
-            return Retention.free()  # no tool call: the next turn waits on a human, if it comes
+        # A turn without a parsable tool call is still followed by another (the
+        # client did not end the program): its gap is learned like a tool's.
         ttl = min(self.ttl_for(req), self.max_ttl)
         return Retention("pin", ttl) if ttl > 0 else Retention.free()
 
     def ttl_for(self, req) -> float:
-        return self.model.ttl(req.tool_name, self.ctx.reload_cost(req.num_computed_tokens))
+        return self.model.ttl(req.tool_name or NO_TOOL_CALL, self.ctx.reload_cost(req.num_computed_tokens))

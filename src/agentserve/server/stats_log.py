@@ -1,0 +1,38 @@
+"""The engine's periodic log line: what the last interval did and where its
+time went, so an operator sees throughput, queueing, cache hits and pins
+without scraping /metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentserve.server.async_engine import EngineSnapshot
+
+STATS_INTERVAL_S = 10.0
+
+
+def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str | None:
+    """One line for the interval from `prev` to `cur`, or None if nothing ran."""
+    if cur.steps == prev.steps or seconds <= 0:
+        return None
+    steps = cur.steps - prev.steps
+    prefill = cur.prefill_tokens - prev.prefill_tokens
+    decode = cur.decode_tokens - prev.decode_tokens
+    admitted = cur.admitted_prompt_tokens - prev.admitted_prompt_tokens
+    hits = cur.hit_tokens - prev.hit_tokens
+    busy = cur.execute_s - prev.execute_s
+    pinned = cur.num_pinned_blocks / cur.num_blocks if cur.num_blocks else 0.0
+    parts = [
+        f"{seconds:.0f} s: prompt {prefill / seconds:.0f} tok/s, generation {decode / seconds:.1f} tok/s",
+        f"prefix hits {100 * hits / admitted:.0f}% of {admitted} admitted prompt tokens" if admitted else
+        "no request admitted",
+        f"running {cur.num_running}, waiting {cur.num_waiting}",
+        f"KV {100 * cur.kv_usage:.0f}% used, {100 * pinned:.0f}% pinned by {cur.num_pinned_programs} programs",
+        f"{steps} steps, model busy {100 * min(busy / seconds, 1.0):.0f}% ({1000 * busy / steps:.1f} ms a step)",
+        f"pins +{cur.pins_created - prev.pins_created} hit {cur.pins_hit - prev.pins_hit} "
+        f"expired {cur.pins_expired - prev.pins_expired} reclaimed {cur.pins_reclaimed - prev.pins_reclaimed}",
+    ]
+    if cur.preemptions > prev.preemptions:
+        parts.append(f"preemptions {cur.preemptions - prev.preemptions}")
+    return "; ".join(parts)

@@ -1,0 +1,36 @@
+"""The engine's periodic stats line (server/stats_log.py)."""
+
+from dataclasses import replace
+
+from agentserve.server.async_engine import EngineSnapshot
+from agentserve.server.stats_log import stats_line
+
+
+def snap(**kw) -> EngineSnapshot:
+    base = dict(num_running=0, num_waiting=0, num_blocks=100, num_free_blocks=100, num_pinned_blocks=0,
+                num_pinned_programs=0, block_size=16, steps=0, preemptions=0, admitted_prompt_tokens=0,
+                hit_tokens=0, loaded_tokens=0, pins_created=0, pins_hit=0, pins_expired=0, pins_reclaimed=0,
+                pins_released_early=0, pins_released_at_end=0)
+    base.update(kw)
+    return EngineSnapshot(**base)
+
+
+def test_nothing_ran_nothing_logged():
+    s = snap(steps=5)
+    assert stats_line(s, s, 10.0) is None
+
+
+def test_interval_figures():
+    a = snap(steps=10, prefill_tokens=100, decode_tokens=50, admitted_prompt_tokens=1000, hit_tokens=200,
+             execute_s=1.0, pins_created=1)
+    b = replace(a, steps=110, prefill_tokens=5100, decode_tokens=450, admitted_prompt_tokens=5000, hit_tokens=3200,
+                execute_s=9.0, num_running=3, num_waiting=2, num_free_blocks=25, num_pinned_blocks=40,
+                num_pinned_programs=2, pins_created=5, pins_hit=3, preemptions=2)
+    line = stats_line(a, b, 10.0)
+    assert "prompt 500 tok/s, generation 40.0 tok/s" in line
+    assert "prefix hits 75% of 4000 admitted prompt tokens" in line
+    assert "running 3, waiting 2" in line
+    assert "KV 75% used, 40% pinned by 2 programs" in line
+    assert "100 steps, model busy 80% (80.0 ms a step)" in line
+    assert "pins +4 hit 3 expired 0 reclaimed 0" in line
+    assert "preemptions 2" in line
