@@ -175,6 +175,22 @@ def test_summarize_metrics():
     assert empty["programs"] == 0 and math.isnan(empty["mean_jct"]) and empty["throughput_jobs_s"] == 0.0
 
 
+def test_time_split_per_program_and_turn():
+    def t(pid, k, ttft, lat, out, err=None):
+        return {"program_id": pid, "turn": k, "ttft": ttft, "latency": lat, "completion_tokens": out,
+                "error": err}
+    result = {"server": "x",
+              "program_results": [{"program_id": "a", "jct": 10.0, "tool_time": 2.0, "error": None},
+                                  {"program_id": "b", "jct": 6.0, "tool_time": 1.0, "error": None},
+                                  {"program_id": "c", "jct": None, "tool_time": 0.0, "error": "boom"}],
+              "turns": [t("a", 0, 1.0, 3.0, 11), t("a", 1, 0.5, 4.5, 21), t("b", 0, 2.0, 4.0, 11),
+                        t("c", 0, 9.0, 9.0, 0, err="boom")]}
+    (row,) = rr.time_rows([result])
+    # a: first tokens 1.5, decode 6, tools 2, other 0.5; b: 2, 2, 1, 1 (c failed: left out)
+    assert row == ["x", "8.0", "1.8", "4.0", "1.5", "0.8", "1.5", "1.167", "2.667", "14.3", "5.0"]
+    assert "tok/s/stream" in rr.format_time_table([result])
+
+
 def test_stream_accumulator():
     acc = rp.StreamAccumulator(1.0)
     acc.feed('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', 1.1)

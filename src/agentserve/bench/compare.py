@@ -96,6 +96,8 @@ def cmd_compare(a) -> int:
         raise CliError("no server could be run")
     rows = compare_rows(results)
     print(format_compare(rows))
+    print("\nwhere a program's time goes (mean seconds; per turn after 'turns'):")
+    print(rr.format_time_table(results))
     plots = rr.write_plots(results, a.plot) if a.plot else {}
     if a.json:
         write_json({"rows": rows, "results": results}, a.json)

@@ -861,6 +861,7 @@ def cmd_run(a) -> int:
         raise CliError(f"cannot reach {a.url}: {e}") from None
     results = [result] + compare
     print(rr.format_table(results))
+    print(rr.format_time_table(results))
     print()
     print(rr.format_turn_table(result))
     if result["errors"]:

@@ -79,6 +79,41 @@ def turn_rows(result: dict, max_turns: int = 30) -> tuple[list[str], list[list[s
     return head, rows
 
 
+TIME_HEAD = ["server", "JCT", "to first token", "decoding", "tools", "other", "turns", "TTFT/turn",
+             "decode/turn", "out tok/turn", "tok/s/stream"]
+
+
+def time_rows(results: list[dict]) -> list[list[str]]:
+    """Where a program's time goes, per server (means over completed programs, seconds):
+    waiting for first tokens (queueing + prefill), decoding the rest, sleeping in tools,
+    and the remainder (client work between turns); then the same per turn."""
+    rows = []
+    for r in results:
+        done = {p["program_id"] for p in r["program_results"] if p.get("error") is None}
+        progs = [p for p in r["program_results"] if p["program_id"] in done]
+        turns = [t for t in r["turns"] if t["program_id"] in done and t["error"] is None]
+        if not progs or not turns:
+            continue
+        n = len(progs)
+        ttft = sum(t["ttft"] for t in turns)
+        decode = sum(t["latency"] - t["ttft"] for t in turns)
+        tools = sum(p["tool_time"] for p in progs)
+        jct = sum(p["jct"] for p in progs)
+        out = sum(t["completion_tokens"] for t in turns)
+        streamed = [t["completion_tokens"] - 1 for t in turns if t["completion_tokens"] > 1]
+        stream_s = sum(t["latency"] - t["ttft"] for t in turns if t["completion_tokens"] > 1)
+        rows.append([str(r.get("server", "?")), _f(jct / n, 1), _f(ttft / n, 1), _f(decode / n, 1),
+                     _f(tools / n, 1), _f((jct - ttft - decode - tools) / n, 1), f"{len(turns) / n:.1f}",
+                     _f(ttft / len(turns), 3), _f(decode / len(turns), 3),
+                     f"{out / len(turns):.1f}" if out else "-",
+                     _f(sum(streamed) / stream_s, 1) if streamed and stream_s > 0 else "-"])
+    return rows
+
+
+def format_time_table(results: list[dict]) -> str:
+    return _text_table(TIME_HEAD, time_rows(results))
+
+
 def _text_table(head: list[str], rows: list[list[str]]) -> str:
     lines = [head] + rows
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
@@ -226,7 +261,13 @@ def write_markdown(results: list[dict], path: str, plots: dict[str, str] | None 
         lines.append(f"  - {n}x {k}")
     lines += ["", "JCT = first request sent to last response received, tool time included; TTFT = request "
               "sent to first content token (queueing + prefill). Times in seconds.", "",
-              "## Summary", "", _md_table(SUMMARY_HEAD, summary_rows(results)), ""]
+              "## Summary", "", _md_table(SUMMARY_HEAD, summary_rows(results)), "",
+              "## Where the time goes", "",
+              "Per completed program (mean, seconds): waiting for first tokens (queueing and prefill), "
+              "decoding the rest, in tools, and the remainder (the client between turns); then per turn, "
+              "with the decode rate one stream saw (tokens after the first over the time after it; "
+              "servers that report no usage show -).", "",
+              _md_table(TIME_HEAD, time_rows(results)), ""]
     for res in results:
         head, rows = turn_rows(res)
         lines += [f"## By turn: {res.get('server', '?')}", "", _md_table(head, rows), ""]
