@@ -28,11 +28,14 @@ class ScriptedExecutor(Executor):
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
         self.scripts: dict[str, list[int]] = {}  # program id -> the tokens its requests sample
+        self.fail_programs: set[str] = set()  # a step that runs one of these programs raises
 
     def script(self, program_id: str, text: str) -> None:
         self.scripts[program_id] = list(text.encode()) + [EOS]
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
+        if any(ch.request.program_id in self.fail_programs for ch in output.chunks):
+            raise RuntimeError("injected executor failure")
         result = self.inner.execute(output)
         for ch in output.chunks:
             script = self.scripts.get(ch.request.program_id)

@@ -285,6 +285,26 @@ def test_error_statuses(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_engine_failure_mid_stream_ends_with_an_error_event(server, client):
+    server.scripted.fail_programs.add("BOOM")
+    try:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            events = []
+            with httpx.stream("POST", server.url + path, timeout=30,
+                              headers={"Authorization": f"Bearer {KEY}", "X-Program-Id": "BOOM"},
+                              json={"model": "tiny", "max_tokens": 8, "stream": True, **body}) as r:
+                assert r.status_code == 200
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])
+            assert "injected executor failure" in err["error"]["message"], err
+    finally:
+        server.scripted.fail_programs.discard("BOOM")
+    assert chat(client).choices[0].finish_reason == "length"  # the server goes on
+    idle(server)
+
+
 def test_client_disconnect_aborts_and_frees_kv(server, client):
     aborts = sample(server, "agentserve:request_success_total", {"finished_reason": "abort"})
     long = dict(max_tokens=900, extra_body={"ignore_eos": True})

@@ -336,9 +336,23 @@ class _EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+        events = self._ended(events)
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._stream = stream
+
+    @staticmethod
+    async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """`events`, then [DONE]; an engine failure mid-stream becomes an error event first."""
+        try:
+            async for event in events:
+                yield event
+            yield _DONE
+        except (EngineError, EngineStopped) as e:
+            yield _sse(_engine_failure(e).body())
+            yield _DONE
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -506,33 +520,26 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
 
     streamer = ToolCallStreamer(choice) if choice is not None else None
     n_calls = 0
-    try:
-        yield chunk(Delta(role="assistant", content=""))
-        async for out in stream:
-            if streamer is None:
-                d = OutputDelta(out.new_text)
-            else:
-                d = streamer.feed(out.new_text)
-                if out.finished:
-                    tail = streamer.finish()
-                    d = OutputDelta(d.content + tail.content, d.calls + tail.calls)
-            if d.content:
-                yield chunk(Delta(content=d.content))
-            if d.calls:
-                yield chunk(Delta(tool_calls=[c.to_delta(n_calls + i) for i, c in enumerate(d.calls)]))
-                n_calls += len(d.calls)
+    yield chunk(Delta(role="assistant", content=""))
+    async for out in stream:
+        if streamer is None:
+            d = OutputDelta(out.new_text)
+        else:
+            d = streamer.feed(out.new_text)
             if out.finished:
-                _log_done(rid, ident, out)
-                yield chunk(Delta(), finish_reason(out.finish_reason, n_calls > 0))
-                if include_usage:
-                    yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                                   usage=_usage(out)))
-        yield _DONE
-    except (EngineError, EngineStopped) as e:
-        yield _sse(_engine_failure(e).body())
-        yield _DONE
-    finally:
-        stream.close()
+                tail = streamer.finish()
+                d = OutputDelta(d.content + tail.content, d.calls + tail.calls)
+        if d.content:
+            yield chunk(Delta(content=d.content))
+        if d.calls:
+            yield chunk(Delta(tool_calls=[c.to_delta(n_calls + i) for i, c in enumerate(d.calls)]))
+            n_calls += len(d.calls)
+        if out.finished:
+            _log_done(rid, ident, out)
+            yield chunk(Delta(), finish_reason(out.finish_reason, n_calls > 0))
+            if include_usage:
+                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                               usage=_usage(out)))
 
 
 # --- completions ---
@@ -586,19 +593,12 @@ async def completions(request: Request) -> Response:
 
 async def _completion_events(stream: RequestStream, rid: str, created: int, model: str, include_usage: bool,
                              ident: ProgramIdentity) -> AsyncIterator[str]:
-    try:
-        async for out in stream:
-            if out.new_text or out.finished:
-                yield _sse(Completion(id=rid, created=created, model=model, choices=[
-                    CompletionChoice(text=out.new_text, finish_reason=out.finish_reason if out.finished else None,
-                                     stop_reason=out.stop_reason)]))
-            if out.finished:
-                _log_done(rid, ident, out)
-                if include_usage:
-                    yield _sse(Completion(id=rid, created=created, model=model, choices=[], usage=_usage(out)))
-        yield _DONE
-    except (EngineError, EngineStopped) as e:
-        yield _sse(_engine_failure(e).body())
-        yield _DONE
-    finally:
-        stream.close()
+    async for out in stream:
+        if out.new_text or out.finished:
+            yield _sse(Completion(id=rid, created=created, model=model, choices=[
+                CompletionChoice(text=out.new_text, finish_reason=out.finish_reason if out.finished else None,
+                                 stop_reason=out.stop_reason)]))
+        if out.finished:
+            _log_done(rid, ident, out)
+            if include_usage:
+                yield _sse(Completion(id=rid, created=created, model=model, choices=[], usage=_usage(out)))
