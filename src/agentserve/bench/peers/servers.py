@@ -252,6 +252,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", model_name, "--host", host, "--port", str(port),
                 "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as agentserve
                 "--block-size", str(VLLM_BLOCK_TOKENS), "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens))]
         # The legacy env var is whole GiB and would override --kv-cache-memory-bytes.
         unset = ("VLLM_CPU_KVCACHE_SPACE",)
