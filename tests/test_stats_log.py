@@ -16,14 +16,15 @@ def snap(**kw) -> EngineSnapshot:
 
 
 def test_nothing_ran_nothing_logged():
-    s = snap(steps=5)
+    s = snap(steps=5, executed_steps=3)
     assert stats_line(s, s, 10.0) is None
+    assert stats_line(s, replace(s, steps=50), 10.0) is None  # empty scheduling passes (pin review) only
 
 
 def test_interval_figures():
-    a = snap(steps=10, prefill_tokens=100, decode_tokens=50, admitted_prompt_tokens=1000, hit_tokens=200,
+    a = snap(steps=10, executed_steps=10, prefill_tokens=100, decode_tokens=50, admitted_prompt_tokens=1000, hit_tokens=200,
              execute_s=1.0, pins_created=1)
-    b = replace(a, steps=110, prefill_tokens=5100, decode_tokens=450, admitted_prompt_tokens=5000, hit_tokens=3200,
+    b = replace(a, steps=130, executed_steps=110, prefill_tokens=5100, decode_tokens=450, admitted_prompt_tokens=5000, hit_tokens=3200,
                 execute_s=9.0, num_running=3, num_waiting=2, num_free_blocks=25, num_pinned_blocks=40,
                 num_pinned_programs=2, pins_created=5, pins_hit=3, preemptions=2)
     line = stats_line(a, b, 10.0)

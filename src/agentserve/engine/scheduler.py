@@ -51,6 +51,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0  # tokens sampled
     execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)
+    executed_steps: int = 0  # steps that ran the executor (`steps` also counts empty scheduling passes)
     ttl_sum: float = 0.0
     ttl_history: list[float] = field(default_factory=list)  # recent TTL decisions (bounded)
 
@@ -355,6 +356,7 @@ class Scheduler:
         limit = self.config.max_model_len
         stats = self.stats
         stats.execute_s += result.elapsed
+        stats.executed_steps += 1
         for ch in out.chunks:
             req = ch.request
             if ch.num_tokens > 1 or ch.start < req.num_prompt_tokens:

@@ -91,6 +91,7 @@ class EngineSnapshot:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     execute_s: float = 0.0
+    executed_steps: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -523,4 +524,5 @@ class AsyncEngine:
             hit_tokens=s.hit_tokens, loaded_tokens=s.loaded_tokens, pins_created=s.pins_created,
             pins_hit=s.pins_hit, pins_expired=s.pins_expired, pins_reclaimed=s.pins_reclaimed,
             pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end,
-            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, execute_s=s.execute_s)
+            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, execute_s=s.execute_s,
+            executed_steps=s.executed_steps)

@@ -13,10 +13,11 @@ STATS_INTERVAL_S = 10.0
 
 
 def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str | None:
-    """One line for the interval from `prev` to `cur`, or None if nothing ran."""
-    if cur.steps == prev.steps or seconds <= 0:
+    """One line for the interval from `prev` to `cur`, or None if the model did
+    not run (an idle server that only reviews its pins stays quiet)."""
+    steps = cur.executed_steps - prev.executed_steps
+    if steps <= 0 or seconds <= 0:
         return None
-    steps = cur.steps - prev.steps
     prefill = cur.prefill_tokens - prev.prefill_tokens
     decode = cur.decode_tokens - prev.decode_tokens
     admitted = cur.admitted_prompt_tokens - prev.admitted_prompt_tokens
