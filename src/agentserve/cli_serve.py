@@ -28,7 +28,7 @@ def default_served_name(model_source: str | Path) -> str:
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
-def _positive(kind: str):
+def _non_negative(kind: str):
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -72,9 +72,9 @@ def add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and of uvicorn (debug logs every request's token counts)")
-    g.add_argument("--max-queue", type=_positive("--max-queue"), default=DEFAULT_MAX_QUEUE,
+    g.add_argument("--max-queue", type=_non_negative("--max-queue"), default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait for admission at once; more get 503 (0: no limit)")
-    g.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=DEFAULT_MAX_BODY_BYTES,
+    g.add_argument("--max-body-bytes", type=_non_negative("--max-body-bytes"), default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; larger bodies get 413")
     g.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before they are aborted")

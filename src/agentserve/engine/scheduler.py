@@ -5,8 +5,9 @@ within the step's token budget; when KV runs out, pins of later programs are
 reclaimed, then the lowest-priority running request is preempted), then
 waiting requests in the policy's order (prefix match, admission with the
 policy's headroom, reclaiming pins of later programs when the head does not
-fit, and any pin when nothing is running, so pins can never deadlock). At the start of every step, expired pins
-whose program has no waiting request are released."""
+fit, and any pin when nothing is running, so pins can never deadlock). At the
+start of every step, expired pins whose program has no waiting request are
+released."""
 
 from __future__ import annotations
 
@@ -279,7 +280,8 @@ class Scheduler:
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
         n = min(req.num_tokens - hit, budget)
         own_pin_released = False
-        while not (self._has_headroom(req, match) and self.kv.admit(req.request_id, match, n, now)):
+        held = self._reserved_for_running()  # reclaiming pins below does not change it
+        while not (self._has_headroom(req, match, held) and self.kv.admit(req.request_id, match, n, now)):
             nothing_runs = not self.running
             if self._reclaim_pin(req, any_program=nothing_runs, now=now):
                 continue
@@ -316,21 +318,26 @@ class Scheduler:
         scheduled.append((req, n))
         return True
 
-    def _has_headroom(self, req: Request, match) -> bool:
-        """The policy's admission headroom (Policy.decode_reserve_tokens): the
-        request's whole prompt and its reserved output fit in the free blocks
-        that the running requests' own reserves leave. Always true when nothing
-        runs, so a request that fits the cache at all is never held back."""
-        reserve = self.policy.decode_reserve_tokens
-        if reserve <= 0 or not self.running:
-            return True
+    def _ahead(self, req: Request) -> int:
+        """Tokens `req` still needs KV for under the policy's headroom: all it
+        has, plus its remaining output up to Policy.decode_reserve_tokens."""
+        return req.num_tokens + min(req.max_tokens - req.num_output_tokens, self.policy.decode_reserve_tokens)
+
+    def _reserved_for_running(self) -> int | None:
+        """Blocks the running requests may still take within their headroom;
+        None when no headroom applies (the policy keeps none, or nothing runs,
+        so a request that fits the cache at all is never held back)."""
+        if self.policy.decode_reserve_tokens <= 0 or not self.running:
+            return None
         kv = self.kv
+        return sum(max(0, kv.blocks_for(self._ahead(r)) - kv.num_blocks_of(r.request_id)) for r in self.running)
 
-        def ahead(r: Request) -> int:  # tokens r still needs KV for
-            return r.num_tokens + min(r.max_tokens - r.num_output_tokens, reserve)
-
-        held = sum(max(0, kv.blocks_for(ahead(r)) - kv.num_blocks_of(r.request_id)) for r in self.running)
-        return kv.admit_need(match, ahead(req) - match.num_tokens) + held <= kv.num_free_blocks
+    def _has_headroom(self, req: Request, match, held: int | None) -> bool:
+        """`req`'s whole prompt and reserved output fit in the free blocks that
+        the running requests' reserves (`held`) leave."""
+        if held is None:
+            return True
+        return self.kv.admit_need(match, self._ahead(req) - match.num_tokens) + held <= self.kv.num_free_blocks
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         self.running.remove(req)

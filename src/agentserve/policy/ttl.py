@@ -254,8 +254,8 @@ class TTLModel:
         (configurable, 1 s by default as in the paper).
         """
         m = self.stats.global_mean() if self.stats.global_count() > 0 else None
-        if m is None and tool_name is not None and self.stats.count(tool_name) > 0:
-            m = sum(self.stats.samples(tool_name)) / self.stats.count(tool_name)  # only NO_TOOL_CALL gaps so far
+        if m is None and tool_name is not None:
+            m = self.stats.mean(tool_name)  # only NO_TOOL_CALL gaps recorded so far
         if m is None or not (m > 0.0):
             # No samples, or all recorded durations are 0 (instant tools): keep the configured
             # prior rather than mu = 0, which would never pin.
