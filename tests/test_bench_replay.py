@@ -241,8 +241,11 @@ def test_replay_live(server):
     sub = program("p0:sub", 0.0, 2, shared=0)  # a subagent launched by p0's turn 1, no system prompt
     sub.parent_id, sub.parent_turn = "p0", 1
     progs = [program("p0", 0.0, 3), program("p1", 0.05, 4), program("p2", 0.1, 2), program("p3", 0.15, 3), sub]
+    # A fixed text seed, so the run is the same every time: the random model's outputs, sent back
+    # as assistant turns, depend on the text, and with a fresh seed about one run in six had a
+    # prompt beyond the 25% tolerance below (83 tokens against 63 planned).
     cfg = rp.ReplayConfig(server.url + "/v1", api_key=KEY, workload="unit", rate=10.0, progress=False,
-                          request_timeout=30)
+                          request_timeout=30, text_seed="1")
     res = rp.replay(progs, cfg)
     for k in rp.SUMMARY_KEYS:
         assert k in res
