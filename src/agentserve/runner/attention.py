@@ -2,7 +2,18 @@
 
 A step's tokens are flattened: the decode rows first (one query each), then
 each prefill chunk's rows. Every layer writes the new K/V into the cache by
-slot, then
+slot, then attends with one of two mechanisms:
+
+The native kernel (csrc/paged_attention.c, loaded by runner/native.py; the
+default on the CPU when it builds): decode rows and prefill chunks after a
+prefix read K/V block by block where they lie in the cache, with an online
+softmax, so a step costs what attention must read once, not a padded copy of
+every sequence's context, and no [rows, context] mask is ever built. A chunk
+that starts at position 0 and is long enough for a matrix-multiply kernel to
+pay off attends causally to its own new K/V with torch's SDPA (no cache read
+at all).
+
+The torch path (fallback: no compiler, CUDA, AGENTSERVE_ATTENTION=torch):
 * decode rows attend together: their blocks are gathered from the cache into
   one padded [rows, kv_heads, max_ctx, head_dim] batch with a padding mask, and
   the query heads of each KV group are folded into the query-length dimension
@@ -11,15 +22,27 @@ slot, then
   causally to its own K/V; a chunk after a prefix (a cache hit, or an earlier
   chunk) gathers its whole context from the cache and uses an offset causal
   mask.
-The metadata (slots, gather indices, masks) is built once per step and shared
-by all layers."""
+The metadata (slots, segments or gather indices and masks) is built once per
+step and shared by all layers."""
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from agentserve.runner import native
+
+# A prefill chunk of at least this many rows attends with torch's flash kernel
+# (matrix multiplies pay off): its own K/V causally, plus, after a prefix, the
+# prefix's blocks gathered once and unmasked, the two merged by log-sum-exp.
+# Shorter chunks and decode rows go through the native kernel.
+GEMM_CHUNK_ROWS = 64
+# The kernel splits a context into partitions of at least this many tokens when
+# there are fewer (row tile, head) items than cores to keep busy.
+MIN_PARTITION_TOKENS = 256
 
 
 @dataclass
@@ -40,18 +63,44 @@ class DecodeBatch:
 
 
 @dataclass
+class NativeSegments:
+    """The rows the native kernel computes: one segment per decode row or
+    prefill chunk (int32 arrays the kernel reads in place)."""
+    count: int
+    row_start: torch.Tensor
+    num_rows: torch.Tensor
+    start: torch.Tensor
+    table_offset: torch.Tensor  # where each segment's block table starts in `tables`
+    tables: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
-    decode: DecodeBatch | None = None
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    decode: DecodeBatch | None = None  # torch path only
+    prefills: list[PrefillSpan] = field(default_factory=list)  # torch path: all chunks; native: SDPA ones
+    native: NativeSegments | None = None  # rows for the native kernel (None: none this step)
+    kernel: bool = False  # built for the native path
+
+
+def use_native(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether attention on this device and dtype runs on the native kernel."""
+    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+        and native.paged_attention_kernel() is not None
 
 
 def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
                    prefills: list[tuple[list[int], int, int]], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
+                   device: torch.device, kernel: bool | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> AttentionMetadata:
     """decode_tables/decode_lens: block table and context length (including the
     new token) of each decode row. prefills: (block table, start, num_tokens).
-    Tables must cover their context and no more."""
+    Tables must cover their context and no more. kernel: use the native kernel
+    (None: whenever `use_native` says so)."""
+    if kernel is None:
+        kernel = use_native(device, dtype)
+    if kernel:
+        return _native_metadata(decode_tables, decode_lens, prefills, block_size, device)
     slots: list[int] = []
     decode = None
     bs = block_size
@@ -81,6 +130,56 @@ def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
     return AttentionMetadata(torch.tensor(slots, dtype=torch.int64).to(device), decode, spans)
 
 
+def _native_metadata(decode_tables: list[list[int]], decode_lens: list[int],
+                     prefills: list[tuple[list[int], int, int]], bs: int, device: torch.device) -> AttentionMetadata:
+    slots: list[int] = []
+    row_start: list[int] = []
+    num_rows: list[int] = []
+    starts: list[int] = []
+    offsets: list[int] = []
+    tables: list[int] = []
+
+    def segment(row: int, n: int, start: int, table: list[int]) -> None:
+        row_start.append(row)
+        num_rows.append(n)
+        starts.append(start)
+        offsets.append(len(tables))
+        tables.extend(table)
+
+    for row, (t, n) in enumerate(zip(decode_tables, decode_lens)):
+        slots.append(t[(n - 1) // bs] * bs + (n - 1) % bs)
+        segment(row, 1, n - 1, t)
+    spans = []
+    row = len(decode_tables)
+    for table, start, n in prefills:
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        if n >= GEMM_CHUNK_ROWS:
+            prefix = torch.tensor(table[:-(-start // bs)], dtype=torch.int64).to(device) if start else None
+            spans.append(PrefillSpan(row, n, start, prefix, None))
+        else:
+            segment(row, n, start, table)
+        row += n
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    segs = NativeSegments(len(row_start), i32(row_start), i32(num_rows), i32(starts), i32(offsets),
+                          i32(tables or [0])) if row_start else None
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.int64).to(device), None, spans, segs, kernel=True)
+
+
+def _native_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      segs: NativeSegments, scale: float) -> None:
+    lib = native.paged_attention_kernel()
+    KVH, NB, BS, D = k_cache.shape
+    G = q.shape[1] // KVH
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    rc = lib.agentserve_paged_attention(
+        1 if q.dtype is torch.bfloat16 else 0, ptr(q), ptr(out), ptr(k_cache), ptr(v_cache),
+        NB, BS, KVH, G, D, segs.count, ptr(segs.row_start), ptr(segs.num_rows), ptr(segs.start),
+        ptr(segs.table_offset), ptr(segs.tables), scale, torch.get_num_threads(), MIN_PARTITION_TOKENS)
+    if rc != 0:
+        raise RuntimeError(f"native paged attention refused its arguments (code {rc}: head_dim <= 256, "
+                           f"block_size <= 128 and at most 16 query heads per KV head are supported)")
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -91,6 +190,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     G = H // KVH
     k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.kernel:
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native attention kernel takes float32 or bfloat16, not {q.dtype}")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if meta.native is not None:
+            _native_attention(q, out, k_cache, v_cache, meta.native, scale)
+        for sp in meta.prefills:  # long chunks: matrix-multiply kernels
+            a, b = sp.row_start, sp.row_start + sp.num_rows
+            if sp.blocks is None:
+                out[a:b] = _fresh_chunk(q[a:b], k[a:b], v[a:b], scale, G)
+            else:
+                out[a:b] = _chunk_after_prefix(q[a:b], k[a:b], v[a:b], k_cache, v_cache, sp, scale)
+        return out.view(T, H * D)
     dec = meta.decode
     if dec is not None and not meta.prefills:
         return _decode(q, k_cache, v_cache, dec, scale).reshape(T, H * D)
@@ -101,9 +214,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         a, b = sp.row_start, sp.row_start + sp.num_rows
         qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if sp.blocks is None:
-            ks = k[a:b].transpose(0, 1).unsqueeze(0)
-            vs = v[a:b].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=G > 1)
+            out[a:b] = _fresh_chunk(q[a:b], k[a:b], v[a:b], scale, G)
+            continue
         else:
             ctx = sp.start + sp.num_rows
             ks = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx]
@@ -111,6 +223,41 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, scale=scale, enable_gqa=G > 1)
         out[a:b] = o.squeeze(0).transpose(0, 1)
     return out.view(T, H * D)
+
+
+def _fresh_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, G: int) -> torch.Tensor:
+    """A chunk at position 0 attends causally to its own K/V. Returns [n, heads, d]."""
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=G > 1)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _chunk_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, sp: PrefillSpan, scale: float) -> torch.Tensor:
+    """A long chunk after a prefix, without a [rows, context] mask: attention to
+    the prefix (every row sees all of it; the KV group's query heads folded into
+    the query length) and causal attention to the chunk itself, merged with
+    their log-sum-exps. Returns [n, heads, d]."""
+    n, H, D = q.shape
+    KVH = k_cache.shape[0]
+    G = H // KVH
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    kp = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :sp.start]
+    vp = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :sp.start]
+    qf = q.view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(1, KVH, G * n, D)
+    o1, lse1 = flash(qf, kp, vp, 0.0, False, scale=scale)
+    o1 = o1.view(KVH, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+    lse1 = lse1.view(KVH, G, n).permute(2, 0, 1).reshape(n, H)
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = k.repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
+    vs = v.repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
+    o2, lse2 = flash(qs, ks, vs, 0.0, True, scale=scale)
+    o2 = o2.squeeze(0).transpose(0, 1)
+    lse2 = lse2.squeeze(0).transpose(0, 1)
+    m = torch.maximum(lse1, lse2)
+    w1 = (lse1 - m).exp().unsqueeze(-1)
+    w2 = (lse2 - m).exp().unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch,

@@ -50,7 +50,7 @@ class ModelExecutor(Executor):
             [out.block_table(c.request.request_id)[:need(c)] for c in decodes],
             [c.start + 1 for c in decodes],
             [(out.block_table(c.request.request_id)[:need(c)], c.start, c.num_tokens) for c in prefills],
-            bs, self.device)
+            bs, self.device, dtype=self.model.dtype)
         rows, sampled_chunks, row = [], [], 0
         for c in decodes + prefills:
             row += c.num_tokens

@@ -1,0 +1,128 @@
+"""The native CPU kernels (csrc/): compiled at first use, cached, loaded with ctypes.
+
+The C source is built with the machine's C compiler (`cc`, or $CC) for this
+CPU (-march=native) and OpenMP, into a cache directory keyed by the source,
+the compiler and the CPU, so it is built once per machine (about a second).
+It links the same OpenMP runtime that torch has already loaded (the soname
+matches), so the kernels share torch's threads instead of starting a second
+team that would compete for the cores. No torch headers are needed.
+
+Anything that goes wrong (no compiler, a failed build, a library that does
+not load, AGENTSERVE_ATTENTION=torch) leaves `paged_attention_kernel()`
+returning None with one warning in the log; callers then use the portable
+torch path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("agentserve.runner")
+
+_SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_lock = threading.Lock()
+_kernel: ctypes.CDLL | None = None
+_tried = False
+_why_not: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("AGENTSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "agentserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "model name"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _build(cc: str) -> Path:
+    src = _SRC.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + version.encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = cache_dir() / f"paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: a concurrent or interrupted build never leaves a torn library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-400:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, or $CC) on PATH")
+    import torch  # noqa: F401  (its OpenMP runtime must be loaded first, so the kernel shares it)
+
+    lib = ctypes.CDLL(str(_build(cc)))
+    fn = lib.agentserve_paged_attention
+    i, p, L, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    fn.argtypes = [i, p, p, p, p, L, i, i, i, i, i, p, p, p, p, p, f, i, i]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_attention_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (the reason is in `unavailable_reason()`)."""
+    global _kernel, _tried, _why_not
+    if _tried:
+        return _kernel
+    with _lock:
+        if _tried:
+            return _kernel
+        choice = os.environ.get("AGENTSERVE_ATTENTION", "auto").strip().lower()
+        if choice not in ("auto", "native", "torch"):
+            _why_not = f"AGENTSERVE_ATTENTION={choice!r} is not one of auto, native, torch"
+        elif choice == "torch":
+            _why_not = "AGENTSERVE_ATTENTION=torch"
+        else:
+            try:
+                _kernel = _load()
+            except Exception as e:  # any failure: the portable path serves
+                _why_not = str(e) or type(e).__name__
+        if _kernel is None:
+            log.warning("native paged attention unavailable (%s): using the torch path, which copies each "
+                        "sequence's context per layer and is slower at long contexts", _why_not)
+        _tried = True
+        return _kernel
+
+
+def unavailable_reason() -> str | None:
+    paged_attention_kernel()
+    return _why_not
+
+
+def reset_for_tests() -> None:
+    global _kernel, _tried, _why_not
+    with _lock:
+        _kernel, _tried, _why_not = None, False, None
