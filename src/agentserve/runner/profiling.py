@@ -88,6 +88,49 @@ class ModelTimer:
         rows = torch.arange(batch, device=self.device)
         return lambda: self.model.forward(ids, pos, meta, self.kv, rows)
 
+    def _metadata(self, decode_tables: list[list[int]], decode_lens: list[int],
+                  prefills: list[tuple[list[int], int, int]]):
+        return build_metadata(decode_tables, decode_lens, prefills, self.bs, self.device, dtype=self.model.dtype)
+
+    def chunked_prefill(self, length: int, chunk: int) -> Callable[[], object]:
+        """A `length`-token prompt prefilled as the engine steps it with a
+        `chunk`-token budget: one forward per chunk, each later chunk attending
+        to the earlier ones through the paged cache; logits for the last row
+        of the last chunk only (what the callable returns). Metadata is built
+        beforehand, as in prefill."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        g = torch.Generator().manual_seed(length)
+        ids = torch.randint(0, self.vocab, (length,), generator=g).to(self.device)
+        steps = []
+        for start in range(0, length, chunk):
+            n = min(chunk, length - start)
+            meta = self._metadata([], [], [(self._blocks(0, start + n), start, n)])
+            pos = torch.arange(start, start + n, device=self.device)
+            rows = torch.tensor([n - 1] if start + n == length else [], dtype=torch.int64, device=self.device)
+            steps.append((ids[start:start + n], pos, meta, rows))
+
+        def run() -> torch.Tensor:
+            for step_ids, pos, meta, rows in steps:
+                out = self.model.forward(step_ids, pos, meta, self.kv, rows)
+            return out  # the last chunk's: the prompt's last row
+        return run
+
+    def mixed(self, decodes: int, context: int, chunk: int, prefix: int) -> Callable[[], object]:
+        """One step of `decodes` decode rows, each the `context`-th token of its
+        sequence (position context - 1), plus one `chunk`-token prefill chunk of
+        another sequence after a `prefix`-token prefix already in the cache:
+        the step the engine runs when a long prompt arrives while others decode.
+        Logits for every decode row and the chunk's last row."""
+        per = -(-context // self.bs)
+        tables = [self._blocks(i * per, context) for i in range(decodes)]
+        ptable = self._blocks(decodes * per, prefix + chunk)
+        meta = self._metadata(tables, [context] * decodes, [(ptable, prefix, chunk)])
+        ids = torch.randint(0, self.vocab, (decodes + chunk,)).to(self.device)
+        pos = torch.cat([torch.full((decodes,), context - 1), torch.arange(prefix, prefix + chunk)]).to(self.device)
+        rows = torch.tensor(list(range(decodes)) + [decodes + chunk - 1], dtype=torch.int64, device=self.device)
+        return lambda: self.model.forward(ids, pos, meta, self.kv, rows)
+
     def copy_bandwidth(self, num_blocks: int) -> tuple[float, float]:
         """Seconds to offload and reload `num_blocks` blocks through a scratch host
         buffer; returns (bytes per second, seconds of a one-block copy)."""
@@ -230,3 +273,8 @@ def engine_decode_rate(llm: "LLM", batch: int, prompt_len: int = 64, new_tokens:
     start = max(o.first_token_time for o in outs)
     end = max(o.finish_time for o in outs)
     return batch * (new_tokens - 1) / max(end - start, 1e-9)
+
+
+def kv_element_size(llm: "LLM") -> int:
+    """Bytes of one element of the KV cache (2 for bfloat16)."""
+    return llm.kv_cache.device_kv.element_size()
