@@ -353,14 +353,20 @@ def plan_workload(programs: list[Program], tm: TextModel, *, token_scale: float 
 
 
 class StreamAccumulator:
-    """Folds an OpenAI chat-completions SSE stream: first-token time, text, usage.
+    """Folds an OpenAI chat-completions or completions SSE stream: first-token
+    time, the time of every chunk that carried tokens, text, usage.
 
     feed(line, now) takes one line of the stream; an `{"error": ...}` event
-    raises ReplayError. (The same parsing turn_ttft.py does.)"""
+    raises ReplayError. (The same parsing turn_ttft.py does.) A chat chunk
+    carries tokens when its delta has content or tool calls; every
+    /v1/completions chunk (`text` instead of `delta`) counts, even with empty
+    text (a token that ends inside a UTF-8 character, or a server's separate
+    finish-reason chunk: compare completion_tokens)."""
 
     def __init__(self, t_send: float) -> None:
         self.t_send = t_send
         self.t_first: float | None = None
+        self.token_times: list[float] = []  # one per chunk that carried tokens
         self.parts: list[str] = []
         self.usage: dict = {}
         self.done = False
@@ -382,10 +388,17 @@ class StreamAccumulator:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for ch in chunk.get("choices") or ():
-            delta = ch.get("delta") or {}
-            piece = delta.get("content")
-            if (piece or delta.get("tool_calls")) and self.t_first is None:
-                self.t_first = now
+            if "delta" in ch or "text" not in ch:  # chat completions
+                delta = ch.get("delta") or {}
+                piece = delta.get("content")
+                tokens = bool(piece or delta.get("tool_calls"))
+            else:  # completions
+                piece = ch.get("text")
+                tokens = True
+            if tokens:
+                if self.t_first is None:
+                    self.t_first = now
+                self.token_times.append(now)
             if piece:
                 self.parts.append(piece)
             if ch.get("finish_reason"):

