@@ -11,7 +11,8 @@
   before it. At batch 1 that is (N - 1) / (last token - first token).
 * prefill of a P-token prompt: one request with max_tokens 1; P / TTFT.
 
-A prompt with C + N tokens must fit in the server's longest sequence, so a
+A prompt with C + N tokens must fit in the longest sequence (the model's
+8192, for every peer: llama.cpp's own limit is its whole KV cache), so a
 prompt is cut to max_model_len - N (for 8192 and the default N, 8064 tokens);
 rows report the prompt length actually sent. Every prompt is fresh random
 ids (seeded by a per-run nonce), so neither an earlier run nor another
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agentserve.bench.peers.servers import (
+    MODEL_MAX_LEN,
     SERVER_NAMES,
     PeerServerError,
     ServerSpec,
@@ -247,8 +249,9 @@ def measure_peer(spec: ServerSpec, sweep: PeerSweep, progress: Callable[[str], N
     try:
         with start_server(spec) as srv:
             row["ready_s"] = srv.ready_s
-            row |= asyncio.run(measure_running(spec.name, srv.api_base, spec.model_name, spec.max_model_len, sweep,
-                                               progress))
+            # llama.cpp's longest sequence is its whole KV cache: every peer gets the model's own limit
+            max_len = min(spec.max_model_len, MODEL_MAX_LEN)
+            row |= asyncio.run(measure_running(spec.name, srv.api_base, spec.model_name, max_len, sweep, progress))
     except (PeerServerError, PeerSpeedError, OSError) as e:
         row["error"] = str(e)
         print(f"{spec.name} failed: {e}", file=sys.stderr)

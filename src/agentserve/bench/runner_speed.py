@@ -202,9 +202,10 @@ def sweep_agentserve(model, dtype: str, cfg: SweepConfig, progress: Callable[[st
     mc = llm.config
     elt = kv_element_size(llm)
     out: dict = {"model": llm.model_source, "dtype": dtype, "device": str(llm.device),
-                 "weight_bytes": llm.model.weight_bytes, "kv_element_bytes": elt, "num_layers": mc.num_layers,
-                 "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "kv_tokens": cfg.kv_tokens,
-                 "decode": []}
+                 "weight_bytes": llm.model.weight_bytes,
+                 "weight_format": getattr(llm.model, "weight_format", dtype), "kv_element_bytes": elt,
+                 "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+                 "kv_tokens": cfg.kv_tokens, "decode": []}
     bw = read_bandwidth(llm.device, bandwidth_gib)
     out["read_bandwidth_gb_s"] = bw / 1e9
     progress(f"read bandwidth {bw / 1e9:.1f} GB/s")
@@ -366,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def sweep_header(a: dict, kv_tokens: int) -> str:
+    return (f"{a['model']} {a['dtype']} ({a.get('weight_format', a['dtype'])} weights, "
+            f"{a['weight_bytes'] / 1e6:.0f} MB) on {a['device']}; read bandwidth {a['read_bandwidth_gb_s']:.1f} GB/s; "
+            f"KV {kv_tokens} tokens; decode context C = the step's token is the C-th; peers: tok/s through their "
+            f"API (decode: while the whole batch decodes)")
+
+
 def main_sweep(args) -> int:
     dtypes = [d.strip() for d in (args.dtypes or "bfloat16").split(",") if d.strip()]
     if len(dtypes) != 1:
@@ -378,9 +386,7 @@ def main_sweep(args) -> int:
         return 2
     result = run_sweep(args.model, dtypes[0], cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     a = result["agentserve"]
-    print(f"{a['model']} {a['dtype']} on {a['device']}; read bandwidth {a['read_bandwidth_gb_s']:.1f} GB/s, "
-          f"weights {a['weight_bytes'] / 1e6:.0f} MB, KV {cfg.kv_tokens} tokens; decode context C = the step's "
-          f"token is the C-th; peers: tok/s through their API (decode while the whole batch decodes)")
+    print(sweep_header(a, cfg.kv_tokens))
     print(format_sweep(result["rows"]))
     for line in peer_errors(result):
         print(f"peer failed: {line}", file=sys.stderr)
