@@ -125,12 +125,17 @@ def test_measure_running_against_the_tiny_server(monkeypatch):
     assert all(r["tok_s"] > 0 for r in out["decode"] if r["batch"] == 1)
     assert out["prefill"]["prompt_tokens"] == out["prefill"]["reported_prompt_tokens"] == 64
     assert out["prefill"]["tok_s"] > 0 and len(lines) == 5
-    # a server that runs one sequence at a time (llama.cpp): batch 2 is skipped, not sent
+    # a server that runs one sequence at a time (llama.cpp): batch 2 is skipped, not sent;
+    # a point the server refuses (longer than its 1024) is recorded with its error, and the rest goes on
     monkeypatch.setitem(ps.MAX_BATCH, "agentserve-continuum", 1)
     srv, _, _ = start_tiny_server(api_key=None)
     try:
-        out = asyncio.run(ps.measure_running("agentserve-continuum", srv.url, "tiny", 1024,
-                                             ps.PeerSweep((16,), (1, 2), 32, new_tokens=4, token_range=(0, 256))))
+        out = asyncio.run(ps.measure_running("agentserve-continuum", srv.url, "tiny", 4096,
+                                             ps.PeerSweep((2000, 16), (1, 2), 3000, new_tokens=4,
+                                                          token_range=(0, 256))))
     finally:
         srv.stop()
-    assert [r["batch"] for r in out["decode"]] == [1]
+    assert [(r["batch"], r["context"]) for r in out["decode"]] == [(1, 2000), (1, 16)]
+    assert "HTTP 400" in out["decode"][0]["error"] and out["decode"][0]["tok_s"] is None
+    assert out["decode"][1]["tok_s"] > 0 and "error" not in out["decode"][1]
+    assert "HTTP 400" in out["prefill"]["error"] and out["prefill"]["tok_s"] is None

@@ -211,8 +211,14 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
             for c in sweep.contexts:
                 n_prompt = prompt_length(c, sweep.new_tokens, max_model_len)
                 t0 = time.perf_counter()
-                streams = await asyncio.gather(*(send(n_prompt, f"decode-b{b}-c{c}-{i}", sweep.new_tokens)
-                                                 for i in range(b)))
+                try:
+                    streams = await asyncio.gather(*(send(n_prompt, f"decode-b{b}-c{c}-{i}", sweep.new_tokens)
+                                                     for i in range(b)))
+                except PeerSpeedError as e:  # this point only: the others may still run
+                    out["decode"].append({"batch": b, "context": c, "prompt_tokens": n_prompt, "tok_s": None,
+                                          "error": str(e)})
+                    progress(f"{server}: decode b{b} @{c} failed: {e}")
+                    continue
                 rate = decode_rate(streams)
                 row = {"batch": b, "context": c, "prompt_tokens": n_prompt,
                        "reported_prompt_tokens": [s.prompt_tokens for s in streams],
@@ -229,7 +235,12 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
                 progress(f"{server}: decode b{b} @{c} (prompt {n_prompt}): "
                          + (f"{rate.tok_s:.1f} tok/s" if rate.tok_s else row.get("note", "no rate")))
         n_prompt = prompt_length(sweep.prefill_tokens, 1, max_model_len)
-        s = await send(n_prompt, f"prefill-{n_prompt}", 1)
+        try:
+            s = await send(n_prompt, f"prefill-{n_prompt}", 1)
+        except PeerSpeedError as e:
+            out["prefill"] = {"prompt_tokens": n_prompt, "tok_s": None, "error": str(e)}
+            progress(f"{server}: prefill {n_prompt} failed: {e}")
+            return out
         ttft = s.ttft
         out["prefill"] = {"prompt_tokens": n_prompt, "reported_prompt_tokens": s.prompt_tokens, "ttft_s": ttft,
                           "tok_s": n_prompt / ttft if ttft else None}

@@ -270,7 +270,7 @@ def sweep_rows(result: dict) -> list[dict]:
     for d in a["decode"]:
         def get(pr, d=d):
             hit = [r for r in pr.get("decode", ()) if r["batch"] == d["batch"] and r["context"] == d["context"]]
-            return hit[0]["tok_s"] if hit else None
+            return hit[0].get("tok_s") if hit else None
         rows.append({"point": f"decode b{d['batch']} @{d['context']}", "unit": "tok/s", "agentserve": d["tok_s"],
                      "ms": d["step_s"] * 1e3, "roofline": d["roofline_tok_s"], "fraction": d["roofline_fraction"],
                      "peers": peer_vals(get)})
