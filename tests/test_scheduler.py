@@ -20,6 +20,7 @@ from agentserve.engine.executor import Executor, ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.engine.step_time import StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import policy_names
 from agentserve.policy.program import ProgramState
@@ -48,10 +49,11 @@ def expected(prompt, max_tokens: int) -> list[int]:
 
 
 class FakeExecutor(Executor):
-    def __init__(self, clock: SimClock, block_size: int = BS, step_time: float = STEP) -> None:
+    def __init__(self, clock: SimClock, block_size: int = BS, step_time: float = STEP, cost=None) -> None:
         self.clock = clock
         self.bs = block_size
         self.step_time = step_time
+        self.cost = cost  # SchedulerOutput -> seconds; None: every step takes `step_time`
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
 
@@ -82,23 +84,25 @@ class FakeExecutor(Executor):
             assert ch.sample == (ch.start + ch.num_tokens == req.num_tokens)
             if ch.sample:
                 sampled[rid] = [tok_fn(req.token_ids)]
-        self.clock.advance(self.step_time)
-        return ExecutorResult(sampled, self.step_time)
+        elapsed = self.step_time if self.cost is None else self.cost(out)
+        self.clock.advance(elapsed)
+        return ExecutorResult(sampled, elapsed)
 
 
 class Harness:
     def __init__(self, policy: str = "vllm-fcfs", num_blocks: int = 64, budget: int = 32,
                  max_seqs: int = 256, host: int = 0, eviction: str = "lru",
-                 reload_cost=None, step_time: float = STEP) -> None:
+                 reload_cost=None, step_time: float = STEP, cost=None, **config) -> None:
         self.clock = SimClock()
         self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host)
-        self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **config),
                            self.kv, policy, self.clock, reload_cost)
-        self.ex = FakeExecutor(self.clock, BS, step_time)
+        self.ex = FakeExecutor(self.clock, BS, step_time, cost)
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []
         self.admission_order: list[str] = []
         self.max_running = 0
+        self.predicted: list[float | None] = []  # with `cost`: the step-time model's forecast of each step
 
     def req(self, rid: str, pid: str, prompt, max_tokens: int = 4, **kw) -> Request:
         r = Request(rid, pid, list(prompt), max_tokens, arrival_time=kw.pop("arrival_time", self.clock.now()), **kw)
@@ -115,6 +119,9 @@ class Harness:
                     and ch.request.request_id not in self.admission_order:
                 self.admission_order.append(ch.request.request_id)
         self.max_running = max(self.max_running, self.s.num_running)
+        if self.ex.cost is not None:
+            m = self.s.step_model
+            self.predicted.append(m.predict(*step_features(out.chunks)) if m.ready else None)
         res = self.ex.execute(out)
         fin = self.s.update(out, res)
         self.s.check_integrity()
@@ -314,6 +321,254 @@ def test_idle_programs_are_forgotten_but_pinned_ones_kept():
     s.schedule()
     s.check_integrity()
     assert "A" not in s.programs and "B" in s.programs
+
+
+# ---------------------------------------------------------------- decodes first, step-time target
+
+
+def linear_cost(out: SchedulerOutput) -> float:
+    """A made-up machine whose step time has the step-time model's form: 2 ms a
+    step, 20 us a prompt token, 1 us per query-key pair, 0.2 ms a decode row,
+    1 us per context token a decode reads."""
+    p, a, d, k = step_features(out.chunks)
+    return 0.002 + 2e-5 * p + 1e-6 * a + 2e-4 * d + 1e-6 * k
+
+
+TARGET_MS = 10.0
+
+
+def _timed(num_blocks: int = 256, budget: int = 64, **config) -> Harness:
+    config.setdefault("max_step_ms_with_decodes", TARGET_MS)
+    config.setdefault("min_prefill_chunk", 4)
+    return Harness(num_blocks=num_blocks, budget=budget, cost=linear_cost, **config)
+
+
+def _warm_up(h: Harness) -> None:
+    """Requests of several sizes, one at a time: the model sees prefill and decode steps."""
+    for i, n in enumerate((5, 30, 60, 12, 45, 100)):
+        h.req(f"w{i}", f"pw{i}", prompt_of(50 + i, n), max_tokens=3)
+        h.run()
+    assert h.s.step_model.ready or not h.s.config.max_step_ms_with_decodes  # no target: nothing learned
+    assert h.s.stats.capped_steps == 0
+
+
+def _prefills(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks if not c.is_decode]
+
+
+def _long_prompt_beside_a_decode(h: Harness, prompt_len: int = 400):
+    """x decodes; P (a long prompt) arrives, then D (a short one) just after."""
+    _warm_up(h)
+    x = h.req("x", "px", prompt_of(60, 6), max_tokens=100)
+    h.step()
+    p = h.req("P", "pP", prompt_of(7, prompt_len), max_tokens=2)
+    h.clock.advance(0.001)
+    d = h.req("D", "pD", prompt_of(8, 3), max_tokens=40)
+    return x, p, d
+
+
+def _linear_machine_samples(m: StepTimeModel, n: int, slow: float = 1.0, seed: int = 0) -> tuple:
+    rng = random.Random(seed)
+    true = (0.002, 2e-5, 1e-6, 2e-4, 1e-6)
+    for _ in range(n):
+        d = rng.randrange(0, 8)
+        k = d * rng.randrange(10, 400)
+        p = rng.choice([0, 0, 16, 64, 200]) if d else rng.choice([16, 64, 200])
+        a = attention_pairs(rng.randrange(0, 500), p) if p else 0
+        m.observe(p, a, d, k, slow * (true[0] + true[1] * p + true[2] * a + true[3] * d + true[4] * k))
+    return true
+
+
+def test_step_time_model_recovers_a_linear_machine():
+    m = StepTimeModel()
+    assert not m.ready and m.coefficients == (0.0,) * 5
+    true = _linear_machine_samples(m, 60)
+    assert m.ready
+    assert m.coefficients == pytest.approx(true, rel=1e-3)
+    # the longest chunk that fits a time is the inverse of chunk_time
+    for start, seconds in [(0, 0.01), (300, 0.005), (5000, 0.02), (10, 1e-9)]:
+        n = m.max_chunk(start, seconds)
+        assert m.chunk_time(start, n) <= seconds < m.chunk_time(start, n + 1)
+    assert m.max_chunk(0, 0.0) == 0
+
+
+def test_step_time_model_keeps_coefficients_non_negative():
+    m = StepTimeModel(min_samples=2, min_prefill_samples=2)
+    # bigger chunks measured faster (noise): no negative price for a prompt token
+    for p, t in [(10, 0.02), (100, 0.015), (50, 0.017), (200, 0.012)]:
+        m.observe(p, attention_pairs(0, p), 0, 0, t)
+    m.observe(0, 0, 1, 5, -1.0)  # not a time: ignored
+    m.observe(0, 0, 0, 0, 0.01)  # an empty step: ignored
+    assert m.num_samples == 4 and m.ready
+    a, b, c, d, e = m.coefficients
+    assert a == pytest.approx(0.016, rel=1e-3) and b == c == d == e == 0.0  # the mean, no negative slope
+    assert m.max_chunk(0, 0.001) >= 1 << 20  # prompt tokens priced at 0: any chunk fits
+
+
+def test_step_time_model_forgets_a_spike_but_follows_a_slower_machine():
+    m = StepTimeModel()
+    m.observe(5, attention_pairs(0, 5), 0, 0, 5.0)  # the first step compiled a kernel
+    true = _linear_machine_samples(m, 40)
+    assert m.num_samples == 40  # the spike is gone
+    assert m.coefficients == pytest.approx(true, rel=1e-3)
+    # the machine gets 4x slower for good: the fit follows once the window has turned over
+    _linear_machine_samples(m, 200, slow=4.0, seed=1)
+    assert m.coefficients == pytest.approx([4 * c for c in true], rel=1e-3)
+
+
+def test_decodes_go_before_the_prefill_of_an_earlier_admitted_request():
+    """P (admitted first) is still prefilling when D, admitted after it, decodes:
+    every step gives x and D their token before P's chunk, and under a budget
+    that P alone could fill, the decodes still get theirs."""
+    h = _timed()
+    x, p, d = _long_prompt_beside_a_decode(h)
+    while d.num_output_tokens == 0:
+        h.step()
+    assert p.status is RequestStatus.RUNNING and p.num_computed_tokens < p.num_prompt_tokens
+    assert h.admission_order.index("P") < h.admission_order.index("D")
+    for _ in range(3):
+        out, _ = h.step()
+        kinds = [c.is_decode for c in out.chunks]
+        assert kinds == sorted(kinds, reverse=True), "a prefill chunk went before a decode"
+        assert {c.request.request_id for c in out.chunks if c.is_decode} == {"x", "D"}
+        assert [rid for rid, _, _ in _prefills(out)] == ["P"]
+    assert p.num_tokens - p.num_computed_tokens > 8
+    # no cap, a budget P could fill on its own: the decodes still go first
+    h.s.config.max_step_ms_with_decodes = None
+    h.s.config.max_num_batched_tokens = 8
+    start = p.num_computed_tokens
+    out, _ = h.step()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("x", 1), ("D", 1), ("P", 6)]
+    assert out.chunks[2].start == start
+    h.run()
+    for r in (x, p, d):
+        assert r.output_token_ids == expected(r.prompt_token_ids, r.max_tokens)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_prefill_that_needs_blocks_preempts_a_later_decode_already_scheduled():
+    """Victims are chosen as before decodes went first: among the requests
+    admitted at or after the one that needs a block. D decodes before P's chunk
+    but was admitted after P, so when P's chunk does not fit, D gives its token
+    back and is preempted; x, admitted before P, keeps decoding."""
+    h = _timed(num_blocks=108)
+    x, p, d = _long_prompt_beside_a_decode(h)
+    hit = None
+    while not p.is_finished:
+        decoding_before = d.status is RequestStatus.RUNNING and d.num_output_tokens > 0
+        out, _ = h.step()  # check_integrity after schedule() and after update()
+        if out.preempted and hit is None:
+            hit = out
+            assert out.preempted == [d] and decoding_before
+            assert [c.request.request_id for c in out.chunks] == ["x", "P"]
+            assert d.num_computed_tokens == 0 and h.kv.num_blocks_of("D") == 0
+    assert hit is not None
+    h.run()
+    for r in (x, p, d):
+        assert r.output_token_ids == expected(r.prompt_token_ids, r.max_tokens)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_long_prompt_beside_decodes_is_chunked_under_the_step_time_target():
+    h = _timed()
+    x, p, d = _long_prompt_beside_a_decode(h)
+    first = len(h.outputs)
+    x_tokens = x.num_output_tokens
+    while not p.is_finished:
+        h.step()
+    target = TARGET_MS / 1000
+    sizes = []
+    for out, pred, t in zip(h.outputs[first:], h.predicted[first:], [linear_cost(o) for o in h.outputs[first:]]):
+        chunk = [n for rid, _, n in _prefills(out) if rid == "P"]
+        sizes += chunk
+        assert any(c.is_decode for c in out.chunks)
+        if pred is not None and out.num_prefill_tokens > h.s.config.min_prefill_chunk:
+            assert pred <= target + 1e-9
+            assert t <= target * 1.02  # the fake machine is what the model fits
+    # the prompt went in chunks well under the budget, and x decoded all along
+    assert sum(sizes) == p.num_prompt_tokens
+    assert len(sizes) >= 10 and max(sizes[3:]) < 40
+    assert x.num_output_tokens - x_tokens == len(h.outputs) - first
+    assert h.s.stats.capped_steps >= 8
+    st = h.s.stats
+    assert st.decode_steps >= len(h.outputs) - first
+    assert st.decode_step_max_s == max(st.decode_step_history)
+    assert target * 0.9 < st.decode_step_p99_s() <= st.decode_step_max_s
+    h.run()
+    for r in (x, p, d):
+        assert r.output_token_ids == expected(r.prompt_token_ids, r.max_tokens)
+    # the same arrivals without a target: P takes the budget, steps with x decoding run long
+    u = _timed(max_step_ms_with_decodes=None)
+    x2, p2, _ = _long_prompt_beside_a_decode(u)
+    u.run()
+    assert u.s.stats.capped_steps == 0
+    assert u.s.stats.decode_step_max_s > 2 * target
+    assert p2.output_token_ids == p.output_token_ids
+
+
+def test_without_decodes_the_whole_budget_is_used():
+    h = _timed()
+    _warm_up(h)
+    p = h.req("P", "pP", prompt_of(7, 400), max_tokens=3)
+    sizes = []
+    while p.num_output_tokens == 0:
+        out, _ = h.step()
+        sizes.append(out.num_prefill_tokens)
+    assert sizes == [64] * 6 + [16]
+    assert max(linear_cost(o) for o in h.outputs[-7:]) > 2 * TARGET_MS / 1000  # long steps, nobody waiting
+    assert h.s.stats.capped_steps == 0
+    h.run()
+    assert p.output_token_ids == expected(p.prompt_token_ids, 3)
+
+
+@pytest.mark.parametrize("target", [None, 0.0])
+def test_no_target_no_cap(target):
+    h = _timed(max_step_ms_with_decodes=target)
+    x, p, _ = _long_prompt_beside_a_decode(h)
+    out, _ = h.step()
+    assert _prefills(out) == [("P", 0, 63)]
+    h.run()
+    assert h.s.stats.capped_steps == 0
+
+
+def test_static_budget_until_the_model_has_samples():
+    h = _timed()
+    x = h.req("x", "px", prompt_of(60, 6), max_tokens=100)
+    h.step()
+    p = h.req("P", "pP", prompt_of(7, 800), max_tokens=2)
+    sizes = []
+    while not h.s.step_model.ready:
+        out, _ = h.step()
+        sizes += [n for _, _, n in _prefills(out)]
+    assert sizes == [63] * len(sizes) and len(sizes) >= 3
+    h.run()
+    assert h.s.stats.capped_steps > 0  # once it had learned
+    assert p.output_token_ids == expected(p.prompt_token_ids, 2)
+
+
+def test_prefill_progresses_when_decodes_alone_exceed_the_target():
+    h = _timed(max_step_ms_with_decodes=1.0, min_prefill_chunk=5)  # every step costs 2 ms
+    _warm_up(h)
+    x = h.req("x", "px", prompt_of(60, 6), max_tokens=200)
+    h.step()
+    p = h.req("P", "pP", prompt_of(7, 100), max_tokens=2)
+    sizes = []
+    while p.num_output_tokens == 0:
+        out, _ = h.step()
+        sizes += [n for rid, _, n in _prefills(out) if rid == "P"]
+    assert sizes == [5] * 20
+    h.run()
+    assert p.output_token_ids == expected(p.prompt_token_ids, 2)
+
+
+def test_step_time_config_is_checked():
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_step_ms_with_decodes=-1.0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_step_ms_with_decodes=float("nan"))
+    with pytest.raises(ValueError):
+        SchedulerConfig(min_prefill_chunk=0)
+    assert SchedulerConfig().max_step_ms_with_decodes == 200.0
 
 
 # ---------------------------------------------------------------- preemption

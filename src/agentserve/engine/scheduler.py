@@ -1,17 +1,26 @@
 """The scheduler: one step = which requests compute how many tokens.
 
-Running requests first (each gets its next prefill chunk or one decode token
-within the step's token budget; when KV runs out, pins of later programs are
-reclaimed, then the lowest-priority running request is preempted), then
-waiting requests in the policy's order (prefix match, admission with the
-policy's headroom, reclaiming pins of later programs when the head does not
-fit, and any pin when nothing is running, so pins can never deadlock). At the
-start of every step, expired pins whose program has no waiting request are
-released."""
+Within the step's token budget: first every running request that is decoding
+gets its one token, then running requests still prefilling (a new prompt, or
+a preempted one recomputing) get their next chunk, both in admission order;
+when KV runs out, pins of later programs are reclaimed, then the
+lowest-priority running request admitted at or after the one that needs the
+block is preempted (a decode already scheduled this step gives its token
+back). Then waiting requests in the policy's order (prefix match, admission
+with the policy's headroom, reclaiming pins of later programs when the head
+does not fit, and any pin when nothing is running, so pins can never
+deadlock). At the start of every step, expired pins whose program has no
+waiting request are released.
+
+While decodes run, the step's prefill tokens are capped so that the step's
+predicted time (engine/step_time.py, learned from the steps that ran) stays
+under `max_step_ms_with_decodes`: a long prompt is cut into chunks that share
+the steps with the decodes instead of stalling them. The first prefill chunk
+of a step always gets `min_prefill_chunk` tokens, so prefills progress."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +28,7 @@ from agentserve.clock import Clock
 from agentserve.engine.executor import ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from agentserve.engine.step_time import StepTimeModel, attention_pairs
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext, make_policy
 from agentserve.policy.program import ProgramState, ProgramTable
@@ -30,10 +40,18 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None
     program_idle_timeout: float = 600.0
+    # While decodes run, cap a step's prefill tokens so that its predicted time stays
+    # under this many ms (None or 0: no cap, the whole token budget as without decodes).
+    max_step_ms_with_decodes: float | None = 200.0
+    min_prefill_chunk: int = 32  # prefill tokens a capped step still computes
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_step_ms_with_decodes is not None and not self.max_step_ms_with_decodes >= 0:
+            raise ValueError("max_step_ms_with_decodes must be >= 0 (0 or None: no cap)")
+        if self.min_prefill_chunk < 1:
+            raise ValueError("min_prefill_chunk must be >= 1")
 
 
 @dataclass
@@ -55,6 +73,62 @@ class SchedulerStats:
     executed_steps: int = 0  # steps that ran the executor (`steps` also counts empty scheduling passes)
     ttl_sum: float = 0.0
     ttl_history: list[float] = field(default_factory=list)  # recent TTL decisions (bounded)
+    capped_steps: int = 0  # steps whose prefill the step-time target held back
+    decode_steps: int = 0  # executed steps with at least one decode
+    decode_step_max_s: float = 0.0  # the longest of those
+    decode_step_history: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # the latest of those
+
+    def decode_step_p99_s(self) -> float:
+        """p99 of the recent steps' times that had decodes (0 if none)."""
+        h = sorted(self.decode_step_history)
+        return h[min(len(h) - 1, int(0.99 * len(h)))] if h else 0.0
+
+
+class _Step:
+    """One step being scheduled: the chunks so far, the token budget left and,
+    while decodes run under a step-time target, the prefill time left."""
+
+    __slots__ = ("budget", "scheduled", "decode_rows", "decode_context", "time_left", "prefill_tokens",
+                 "capped", "model", "min_chunk")
+
+    def __init__(self, budget: int, model: StepTimeModel, min_chunk: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[Request, int] = {}  # in the order the chunks are emitted
+        self.decode_rows = 0
+        self.decode_context = 0
+        self.time_left: float | None = None  # None: no cap
+        self.prefill_tokens = 0
+        self.capped = False
+        self.model = model
+        self.min_chunk = min_chunk
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req] = n
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        """An already scheduled request was preempted: its tokens go back."""
+        n = self.scheduled.pop(req, None)
+        if n is not None:
+            self.budget += n
+
+    def allow(self, start: int, want: int) -> int:
+        """Prefill tokens a chunk after `start` may take of the `want` it could."""
+        if self.time_left is None or want <= 0:
+            return want
+        n = self.model.max_chunk(start, self.time_left)
+        if not self.prefill_tokens:
+            n = max(n, self.min_chunk)  # prefills always progress
+        if n < want:
+            self.capped = True
+            return n
+        return want
+
+    def add_prefill(self, req: Request, start: int, n: int) -> None:
+        self.add(req, n)
+        self.prefill_tokens += n
+        if self.time_left is not None:
+            self.time_left -= self.model.chunk_time(start, n)
 
 
 class Scheduler:
@@ -84,6 +158,7 @@ class Scheduler:
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
         self._order_dirty = True
+        self.step_model = StepTimeModel()
 
     # --- requests in and out ---
 
@@ -228,57 +303,96 @@ class Scheduler:
                 self.policy.tool_stats.forget_program(pid)
         self._release_pins(now)
         out = SchedulerOutput(block_table=self.kv.block_ids)
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        step = _Step(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
-        # 1. Running requests, in admission order; victims come from those not yet scheduled.
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
-                if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
-                    continue
-                # ties go to the most recently admitted (least progress lost)
-                victim = max(reversed(self.running[idx:]), key=lambda r: self._key(r, now))
-                self._preempt(victim, now, out)
-                if victim is req:
-                    break
-            else:
-                scheduled.append((req, n))
-                budget -= n
-                idx += 1
+        # 1. Running requests: decodes first, then prefill chunks, each in admission order.
+        decoding, prefilling = [], []
+        for req in self.running:
+            (decoding if self._is_decoding(req) else prefilling).append(req)
+        for req in decoding:
+            if step.budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING and self._schedule_running(req, 1, step, now, out):
+                step.add(req, 1)
+                step.decode_rows += 1
+                step.decode_context += req.num_computed_tokens + 1
+        if prefilling or self.waiting:
+            step.time_left = self._prefill_time_left(step)
+        for req in prefilling:
+            if step.budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier request
+            start = req.num_computed_tokens
+            n = step.allow(start, min(req.num_tokens - start, step.budget))
+            if n <= 0:
+                break  # the step-time target is spent
+            if self._schedule_running(req, n, step, now, out):
+                step.add_prefill(req, start, n)
 
         # 2. Waiting requests in priority order (not in a step that had to preempt).
-        if not out.preempted and self.waiting and budget > 0:
+        if not out.preempted and self.waiting and step.budget > 0:
             if self._order_dirty or self.policy.time_dependent:
                 self.waiting.sort(key=lambda r: self._key(r, now))
                 self._order_dirty = False
             admitted = 0
             for req in self.waiting:
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                if not self._admit(req, budget, now, scheduled, out):
+                if not self._admit(req, step, now):
                     break
-                budget -= scheduled[-1][1]
                 admitted += 1
             if admitted:
                 for req in self.waiting[:admitted]:
                     self._drop_waiting_program(req.program_id)
                 del self.waiting[:admitted]
 
-        for req, n in scheduled:
+        if step.capped:
+            self.stats.capped_steps += 1
+        for req, n in step.scheduled.items():
             start = req.num_computed_tokens
             out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
             req.num_computed_tokens = start + n
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
         return out
 
-    def _admit(self, req: Request, budget: int, now: float, scheduled: list, out: SchedulerOutput) -> bool:
+    @staticmethod
+    def _is_decoding(req: Request) -> bool:
+        """Its next chunk is one decode token (a preempted request recomputing its
+        prompt and output is prefilling until it has caught up)."""
+        return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
+
+    def _schedule_running(self, req: Request, n: int, step: _Step, now: float, out: SchedulerOutput) -> bool:
+        """KV for `n` more tokens of running `req`: reclaim later programs' pins,
+        then preempt the lowest-priority running request admitted at or after
+        `req` (ties: the most recently admitted, least progress lost) until it
+        fits. False if `req` itself was preempted."""
+        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
+                continue
+            later = self.running[self.running.index(req):]
+            victim = max(reversed(later), key=lambda r: self._key(r, now))
+            step.drop(victim)  # a decode admitted after `req` and already scheduled
+            self._preempt(victim, now, out)
+            if victim is req:
+                return False
+        return True
+
+    def _prefill_time_left(self, step: _Step) -> float | None:
+        """Seconds of prefill the step may add under the step-time target; None
+        when no cap applies (no decode this step, no target, too few samples)."""
+        target = self.config.max_step_ms_with_decodes
+        if not step.decode_rows or not target or not self.step_model.ready:
+            return None
+        return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context)
+
+    def _admit(self, req: Request, step: _Step, now: float) -> bool:
         match = self.kv.match(req.token_ids)
         hit = match.num_tokens
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
-        n = min(req.num_tokens - hit, budget)
+        n = step.allow(hit, min(req.num_tokens - hit, step.budget))
+        if n <= 0:
+            return False  # the step-time target is spent
         own_pin_released = False
         held = self._reserved_for_running()  # reclaiming pins below does not change it
         while not (self._has_headroom(req, match, held) and self.kv.admit(req.request_id, match, n, now)):
@@ -315,7 +429,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.preempted = False
         self.running.append(req)
-        scheduled.append((req, n))
+        step.add_prefill(req, hit, n)
         return True
 
     def _ahead(self, req: Request) -> int:
@@ -364,10 +478,15 @@ class Scheduler:
         stats = self.stats
         stats.execute_s += result.elapsed
         stats.executed_steps += 1
+        prefill = attention = decodes = context = 0
         for ch in out.chunks:
             req = ch.request
-            if ch.num_tokens > 1 or ch.start < req.num_prompt_tokens:
-                stats.prefill_tokens += ch.num_tokens
+            if ch.is_decode:
+                decodes += 1
+                context += ch.start + 1
+            else:
+                prefill += ch.num_tokens
+                attention += attention_pairs(ch.start, ch.num_tokens)
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
             prog = self.programs.get(req.program_id)
@@ -391,6 +510,14 @@ class Scheduler:
                     self._finish(req, status, now)
                     finished.append(req)
                     break
+        stats.prefill_tokens += prefill
+        if decodes:
+            stats.decode_steps += 1
+            stats.decode_step_max_s = max(stats.decode_step_max_s, result.elapsed)
+            stats.decode_step_history.append(result.elapsed)
+        # Steps with host copies are left out of the fit: their time is not the forward pass's.
+        if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
+            self.step_model.observe(prefill, attention, decodes, context, result.elapsed)
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

@@ -1,0 +1,217 @@
+"""How long an engine step takes, learned from the steps that ran.
+
+A step's time is fitted as
+
+    t = a + b*P + c*A + d*D + e*K
+
+where P is the step's prefill tokens, A = sum over prefill chunks of
+n*start + n*(n+1)/2 (the query-key pairs a chunk of n tokens after `start`
+cached ones attends to, so a chunk late in a long prompt costs more than the
+same chunk at its start), D the decode rows and K the context those rows read
+(sum of start + 1). The fit is least squares over the last `window` steps with
+prefill and, apart, the last `window` steps without, so a long run of decodes
+does not push the prefill samples out; coefficients are kept non-negative
+(a feature whose coefficient comes out negative is dropped and the rest
+refitted), with a little ridge (relative to each feature's scale) so collinear
+features (every prefill chunk the same size) still give an answer. A prediction
+that is wrong shows in the next steps' times and corrects the fit; a step that
+took several times what the fit says (a kernel compiled at first use, a pause)
+is forgotten, unless many do (then the machine changed and the fit follows).
+
+Pure Python, no numpy: five features, solved lazily when a prediction is asked
+for after new samples arrived."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+
+from agentserve.engine.scheduler_output import ScheduledChunk
+
+# Features are scaled to order-one values before fitting (conditioning only).
+_SCALE = (1.0, 1.0 / 1024, 1.0 / 2**20, 1.0 / 64, 1.0 / 2**16)
+_NF = len(_SCALE)
+# a step this much slower than predicted (factor, then seconds on top) is a spike
+SPIKE_FACTOR = 3.0
+SPIKE_SLACK_S = 0.02
+_MAX_CHUNK = 1 << 30
+
+
+def attention_pairs(start: int, n: int) -> int:
+    """Query-key pairs of a chunk of `n` tokens after `start` cached ones."""
+    return n * start + n * (n + 1) // 2
+
+
+def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int]:
+    """(prefill tokens, attention pairs of the prefill chunks, decode rows, decode context)."""
+    p = a = d = k = 0
+    for ch in chunks:
+        if ch.is_decode:
+            d += 1
+            k += ch.start + 1
+        else:
+            p += ch.num_tokens
+            a += attention_pairs(ch.start, ch.num_tokens)
+    return p, a, d, k
+
+
+class StepTimeModel:
+    def __init__(self, window: int = 64, min_samples: int = 8, min_prefill_samples: int = 4) -> None:
+        self.window = window
+        self.min_samples = min_samples
+        self.min_prefill_samples = min_prefill_samples
+        self._prefill: deque[tuple[tuple[float, ...], float]] = deque()
+        self._decode: deque[tuple[tuple[float, ...], float]] = deque()
+        self._xtx = [[0.0] * _NF for _ in range(_NF)]
+        self._xty = [0.0] * _NF
+        self._coef: tuple[float, ...] = (0.0,) * _NF  # unscaled: a, b, c, d, e
+        self._dirty = False
+        self._updates = 0
+
+    # --- learning ---
+
+    def observe(self, prefill_tokens: int, attention: int, decode_rows: int, decode_context: int,
+                elapsed: float) -> None:
+        if not (prefill_tokens or decode_rows) or not (elapsed > 0 and math.isfinite(elapsed)):
+            return
+        x = tuple(f * s for f, s in zip((1, prefill_tokens, attention, decode_rows, decode_context), _SCALE))
+        win = self._prefill if prefill_tokens else self._decode
+        win.append((x, elapsed))
+        self._accumulate(x, elapsed, 1.0)
+        if len(win) > self.window:
+            old_x, old_y = win.popleft()
+            self._accumulate(old_x, old_y, -1.0)
+        self._dirty = True
+        self._updates += 1
+        if self._updates % 4096 == 0:  # wash out rounding from adding and subtracting
+            self._rebuild()
+        if self._updates % 16 == 0 and self.ready:
+            self._drop_spikes()
+
+    def _drop_spikes(self) -> None:
+        """Forget isolated steps that took far longer than the fit says (a kernel
+        compiled at first use, the machine busy elsewhere for a moment). At most an
+        eighth of the samples: more is the machine changing, which the fit follows."""
+        a, b, c, d, e = self.coefficients
+        spikes = []
+        for win in (self._prefill, self._decode):
+            for item in win:
+                x, y = item
+                pred = (a + b * x[1] / _SCALE[1] + c * x[2] / _SCALE[2] + d * x[3] / _SCALE[3]
+                        + e * x[4] / _SCALE[4])
+                if y > SPIKE_FACTOR * pred + SPIKE_SLACK_S:
+                    spikes.append((win, item))
+        if not spikes or 8 * len(spikes) >= self.num_samples:
+            return
+        for win, item in spikes:
+            win.remove(item)
+            self._accumulate(item[0], item[1], -1.0)
+        self._dirty = True
+
+    def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
+        xtx, xty = self._xtx, self._xty
+        for i in range(_NF):
+            xi = sign * x[i]
+            xty[i] += xi * y
+            row = xtx[i]
+            for j in range(i, _NF):
+                row[j] += xi * x[j]
+
+    def _rebuild(self) -> None:
+        self._xtx = [[0.0] * _NF for _ in range(_NF)]
+        self._xty = [0.0] * _NF
+        for x, y in (*self._prefill, *self._decode):
+            self._accumulate(x, y, 1.0)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._prefill) + len(self._decode)
+
+    @property
+    def ready(self) -> bool:
+        """Enough steps seen, prefill ones among them, to trust a prediction."""
+        return len(self._prefill) >= self.min_prefill_samples and self.num_samples >= self.min_samples
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """(a seconds, b per prefill token, c per attention pair, d per decode row, e per context token)."""
+        if self._dirty:
+            self._coef = tuple(w * s for w, s in zip(self._solve(), _SCALE))
+            self._dirty = False
+        return self._coef
+
+    def _solve(self) -> list[float]:
+        full = [[self._xtx[min(i, j)][max(i, j)] for j in range(_NF)] for i in range(_NF)]
+        # ridge relative to each feature's own scale (a feature never seen gets 0)
+        ridge = [1e-6 * full[i][i] + 1e-12 for i in range(_NF)]
+        active = list(range(_NF))
+        w = [0.0] * _NF
+        while active:
+            m = [[full[i][j] + (ridge[i] if i == j else 0.0) for j in active] for i in active]
+            sol = _solve_linear(m, [self._xty[i] for i in active])
+            if sol is None:
+                return [0.0] * _NF
+            worst = min(range(len(active)), key=lambda k: sol[k])
+            if sol[worst] >= 0:
+                w = [0.0] * _NF
+                for k, i in enumerate(active):
+                    w[i] = sol[k]
+                return w
+            del active[worst]
+        return w
+
+    # --- predicting ---
+
+    def predict(self, prefill_tokens: int, attention: int, decode_rows: int, decode_context: int) -> float:
+        a, b, c, d, e = self.coefficients
+        return a + b * prefill_tokens + c * attention + d * decode_rows + e * decode_context
+
+    def base_time(self, decode_rows: int, decode_context: int) -> float:
+        """A step with these decodes and no prefill."""
+        a, _, _, d, e = self.coefficients
+        return a + d * decode_rows + e * decode_context
+
+    def chunk_time(self, start: int, n: int) -> float:
+        """What a prefill chunk of `n` tokens after `start` adds to a step."""
+        _, b, c, _, _ = self.coefficients
+        return b * n + c * attention_pairs(start, n)
+
+    def max_chunk(self, start: int, seconds: float) -> int:
+        """The longest prefill chunk after `start` tokens that adds at most `seconds`."""
+        if seconds <= 0:
+            return 0
+        _, b, c, _, _ = self.coefficients
+        # c/2 n^2 + (b + c*(start + 1/2)) n <= seconds, solved in the form stable for c -> 0
+        lin = b + c * (start + 0.5)
+        disc = lin * lin + 2.0 * c * seconds
+        denom = lin + math.sqrt(disc)
+        if denom <= 0:
+            return _MAX_CHUNK
+        n = int(2.0 * seconds / denom)
+        while n > 0 and self.chunk_time(start, n) > seconds:  # rounding at the boundary
+            n -= 1
+        return min(n, _MAX_CHUNK)
+
+
+def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-300:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        p = a[col][col]
+        for r in range(col + 1, n):
+            f = a[r][col] / p
+            if f:
+                row, src = a[r], a[col]
+                for k in range(col, n + 1):
+                    row[k] -= f * src[k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        s = a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))
+        x[r] = s / a[r][r]
+    return x
