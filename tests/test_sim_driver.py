@@ -84,3 +84,21 @@ def test_cli_errors_are_one_line(argv, msg, capsys):
     assert main(argv + ["--programs", "2", "--jobs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0]
+
+
+def test_step_time_target_in_the_simulator():
+    """A 40k-token prompt arrives while another program decodes: uncapped, its
+    2048-token chunks late in the prompt make steps of ~140 ms on the H100
+    profile; with a 50 ms target the simulated scheduler learns the cost and
+    cuts the chunks (the first few run at the full budget while it learns)."""
+    from agentserve.bench.trace import Program, TraceCall
+
+    def program(pid, arrival, prompt, output):
+        return Program(pid, [TraceCall(pid, 0, arrival, prompt, prompt, output, None, 0.0)])
+
+    programs = [program("decoder", 0.0, 200, 3000), program("long", 0.5, 40_000, 4)]
+    off = simulate(programs, SimConfig(policy="vllm-fcfs", max_step_ms_with_decodes=None))
+    on = simulate(programs, SimConfig(policy="vllm-fcfs", max_step_ms_with_decodes=50.0, check_integrity_every=50))
+    assert off.completed == on.completed == 2
+    assert off.capped_steps == 0 and off.decode_step_max_s > 0.12
+    assert on.capped_steps > 10 and on.decode_step_max_s < 0.08

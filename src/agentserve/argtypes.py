@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def csv_list(kind):
@@ -16,3 +17,14 @@ def csv_list(kind):
             raise argparse.ArgumentTypeError("empty list")
         return vals
     return parse
+
+
+def non_negative_ms(s: str) -> float:
+    """Milliseconds, 0 or more (0 usually meaning: off)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {s!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds >= 0, got {s!r}")
+    return v

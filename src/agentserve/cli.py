@@ -7,7 +7,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from agentserve.argtypes import csv_list
+from agentserve.argtypes import csv_list, non_negative_ms
 from agentserve.cli_bench import add_bench
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_generate, add_profile
@@ -45,6 +45,10 @@ def _add_sim(sub) -> None:
     p.add_argument("--host-tier", action="store_true", help="add the profile's host-DRAM KV tier (swap/reload)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default: profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
+    p.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
+                   help="while requests decode, cap each step's prompt tokens so that its predicted time "
+                        "(learned from the simulated steps) stays under MS, as `serve` does; 0: no cap, "
+                        "every step may take the whole token budget")
     p.add_argument("--token-scale", type=float, default=1.0, help="scale every token count of the workload")
     p.add_argument("--hang-fraction", type=float, default=0.0,
                    help="fraction of programs whose tool never returns at a random turn (robustness)")
@@ -115,6 +119,7 @@ def cmd_sim(args) -> int:
             cfg = SimConfig(profile=args.profile, policy=pol, block_size=args.block_size, eviction=args.eviction,
                             host_tier=args.host_tier, kv_tokens=args.kv_tokens,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                             seed=args.seed, check_integrity_every=args.check_integrity_every)
             jobs.append((args.workload, args.profile, rate, programs, cfg))
     print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates, "

@@ -35,6 +35,8 @@ class SimConfig:
     kv_tokens: int | None = None  # device KV capacity; default: the profile's
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # the scheduler's step-time target while decodes run (None or 0: off); the server's default
+    max_step_ms_with_decodes: float | None = SchedulerConfig.max_step_ms_with_decodes
     seed: int = 0
     check_integrity_every: int = 0  # steps; 0 = only at the end
     policy_options: dict = field(default_factory=dict)
@@ -56,6 +58,9 @@ class SimResult:
     sched_overhead_s: float  # mean wall seconds of schedule() + update() per step
     wall_s: float
     pins: dict
+    capped_steps: int = 0  # steps whose prefill the step-time target held back
+    decode_step_max_s: float = 0.0  # the longest step with decodes running
+    decode_step_p99_s: float = 0.0  # p99 of the latest such steps
 
     @property
     def throughput(self) -> float:
@@ -78,6 +83,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     sconf = SchedulerConfig(
         max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
+        max_step_ms_with_decodes=cfg.max_step_ms_with_decodes,
     )
     sched = Scheduler(sconf, kv, cfg.policy, clock, reload_cost, cfg.policy_options)
     executor = SimExecutor(clock, cost)
@@ -180,4 +186,6 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         pins={"created": st.pins_created, "hit": st.pins_hit, "expired": st.pins_expired,
               "reclaimed": st.pins_reclaimed, "released_early": st.pins_released_early,
               "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
+        capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
+        decode_step_p99_s=st.decode_step_p99_s(),
     )
