@@ -472,3 +472,18 @@ def test_serve_cli_options_and_default_name():
     assert default_served_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
     assert default_served_name("/m/Llama-3.2-1B-Instruct-Q4_K_M.gguf") == "Llama-3.2-1B-Instruct"
     assert default_served_name("/models/Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
+
+
+def test_serve_step_time_target_option():
+    from agentserve.cli_serve import add_serve
+    from server_fixtures import tiny_llm
+
+    ap = argparse.ArgumentParser(prog="agentserve")
+    add_serve(ap.add_subparsers(dest="command"))
+    assert ap.parse_args(["serve"]).max_step_ms_with_decodes == 200.0
+    assert ap.parse_args(["serve", "--max-step-ms-with-decodes", "50"]).max_step_ms_with_decodes == 50.0
+    for bad in ("-1", "nan", "fast"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["serve", "--max-step-ms-with-decodes", bad])
+    assert tiny_llm().scheduler.config.max_step_ms_with_decodes == 200.0
+    assert tiny_llm(max_step_ms_with_decodes=0).scheduler.config.max_step_ms_with_decodes == 0

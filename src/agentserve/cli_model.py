@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from agentserve.argtypes import non_negative_ms
 from agentserve.cli_errors import CliError
 
 
@@ -32,6 +33,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once, at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step (prefill chunks and decode tokens together)")
+    g.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
+                   help="step-time target while requests decode: every decoding request gets its token "
+                        "first, then prompt chunks are capped so that the step's predicted time (learned "
+                        "from the steps that ran, by prompt tokens and their context) stays under MS, so a "
+                        "long prompt is prefilled beside the decodes instead of stalling them for seconds; "
+                        "at least 32 prompt tokens still run a step. Without decodes the whole "
+                        "--max-num-batched-tokens budget is used. 0: no cap")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--policy", default="continuum", help="scheduling/retention policy (see `agentserve sim --help`)")
@@ -52,6 +60,7 @@ def build_llm(args):
                    kv_cache_tokens=args.kv_cache_tokens, host_kv_tokens=args.host_kv_tokens,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                   max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                    policy=args.policy, profile=args.profile, threads=args.threads)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None

@@ -43,6 +43,7 @@ class LLM:
     def __init__(self, model: str | LoadedModel | None = None, *, dtype: str = "auto", device: str = "auto",
                  kv_cache_tokens: int | None = None, host_kv_tokens: int = 0, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None) -> None:
         if threads:
@@ -73,7 +74,7 @@ class LLM:
         self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks)
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                max_model_len=self.max_model_len)
+                                max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes)
         self.reload_cost = reload_cost_for(profile, self, host_tier=host_blocks > 0)
         self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options)
         self.executor = ModelExecutor(self.model, self.kv_cache)
