@@ -84,7 +84,12 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc, or $CC) on PATH")
     import torch  # noqa: F401  (its OpenMP runtime must be loaded first, so the kernel shares it)
 
-    lib = ctypes.CDLL(str(_build(cc)))
+    path = _build(cc)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:  # a damaged cached library: build it again, once
+        path.unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(_build(cc)))
     fn = lib.agentserve_paged_attention
     i, p, L, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     fn.argtypes = [i, p, p, p, p, L, i, i, i, i, i, p, p, p, p, p, f, i, i]

@@ -91,6 +91,90 @@ static void load_block(const args_t *a, const void *cache, long off, int n, floa
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 cache elements from base + off, as float32 */
+static inline __m512 load16(int dtype, const void *base, long off) {
+    if (dtype) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)base + off));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + off);
+}
+
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+    __m512 p = _mm512_set1_ps(1.98756915e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819995e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657665e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One block of n tokens (cache offset `off`) for nq query vectors: scores,
+ * online-softmax update, weighted V. Returns 1 (0: d not a multiple of 16). */
+static int block_avx512(int dtype, const void *kc, const void *vc, long off, int n, int d, int nq,
+                        float qf[][MAX_HEAD_DIM], const int *visible, float *m, float *l, float *acc) {
+    if (d % 16) return 0;
+    const int c = d / 16;
+    float s[MAX_TILE_Q][MAX_BLOCK];
+    __m512 kr[MAX_HEAD_DIM / 16];
+    for (int t = 0; t < n; t++) {
+        for (int j = 0; j < c; j++) kr[j] = load16(dtype, kc, off + (long)t * d + 16 * j);
+        for (int qi = 0; qi < nq; qi++) {
+            if (t >= visible[qi]) continue;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf[qi]), kr[0]);
+            for (int j = 1; j < c; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf[qi] + 16 * j), kr[j], a);
+            s[qi][t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    float p[MAX_TILE_Q][MAX_BLOCK];
+    for (int qi = 0; qi < nq; qi++) {
+        int vis = visible[qi] < n ? visible[qi] : n;
+        if (vis <= 0) continue;
+        float bmax = -INFINITY;
+        for (int t = 0; t < vis; t++) bmax = s[qi][t] > bmax ? s[qi][t] : bmax;
+        float mnew = m[qi] > bmax ? m[qi] : bmax;
+        __m512 mv = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+        for (int t = 0; t < vis; t += 16) {
+            __mmask16 mk = vis - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vis - t)) - 1);
+            __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s[qi] + t), mv));
+            e = _mm512_maskz_mov_ps(mk, e);
+            _mm512_storeu_ps(p[qi] + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        for (int t = vis; t < n; t++) p[qi][t] = 0.0f;
+        float alpha = exp_neg(m[qi] - mnew);
+        l[qi] = l[qi] * alpha + _mm512_reduce_add_ps(sum);
+        m[qi] = mnew;
+        if (alpha != 1.0f) {
+            __m512 av = _mm512_set1_ps(alpha);
+            for (int j = 0; j < c; j++)
+                _mm512_storeu_ps(acc + (long)qi * d + 16 * j, _mm512_mul_ps(av, _mm512_loadu_ps(acc + (long)qi * d + 16 * j)));
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        for (int j = 0; j < c; j++) kr[j] = load16(dtype, vc, off + (long)t * d + 16 * j);
+        for (int qi = 0; qi < nq; qi++) {
+            if (t >= visible[qi]) continue;
+            __m512 pv = _mm512_set1_ps(p[qi][t]);
+            float *ac = acc + (long)qi * d;
+            for (int j = 0; j < c; j++)
+                _mm512_storeu_ps(ac + 16 * j, _mm512_fmadd_ps(pv, kr[j], _mm512_loadu_ps(ac + 16 * j)));
+        }
+    }
+    return 1;
+}
+#endif
+
 /* Runs one item: fills m, l and acc (unnormalized) for its nq query vectors. */
 static void run_item(const args_t *a, const item_t *it, float *m, float *l, float *acc) {
     const int d = a->d, G = a->group, bs = a->bs;
@@ -123,6 +207,13 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
         if ((t0 / bs) * bs + hi > it->tok1) hi = it->tok1 - (t0 / bs) * bs;
         int n = hi - lo;
         long off = head_off + ((long)blk * bs + lo) * d;
+#if defined(__AVX512F__)
+        {
+            int visible[MAX_TILE_Q];
+            for (int qi = 0; qi < nq; qi++) visible[qi] = pos[qi] - t0 + 1;
+            if (block_avx512(a->dtype, a->k, a->v, off, n, d, nq, qf, visible, m, l, acc)) continue;
+        }
+#endif
         load_block(a, a->k, off, n, kb);
         load_block(a, a->v, off, n, vb);
         for (int qi = 0; qi < nq; qi++) {
