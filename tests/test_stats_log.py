@@ -35,3 +35,12 @@ def test_interval_figures():
     assert "100 steps, model busy 80% (80.0 ms a step)" in line
     assert "pins +4 hit 3 expired 0 reclaimed 0" in line
     assert "preemptions 2" in line
+
+
+def test_longest_step_with_decodes_and_capped_prefills():
+    a = snap(executed_steps=10, decode_steps=4, capped_steps=1, recent_decode_step_s=(0.9, 0.05, 0.05, 0.05))
+    b = replace(a, executed_steps=20, decode_steps=7, capped_steps=3,
+                recent_decode_step_s=a.recent_decode_step_s + (0.12, 0.18, 0.04))
+    line = stats_line(a, b, 10.0)
+    assert "longest step with decodes 180 ms (prefill capped in 2 steps)" in line  # the 0.9 s was before
+    assert "longest step" not in stats_line(a, replace(a, executed_steps=12), 10.0)  # no decodes this interval

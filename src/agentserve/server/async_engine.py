@@ -92,6 +92,9 @@ class EngineSnapshot:
     decode_tokens: int = 0
     execute_s: float = 0.0
     executed_steps: int = 0
+    capped_steps: int = 0  # steps whose prefill the step-time target held back
+    decode_steps: int = 0  # executed steps with decodes running
+    recent_decode_step_s: tuple[float, ...] = ()  # the latest of those steps' times, oldest first
 
     @property
     def kv_usage(self) -> float:
@@ -525,4 +528,5 @@ class AsyncEngine:
             pins_hit=s.pins_hit, pins_expired=s.pins_expired, pins_reclaimed=s.pins_reclaimed,
             pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end,
             prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, execute_s=s.execute_s,
-            executed_steps=s.executed_steps)
+            executed_steps=s.executed_steps, capped_steps=s.capped_steps, decode_steps=s.decode_steps,
+            recent_decode_step_s=tuple(s.decode_step_history))

@@ -34,6 +34,11 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
         f"pins +{cur.pins_created - prev.pins_created} hit {cur.pins_hit - prev.pins_hit} "
         f"expired {cur.pins_expired - prev.pins_expired} reclaimed {cur.pins_reclaimed - prev.pins_reclaimed}",
     ]
+    with_decodes = cur.decode_steps - prev.decode_steps
+    if with_decodes > 0 and cur.recent_decode_step_s:
+        worst = max(cur.recent_decode_step_s[-with_decodes:])
+        parts.append(f"longest step with decodes {1000 * worst:.0f} ms "
+                     f"(prefill capped in {cur.capped_steps - prev.capped_steps} steps)")
     if cur.preemptions > prev.preemptions:
         parts.append(f"preemptions {cur.preemptions - prev.preemptions}")
     return "; ".join(parts)
