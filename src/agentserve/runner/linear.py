@@ -7,12 +7,36 @@ SmolLM2 step's 121 projections, batch 1: 13.7 ms against 23-31 ms), with
 bit-identical results. float32 stays on `F.linear`: packing changes its
 rounding, and float32 is the path that must match transformers exactly.
 Packing is checked on a random input at load and skipped if the build
-lacks it or disagrees."""
+lacks it or disagrees.
+
+`Q4Linear` keeps a GGUF Q4_0/Q4_1 weight 4-bit and multiplies with torch's CPU
+int4 kernel (`aten._weight_int4pack_mm_for_cpu`, group size 32 = one ggml
+block). The kernel dequantizes w = (q - 8) * scale + zero per group, so Q4_1's
+w = d*q + m is scale = d, zero = m + 8d and Q4_0's w = d*(q - 8) is scale = d,
+zero = 0. With bfloat16 activations the kernel takes its scales and zeros only
+in bfloat16 (float32 scales need float32 activations, whose kernel was about
+30x slower), so the fp16 block scales lose 3 bits; each block's zero is then
+re-fitted to the block's own codes (least squares given the rounded scale),
+which takes back part of that (SmolLM2 projections: 2.4-2.6e-3 relative error
+against the float32 product instead of 2.5-2.8e-3; the dense bf16 weight gives
+2.1e-3, mostly the output's own rounding).
+
+The kernel reads a quarter of the bytes a bf16 weight takes and wins where
+reading the weights is the cost, a step of a few rows (decode); its compute is
+poor, so past `INT4_MAX_ROWS` rows (prefill, large batches) the layer
+multiplies with a bf16 copy of the dequantized weight kept beside the codes
+(oneDNN-packed: the very numbers and kernel of the `bf16` weight format).
+That copy costs memory, 2 bytes a weight on top of the int4 form's 0.625, and
+no time. Dequantizing per call instead, to save the memory, was measured far
+slower: dequantizing SmolLM2's 120 projections takes about 120 ms a step, the
+bf16 GEMMs themselves 17 ms at 16 rows, 41 ms at 64 and ~260 ms at 512."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from agentserve.runner.quant import BLOCK, Q4Weight
 
 
 def _packing_works() -> bool:
@@ -62,7 +86,111 @@ class Linear:
         n = t.numel() * t.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    @property
+    def resident_bytes(self) -> int:
+        return self.nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+# Rows (tokens in the step) up to which Q4Linear uses the int4 kernel; above,
+# the bf16 copy. Measured over SmolLM2's 120 projections, 2 threads, fastest of
+# 7-11 runs (ms, int4 / packed bf16): 1 row 3.9 / 12.0, 4 rows 6.2 / 11.0,
+# 5-8 rows 11.0-11.2 / 11.1-12.4 (the kernel works in tiles of 4 rows), 9 rows
+# 16.3 / 11.8, 16 rows 21.1 / 14.8, 64 rows 92.7 / 40.8.
+INT4_MAX_ROWS = 8
+
+
+def _int4_ops_present() -> bool:
+    aten = torch.ops.aten
+    return hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+_INT4_REASON: str | None | bool = False  # False: not checked yet
+
+
+def int4_unavailable(device: torch.device) -> str | None:
+    """None when Q4Linear can run on `device`, else why not (a phrase for a log line)."""
+    global _INT4_REASON
+    if device.type != "cpu":
+        return f"the int4 kernel used here is torch's CPU one, the device is {device.type}"
+    if _INT4_REASON is False:
+        _INT4_REASON = _check_int4()
+    return _INT4_REASON  # type: ignore[return-value]
+
+
+def _check_int4() -> str | None:
+    if not _int4_ops_present():
+        return f"this torch build ({torch.__version__}) lacks aten._weight_int4pack_mm_for_cpu"
+    try:
+        g = torch.Generator().manual_seed(0)
+        n, k = 32, 64
+        w = Q4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                     torch.rand(n, k // BLOCK, generator=g) * 0.1, torch.randn(n, k // BLOCK, generator=g) * 0.1,
+                     "Q4_1")
+        x = torch.randn(2, k, generator=g).to(torch.bfloat16)
+        lin = Q4Linear(w, max_rows=2, pack=False)
+        ref = F.linear(x.float(), w.dequantize())
+        err = (lin(x).float() - ref).abs().max().item()
+        if not err <= 0.02 * ref.abs().max().item():
+            return f"the int4 kernel disagrees with the dequantized weight (max error {err:.3g})"
+    except (RuntimeError, AttributeError) as e:
+        return f"the int4 kernel failed its check ({str(e).splitlines()[0]})"
+    return None
+
+
+def int4_shape_ok(shape: torch.Size | tuple[int, ...]) -> bool:
+    """The kernel packs rows in groups of 16 and columns in whole 32-blocks."""
+    return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % BLOCK == 0
+
+
+def int4_scales_zeros(w: Q4Weight) -> torch.Tensor:
+    """The kernel's bf16 [in/32, out, 2] (scale, zero) pairs for w = (q - 8)*scale + zero.
+
+    scale = bf16(d). Rounding d moves every weight of a block by (d - scale)*(q - 8);
+    the zero is set to the least-squares best constant for the block's actual codes,
+    m + 8d + (d - scale) * mean(q - 8), which cancels the mean of that shift."""
+    n, k = w.shape
+    scale = w.d.to(torch.bfloat16)
+    mean = w.codes.view(n, k // BLOCK, BLOCK).sum(-1, dtype=torch.int32).float() / BLOCK - 8
+    zero = w.m + 8 * w.d + (w.d - scale.float()) * mean
+    return torch.stack([scale, zero.to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
+
+
+class Q4Linear:
+    """y = x @ W.T (+ bias) for a GGUF Q4_0/Q4_1 weight: the int4 kernel for at
+    most `max_rows` rows of x (bf16), a bf16 copy of the dequantized weight
+    (oneDNN-packed when `pack`) above."""
+
+    __slots__ = ("int4", "scales_zeros", "bias", "dense", "max_rows")
+
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int = INT4_MAX_ROWS,
+                 pack: bool = True, dense: Linear | None = None) -> None:
+        if not int4_shape_ok(weight.shape):
+            raise ValueError(f"int4 weights need rows in multiples of 16 and whole blocks, got {tuple(weight.shape)}")
+        self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        self.scales_zeros = int4_scales_zeros(weight)
+        self.bias = bias
+        self.max_rows = max_rows
+        # `dense` lets a tied LM head share the embedding's bf16 copy
+        self.dense = dense or Linear(weight.dequantize().to(torch.bfloat16), bias, pack)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: the 4-bit codes, the scales and zeros, the bias."""
+        n = self.int4.numel() * self.int4.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    @property
+    def resident_bytes(self) -> int:
+        """Memory held: the int4 form and the bf16 copy."""
+        return self.nbytes + self.dense.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self.dense(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4, BLOCK, self.scales_zeros)
+        return y if self.bias is None else y.add_(self.bias)

@@ -3,7 +3,10 @@ SwiGLU MLP, tied or untied embeddings) whose attention reads and writes the
 paged KV cache, over a flattened mixed batch of prefill chunks and decode tokens.
 
 Weights arrive in Hugging Face names; the q/k/v and gate/up projections are
-fused into one matrix each, so a layer runs four matrix multiplies. The norms
+fused into one matrix each, so a layer runs four matrix multiplies. With
+`quantized`, projections whose weights came as GGUF Q4_0/Q4_1 (`quant.Q4Weight`)
+stay 4-bit and run on the int4 kernel (`linear.Q4Linear`); everything else is
+dequantized to the compute dtype. The norms
 follow transformers exactly (statistics in float32, cast back before the weight
 is applied), which is what makes the float32 path token-exact against it."""
 
@@ -17,18 +20,19 @@ import torch.nn.functional as F
 from agentserve.runner.attention import AttentionMetadata, paged_attention
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
-from agentserve.runner.linear import Linear, should_pack
+from agentserve.runner.linear import Linear, Q4Linear, int4_shape_ok, int4_unavailable, should_pack
+from agentserve.runner.quant import Q4Weight
 from agentserve.runner.rope import RotaryTable, apply_rotary
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: Linear | Q4Linear
+    o: Linear | Q4Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Q4Linear
+    down: Linear | Q4Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,13 +42,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | Q4Weight], dtype: torch.dtype,
                  device: torch.device | str, max_positions: int | None = None,
-                 pack_weights: bool | None = None) -> None:
+                 pack_weights: bool | None = None, quantized: bool = False) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
+        if quantized:
+            why = int4_unavailable(self.device)
+            if why or dtype is not torch.bfloat16:
+                raise ValueError(f"quantized weights need bfloat16 on a CPU with the int4 kernel "
+                                 f"({why or f'dtype is {dtype}'})")
+        self.quantized = quantized
         w = _Weights(weights, dtype, self.device)
         # None: pack where it is known to help and stay exact (bfloat16 on the CPU)
         self.pack = should_pack(dtype, self.device) if pack_weights is None else \
@@ -55,36 +65,67 @@ class LlamaModel:
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.norm = w.take("model.norm.weight")
         tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
-        self.lm_head = Linear(self.embed if tied else w.take("lm_head.weight"), pack=self.pack)
+        if tied:  # a Q4 embedding still needs its bf16 table for the gather: the head shares it
+            dense = Linear(self.embed, pack=self.pack)
+            self.lm_head = self._linear(w, ["model.embed_tokens.weight"], dense=dense)
+        else:
+            self.lm_head = self._linear(w, ["lm_head.weight"])
         self.rope = RotaryTable(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
+        self.int4_linears = sum(isinstance(x, Q4Linear) for x in linears)
+        self.num_linears = len(linears)
+        # what `--weights` calls it: native when any projection runs on 4-bit codes
+        self.weight_format = "native" if self.int4_linears else \
+            {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+    def _linear(self, w: "_Weights", names: list[str], bias: torch.Tensor | None = None,
+                dense: Linear | None = None) -> Linear | Q4Linear:
+        """One projection from the row-concatenation of `names`: on the int4
+        kernel when quantized and every part is Q4, else dense."""
+        raw = [w.raw(n) for n in names]
+        if self.quantized and all(isinstance(r, Q4Weight) for r in raw):
+            q4 = raw[0] if len(raw) == 1 else Q4Weight.cat(raw)  # type: ignore[arg-type]
+            if int4_shape_ok(q4.shape):
+                return Q4Linear(q4, bias, pack=self.pack, dense=dense)
+        if dense is not None:
+            return dense
+        weight = w.take(names[0]) if len(names) == 1 else torch.cat([w.take(n) for n in names])
+        return Linear(weight, bias, self.pack)
 
     def _layer(self, w: "_Weights", i: int) -> _Layer:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        qkv = torch.cat([w.take(a + f"{n}_proj.weight") for n in "qkv"])
         bias = None
         if w.has(a + "q_proj.bias"):
             bias = torch.cat([w.take(a + f"{n}_proj.bias") for n in "qkv"])
-        pack = self.pack
         return _Layer(
             input_norm=w.take(p + "input_layernorm.weight"),
-            qkv=Linear(qkv, bias, pack),
-            o=Linear(w.take(a + "o_proj.weight"), pack=pack),
+            qkv=self._linear(w, [a + f"{n}_proj.weight" for n in "qkv"], bias),
+            o=self._linear(w, [a + "o_proj.weight"]),
             post_norm=w.take(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat([w.take(m + "gate_proj.weight"), w.take(m + "up_proj.weight")]), pack=pack),
-            down=Linear(w.take(m + "down_proj.weight"), pack=pack),
+            gate_up=self._linear(w, [m + "gate_proj.weight", m + "up_proj.weight"]),
+            down=self._linear(w, [m + "down_proj.weight"]),
         )
 
     @property
     def weight_bytes(self) -> int:
         """Bytes one decode step reads: every projection, the norms and the LM head
-        (the embedding table itself is only gathered from)."""
+        (the embedding table itself is only gathered from). For an int4 projection
+        that is its 4-bit codes and scales, not the bf16 copy prefill uses."""
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
         total = self.lm_head.nbytes + size(self.norm)
         for L in self.layers:
             total += L.qkv.nbytes + L.o.nbytes + L.gate_up.nbytes + L.down.nbytes
             total += size(L.input_norm) + size(L.post_norm)
         return total
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Memory the weights hold: weight_bytes plus the bf16 copies int4
+        projections keep for prefill, plus the embedding table."""
+        linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
+        extra = sum(x.resident_bytes - x.nbytes for x in linears)
+        return self.weight_bytes + extra + self.embed.numel() * self.embed.element_size()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -117,7 +158,8 @@ class LlamaModel:
 
 
 class _Weights:
-    """The loader's tensors, converted to the compute dtype on the device as taken."""
+    """The loader's tensors, converted to the compute dtype on the device as taken
+    (or handed over raw, for the int4 kernel)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         self.tensors = tensors
@@ -127,9 +169,15 @@ class _Weights:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def take(self, name: str) -> torch.Tensor:
+    def raw(self, name: str) -> torch.Tensor | Q4Weight:
         try:
-            t = self.tensors[name]
+            return self.tensors[name]
         except KeyError:
             raise ValueError(f"the checkpoint has no tensor {name!r}") from None
+
+    def take(self, name: str) -> torch.Tensor:
+        """Dense, in the compute dtype (a Q4Weight is dequantized first)."""
+        t = self.raw(name)
+        if isinstance(t, Q4Weight):
+            t = t.dequantize()
         return t.to(device=self.device, dtype=self.dtype).contiguous()
