@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers
 loading the same GGUF: greedy, token for token in float32, and by top-1
-agreement in bfloat16; plus the chat API end to end."""
+agreement in bfloat16; its Q4_1 weights run natively (int4 kernel) against the
+same weights dequantized to bfloat16; plus the chat API end to end."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
 from agentserve.runner.attention import build_metadata
+from agentserve.runner.linear import INT4_MAX_ROWS, int4_unavailable
+from agentserve.runner.loader import load_model
 
 N_NEW = 64
 MESSAGES = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
@@ -40,7 +43,7 @@ def test_float32_greedy_matches_transformers_token_for_token(llm32, chat_ids, sm
 
 
 def test_bfloat16_top1_agrees_with_transformers(chat_ids, smollm_hf):
-    llm = LLM(None, dtype="bfloat16", device="cpu", kv_cache_tokens=4096, block_size=16)
+    llm = LLM(None, weights="bf16", device="cpu", kv_cache_tokens=4096, block_size=16)
     with torch.no_grad():
         x = torch.tensor([chat_ids])
         ids = smollm_hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
@@ -64,3 +67,57 @@ def test_chat_answers_and_stops(llm32):
                          SamplingParams(max_tokens=60, temperature=0.0, stop=["5"]))
     assert "5" not in stopped.text and stopped.output.stop_reason == "5"
     llm32.check_integrity()
+
+
+# Teacher-forced text for the native-weights check: plain prose the model did not write.
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his father had "
+    "taught him. There were one hundred and twelve of them, worn smooth in the middle by a century of boots. At the "
+    "top he trimmed the wick, polished the great lens with a soft cloth, and lit the lamp. Then he sat by the window "
+    "with a mug of tea and watched the beam sweep across the water. Ships passed far out on the horizon, their lights "
+    "small and steady. Some nights a fishing boat came close enough that he could hear the engine and the voices of "
+    "the crew. In winter the storms were fierce; waves broke against the rocks below and salt spray reached the "
+    "glass. He kept a logbook of every vessel he saw, the weather, the temperature, and the hour the lamp was lit "
+    "and put out. When the harbour authority installed an automatic light, they offered him a pension and a cottage "
+    "in the village. He accepted the cottage but kept climbing the stairs each evening, out of habit, to watch the "
+    "beam that no longer needed him. His daughter visited on Sundays and asked him why he still went up.")
+
+
+def _logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
+    """Teacher-forced float32 logits of every position, `chunk` tokens a forward."""
+    n, bs = len(ids), llm.kv_cache.block_size
+    table = list(range(-(-n // bs)))
+    out = []
+    for start in range(0, n, chunk):
+        k = min(chunk, n - start)
+        meta = build_metadata([], [], [(table, start, k)], bs, llm.device)
+        out.append(llm.model.forward(torch.tensor(ids[start:start + k]), torch.arange(start, start + k), meta,
+                                     llm.kv_cache, torch.arange(k)))
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(int4_unavailable(torch.device("cpu")) is not None, reason="no int4 kernel in this torch")
+def test_native_q4_weights_agree_with_dequantized_bfloat16():
+    loaded = load_model(None, keep_quantized=True)
+    opts = dict(device="cpu", kv_cache_tokens=1024, max_model_len=1024, block_size=16)
+    native = LLM(loaded, weights="native", **opts)
+    bf16 = LLM(loaded, weights="bf16", **opts)
+    m = native.model
+    # every projection of the 30 layers is Q4_1; the LM head is the tied Q8_0 embedding, in bf16
+    assert (m.weight_format, m.int4_linears, m.num_linears) == ("native", 120, 121)
+    assert m.weight_bytes < 0.5 * bf16.model.weight_bytes
+    ids = native.tokenizer.encode(native.chat_template.render(
+        [{"role": "user", "content": "Summarize this story in one sentence.\n\n" + STORY}]))
+    assert len(ids) > 250
+    dense = _logits(bf16, ids, len(ids))
+    # prefill-sized forwards use the bf16 copies: bit for bit the bf16 weight format
+    assert torch.equal(_logits(native, ids, len(ids)), dense)
+    q4 = _logits(native, ids, INT4_MAX_ROWS)  # decode-sized forwards: the int4 kernel
+    top2 = dense.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert clear.sum() > 200
+    agree = (q4.argmax(-1) == dense.argmax(-1))[clear].float().mean().item()
+    assert agree >= 0.99, agree
+    diff = q4 - dense
+    assert diff.abs().mean().item() < 0.25
+    assert (diff.pow(2).mean().sqrt() / dense.pow(2).mean().sqrt()).item() < 0.05

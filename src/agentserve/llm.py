@@ -22,6 +22,7 @@ from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
 from agentserve.runner import device as devices
 from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.linear import INT4_MAX_ROWS
 from agentserve.runner.loader import LoadedModel, load_model
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.profiling import reload_cost_for
@@ -45,19 +46,24 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
-                 threads: int | None = None, pack_weights: bool | None = None) -> None:
+                 threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto") -> None:
+        """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
+        decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
+        is native where the model and machine allow it, else `dtype` decides."""
         if threads:
             torch.set_num_threads(threads)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.device = devices.resolve_device(device)
+        native, self.dtype = devices.plan_weights(weights, dtype, self.device)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, keep_quantized=native)
+        native = devices.settle_weights(weights, native, loaded)
         self.model_source = loaded.source
         self.config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.device = devices.resolve_device(device)
-        self.dtype = devices.resolve_dtype(dtype, self.device)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model = LlamaModel(cfg, loaded.weights, self.dtype, self.device, self.max_model_len, pack_weights)
+        self.model = LlamaModel(cfg, loaded.weights, self.dtype, self.device, self.max_model_len, pack_weights,
+                                quantized=native)
         template = loaded.chat_template
-        del loaded  # the float32 copies of the weights
+        del loaded  # the float32 (or 4-bit) copies of the weights
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         per_token = cfg.kv_bytes_per_token(self.model.embed.element_size())
@@ -84,10 +90,19 @@ class LLM:
                                 eos_token_ids=cfg.eos_token_ids or tok.eos_token_ids)
         self._tool_grammars = None
         self.chat_template = ChatTemplate(template, tok.bos_token or "", tok.eos_token or "")
-        log.info("model %s on %s (%s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB) in blocks of %d, "
-                 "host tier %d tokens; policy %s", self.model_source, self.device, devices.dtype_name(self.dtype),
-                 cfg.num_layers, cfg.num_params() / 1e6, num_blocks * block_size, self.kv_cache.bytes / 2**20,
-                 block_size, host_blocks * block_size, self.scheduler.policy.name)
+        log.info("model %s on %s (%s, weights %s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB) in "
+                 "blocks of %d, host tier %d tokens; policy %s", self.model_source, self.device,
+                 devices.dtype_name(self.dtype), self._weights_summary(), cfg.num_layers, cfg.num_params() / 1e6,
+                 num_blocks * block_size, self.kv_cache.bytes / 2**20, block_size, host_blocks * block_size,
+                 self.scheduler.policy.name)
+
+    def _weights_summary(self) -> str:
+        m = self.model
+        if m.weight_format != "native":
+            return m.weight_format
+        return (f"native: {m.int4_linears} of {m.num_linears} projections int4 up to {INT4_MAX_ROWS} rows a step, "
+                f"bf16 above; {m.weight_bytes / 2**20:.0f} MiB read a decode step, "
+                f"{m.resident_weight_bytes / 2**20:.0f} MiB held")
 
     # --- generation ---
 

@@ -1,7 +1,9 @@
-"""Choosing the device, the dtype and the KV capacity when the user says "auto"."""
+"""Choosing the device, the dtype, the weight format and the KV capacity when
+the user says "auto"."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -10,6 +12,13 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 CPU_DEFAULT_KV_TOKENS = 65536
+
+# --weights: native = GGUF Q4_0/Q4_1 tensors stay 4-bit (int4 kernel, bf16 compute);
+# bf16 / fp32 = everything dequantized to that dtype; auto = native where it works.
+WEIGHT_FORMATS = ("auto", "native", "bf16", "fp32")
+_FORMAT_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+log = logging.getLogger("agentserve")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -66,3 +75,59 @@ def auto_kv_tokens(device: torch.device, bytes_per_token: int, weight_bytes: int
     except (ValueError, OSError):
         avail = 8 * 1024**3
     return int(min(CPU_DEFAULT_KV_TOKENS, avail // 4 // bytes_per_token))
+
+
+def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, torch.dtype]:
+    """Before loading: whether to keep Q4 tensors quantized, and the compute dtype.
+
+    `native`, `bf16` and `fp32` fix the compute dtype (native computes in bf16), so an
+    explicit `dtype` that contradicts them is an error. `native` on a device without
+    the int4 kernel falls back to the device's default dtype with one log line; `auto`
+    is native exactly when the dtype resolves to bf16 on a CPU whose torch has a
+    working int4 kernel (whether the model has Q4 tensors is known after loading,
+    see `settle_weights`)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "auto":
+        dt = resolve_dtype(dtype, device)
+        return dt is torch.bfloat16 and _int4_unavailable(device) is None, dt
+    want = torch.bfloat16 if weights == "native" else _FORMAT_DTYPE[weights]
+    if dtype != "auto" and DTYPES.get(dtype) is not want:
+        raise ValueError(f"weights {weights} compute in {dtype_name(want)}, but dtype {dtype} was asked for "
+                         f"(leave dtype at auto)")
+    if weights != "native":
+        return False, resolve_dtype(dtype_name(want), device)
+    why = _int4_unavailable(device)
+    if why is None:
+        return True, torch.bfloat16
+    fallback = resolve_dtype(dtype, device) if device.type != "cpu" else torch.bfloat16
+    log.warning("weights native: %s; using dequantized %s weights", why, dtype_name(fallback))
+    return False, fallback
+
+
+def settle_weights(weights: str, native: bool, loaded) -> bool:
+    """After loading with `keep_quantized=native`: whether the model has Q4 tensors
+    to run natively. An explicit `native` that cannot be honoured logs one line why."""
+    if not native:
+        return False
+    from agentserve.runner.quant import Q4_TYPES, Q4Weight
+
+    if any(isinstance(w, Q4Weight) for w in loaded.weights.values()):
+        return True
+    if weights == "native":
+        types = loaded.tensor_types
+        if not types:
+            why = f"{loaded.source} is not a GGUF file (native weights are GGUF Q4_0/Q4_1 tensors)"
+        elif not set(types) & set(Q4_TYPES):
+            why = (f"its GGUF tensor types ({', '.join(types)}) have no int4 kernel here "
+                   f"(only {', '.join(Q4_TYPES)} do)")
+        else:
+            why = "the loaded weights were dequantized already (load with keep_quantized=True)"
+        log.warning("weights native: %s; using dequantized bfloat16 weights", why)
+    return False
+
+
+def _int4_unavailable(device: torch.device) -> str | None:
+    from agentserve.runner.linear import int4_unavailable
+
+    return int4_unavailable(device)

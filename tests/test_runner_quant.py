@@ -1,0 +1,194 @@
+"""GGUF Q4_0/Q4_1 weights kept 4-bit: the block reader against gguf's own
+dequantization, the int4 Linear against F.linear with the dequantized weight
+(decode-sized inputs on the int4 kernel, larger ones on the bf16 copy), a tiny
+Q4 GGUF run natively against the same file dequantized, and the `weights`
+option's fallbacks (one log line, no crash)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from gguf_fixtures import write_tiny_gguf
+from tiny_models import hf_llama, loaded
+
+from agentserve.llm import LLM
+from agentserve.runner import device as devices
+from agentserve.runner import linear
+from agentserve.runner.attention import build_metadata
+from agentserve.runner.gguf_loader import load_gguf, unpermute_qk
+from agentserve.runner.linear import INT4_MAX_ROWS, Q4Linear
+from agentserve.runner.quant import Q4Weight, from_blocks
+
+needs_int4 = pytest.mark.skipif(linear.int4_unavailable(torch.device("cpu")) is not None,
+                                reason=f"no int4 kernel: {linear.int4_unavailable(torch.device('cpu'))}")
+
+
+def q4_weight(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[Q4Weight, torch.Tensor]:
+    """Random weights quantized by gguf: (our reading of the blocks, gguf's dequantization)."""
+    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quantize(values, qtype)
+    back = torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(n, k))
+    return from_blocks(raw, qtype.name, (n, k)), back
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_blocks_dequantize_exactly_like_gguf(qtype):
+    w, back = q4_weight(qtype, 48, 96)
+    assert w.codes.dtype == torch.uint8 and int(w.codes.max()) <= 15
+    assert torch.equal(w.dequantize(), back)
+    # row operations apply to codes and scales alike
+    assert torch.equal(w.map_rows(lambda t: unpermute_qk(t, 4)).dequantize(), unpermute_qk(back, 4))
+    other, other_back = q4_weight(Q.Q4_0 if qtype == Q.Q4_1 else Q.Q4_1, 16, 96, seed=1)
+    both = Q4Weight.cat([w, other])
+    assert both.qtype == "Q4_0+Q4_1" and torch.equal(both.dequantize(), torch.cat([back, other_back]))
+
+
+@needs_int4
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("rows", [1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_dequantized_weight(qtype, rows, bias):
+    w, back = q4_weight(qtype, 96, 160, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)
+    lin = Q4Linear(w, b)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+    ref = F.linear(x.double(), back.double(), None if b is None else b.double())
+    dense = F.linear(x, back.to(torch.bfloat16), b)  # what the bf16 weight format computes
+    if rows > INT4_MAX_ROWS:
+        assert torch.equal(y, dense)  # the bf16 copy: bit for bit the bf16 path
+    else:
+        # bf16 tolerance: the kernel's bf16 scales and output rounding, about what the dense bf16 product makes
+        err = (y.double() - ref).abs()
+        dense_err = (dense.double() - ref).abs()
+        assert err.max() <= 2 * dense_err.max() + 1e-3
+        assert err.pow(2).mean().sqrt() <= 2 * dense_err.pow(2).mean().sqrt()
+    assert lin.nbytes == 96 * 160 // 2 + 160 // 32 * 96 * 2 * 2 + (96 * 2 if bias else 0)
+
+
+def test_int4_shape_rules():
+    assert linear.int4_shape_ok((32, 64)) and not linear.int4_shape_ok((24, 64))
+    assert not linear.int4_shape_ok((32, 48))
+    w, _ = q4_weight(Q.Q4_0, 24, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Q4Linear(w)
+
+
+# --- a whole tiny model -------------------------------------------------------
+
+Q4_LAYOUT = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q4_1, "o_proj": Q.Q4_0,
+             "gate_proj": Q.Q4_1, "up_proj": Q.Q4_0, "down_proj": Q.Q4_1}
+
+
+def _qtypes(n_layers: int, untied_head: Q | None = None) -> dict[str, Q]:
+    out = {f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}.weight": t
+           for i in range(n_layers) for p, t in Q4_LAYOUT.items()}
+    out["model.embed_tokens.weight"] = Q.Q8_0
+    if untied_head is not None:
+        out["lm_head.weight"] = untied_head
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory):
+    """Every projection Q4_0 or Q4_1 (q/k rows permuted like llama.cpp), embedding Q8_0,
+    an untied Q4_0 head whose 266 rows the int4 kernel cannot pack (it stays bf16)."""
+    path = tmp_path_factory.mktemp("q4") / "tiny-q4.gguf"
+    return write_tiny_gguf(path, n_layers=2, tied=False, qtypes=_qtypes(2, Q.Q4_0))
+
+
+def test_loader_keeps_q4_tensors(tiny_q4):
+    m = load_gguf(tiny_q4.path, keep_quantized=True)
+    assert set(m.tensor_types) == {"F32", "Q4_0", "Q4_1", "Q8_0"}
+    for name, qtype in tiny_q4.qtypes.items():
+        w = m.weights[name]
+        if qtype in (Q.Q4_0, Q.Q4_1):
+            assert isinstance(w, Q4Weight) and w.qtype == qtype.name, name
+            w = w.dequantize()  # q/k: un-permuted like the dequantizing loader does
+        np.testing.assert_array_equal(w.numpy(), tiny_q4.expected[name], err_msg=name)
+
+
+def _logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
+    """Teacher-forced logits of every position, fed `chunk` tokens a forward."""
+    n, bs = len(ids), llm.kv_cache.block_size
+    table = list(range(-(-n // bs)))
+    out = []
+    for start in range(0, n, chunk):
+        k = min(chunk, n - start)
+        meta = build_metadata([], [], [(table, start, k)], bs, llm.device)
+        out.append(llm.model.forward(torch.tensor(ids[start:start + k]), torch.arange(start, start + k), meta,
+                                     llm.kv_cache, torch.arange(k)))
+    return torch.cat(out)
+
+
+@needs_int4
+def test_tiny_q4_model_native_against_bf16(tiny_q4):
+    m = load_gguf(tiny_q4.path, keep_quantized=True)
+    opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
+    native, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
+    assert native.model.weight_format == "native" and bf16.model.weight_format == "bf16"
+    assert native.dtype == torch.bfloat16 and fp32.model.weight_format == "fp32"
+    # 8 projections int4; the head (266 rows) is not a multiple of 16 and stays bf16
+    assert (native.model.int4_linears, native.model.num_linears) == (8, 9)
+    assert isinstance(native.model.lm_head, linear.Linear)
+    assert native.model.weight_bytes < bf16.model.weight_bytes
+    ids = list(np.random.default_rng(0).integers(0, tiny_q4.vocab, 48))
+    exact = _logits(fp32, ids, 48)
+    dense = _logits(bf16, ids, 48)
+    assert torch.equal(_logits(native, ids, 48), dense)  # 48 rows a forward: the bf16 copies
+    rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
+    # the int4 kernel (8 rows a forward): as close to float32 as the bf16 weights are
+    assert rel(_logits(native, ids, INT4_MAX_ROWS)) < 1.5 * rel(dense)
+
+
+# --- the weights option: choices, conflicts, fallbacks ---------------------------
+
+
+def test_weights_plan_and_conflicts():
+    cpu = torch.device("cpu")
+    assert devices.plan_weights("fp32", "auto", cpu) == (False, torch.float32)
+    assert devices.plan_weights("bf16", "bfloat16", cpu) == (False, torch.bfloat16)
+    assert devices.plan_weights("auto", "float32", cpu) == (False, torch.float32)  # the exact path stays exact
+    with pytest.raises(ValueError, match="dtype float32"):
+        devices.plan_weights("native", "float32", cpu)
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        devices.plan_weights("fp32", "bfloat16", cpu)
+    with pytest.raises(ValueError, match="not one of"):
+        devices.plan_weights("int4", "auto", cpu)
+    assert "cuda" in linear.int4_unavailable(torch.device("cuda"))
+
+
+def test_native_without_the_kernel_falls_back_with_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(linear, "_INT4_REASON", "this torch build (x) lacks aten._weight_int4pack_mm_for_cpu")
+    with caplog.at_level(logging.WARNING, logger="agentserve"):
+        assert devices.plan_weights("native", "auto", torch.device("cpu")) == (False, torch.bfloat16)
+        assert devices.plan_weights("auto", "bfloat16", torch.device("cpu")) == (False, torch.bfloat16)
+    assert [r.getMessage() for r in caplog.records] == [
+        "weights native: this torch build (x) lacks aten._weight_int4pack_mm_for_cpu; "
+        "using dequantized bfloat16 weights"]
+
+
+@needs_int4
+def test_native_on_models_without_q4_falls_back_with_one_line(tmp_path, caplog):
+    q8 = write_tiny_gguf(tmp_path / "q8.gguf", n_layers=1,
+                         qtypes={n: Q.Q8_0 for n in _qtypes(1)} | {"model.embed_tokens.weight": Q.F16})
+    with caplog.at_level(logging.WARNING, logger="agentserve"):
+        opts = dict(device="cpu", kv_cache_tokens=64, max_model_len=64)
+        llm = LLM(str(q8.path), weights="native", **opts)
+        assert llm.model.weight_format == "bf16" and llm.dtype == torch.bfloat16
+        tiny = LLM(loaded(hf_llama(layers=1)), weights="native", **opts)
+        assert tiny.model.weight_format == "bf16"
+        auto = LLM(str(q8.path), weights="auto", dtype="bfloat16", **opts)
+        assert auto.model.weight_format == "bf16"  # auto falls back silently
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights native")]
+    assert len(warnings) == 2, warnings
+    assert "GGUF tensor types (F16, F32, Q8_0) have no int4 kernel" in warnings[0]
+    assert "tiny-llama is not a GGUF file" in warnings[1]
