@@ -119,27 +119,80 @@ static inline __m512 exp_neg16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* lane t of the result = the sum of v[t]'s 16 lanes (a transpose-and-add tree:
+ * 46 shuffles and adds for 16 sums instead of 16 horizontal reductions). */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 w[8], u[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int j = 0; j < 4; j++)
+        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    __m512 s1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+    __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s0), _mm512_castps_pd(s1))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s0), _mm512_castps_pd(s1))));
+    /* lane 4L + k holds the sum of v[4k + L] */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, t);
+}
+
+/* Scores of query vector qi against n (<= 16) consecutive cache rows at `off`,
+ * scaled, into s[0..n). */
+static inline void scores16(int dtype, const void *kc, long off, int n, int d, const float *qf,
+                            const bf16_t *qb, float scale, float *s) {
+    __m512 part[16];
+    const int c = d / 16;
+#if defined(__AVX512BF16__)
+    if (dtype && d % 32 == 0) {
+        /* bfloat16 pairs multiplied and summed in float32, straight from the cache */
+        for (int t = 0; t < n; t++) {
+            const bf16_t *kr = (const bf16_t *)kc + off + (long)t * d;
+            __m512 a = _mm512_setzero_ps();
+            for (int j = 0; j < d; j += 32)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qb + j), (__m512bh)_mm512_loadu_si512(kr + j));
+            part[t] = a;
+        }
+        for (int t = n; t < 16; t++) part[t] = _mm512_setzero_ps();
+        __mmask16 mk = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+        _mm512_mask_storeu_ps(s, mk, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
+        return;
+    }
+#endif
+    (void)qb;
+    (void)scale; /* qf is already scaled */
+    for (int t = 0; t < n; t++) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf), load16(dtype, kc, off + (long)t * d));
+        for (int j = 1; j < c; j++)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 16 * j), load16(dtype, kc, off + (long)t * d + 16 * j), a);
+        part[t] = a;
+    }
+    for (int t = n; t < 16; t++) part[t] = _mm512_setzero_ps();
+    __mmask16 mk = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    _mm512_mask_storeu_ps(s, mk, reduce16(part));
+}
+
 /* One block of n tokens (cache offset `off`) for nq query vectors: scores,
  * online-softmax update, weighted V. Returns 1 (0: d not a multiple of 16). */
 static int block_avx512(int dtype, const void *kc, const void *vc, long off, int n, int d, int nq,
-                        float qf[][MAX_HEAD_DIM], const int *visible, float *m, float *l, float *acc) {
+                        float qf[][MAX_HEAD_DIM], bf16_t qb[][MAX_HEAD_DIM], float scale,
+                        const int *visible, float *m, float *l, float *acc) {
     if (d % 16) return 0;
     const int c = d / 16;
     float s[MAX_TILE_Q][MAX_BLOCK];
-    __m512 kr[MAX_HEAD_DIM / 16];
-    for (int t = 0; t < n; t++) {
-        for (int j = 0; j < c; j++) kr[j] = load16(dtype, kc, off + (long)t * d + 16 * j);
-        for (int qi = 0; qi < nq; qi++) {
-            if (t >= visible[qi]) continue;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf[qi]), kr[0]);
-            for (int j = 1; j < c; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf[qi] + 16 * j), kr[j], a);
-            s[qi][t] = _mm512_reduce_add_ps(a);
-        }
+    for (int qi = 0; qi < nq; qi++) {
+        if (visible[qi] <= 0) continue;
+        for (int t = 0; t < n; t += 16)
+            scores16(dtype, kc, off + (long)t * d, n - t < 16 ? n - t : 16, d, qf[qi], qb[qi], scale, s[qi] + t);
     }
     float p[MAX_TILE_Q][MAX_BLOCK];
     for (int qi = 0; qi < nq; qi++) {
         int vis = visible[qi] < n ? visible[qi] : n;
-        if (vis <= 0) continue;
+        if (vis <= 0) {
+            for (int t = 0; t < n; t++) p[qi][t] = 0.0f;
+            continue;
+        }
         float bmax = -INFINITY;
         for (int t = 0; t < vis; t++) bmax = s[qi][t] > bmax ? s[qi][t] : bmax;
         float mnew = m[qi] > bmax ? m[qi] : bmax;
@@ -148,7 +201,7 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
             __mmask16 mk = vis - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vis - t)) - 1);
             __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s[qi] + t), mv));
             e = _mm512_maskz_mov_ps(mk, e);
-            _mm512_storeu_ps(p[qi] + t, e);
+            _mm512_mask_storeu_ps(p[qi] + t, mk, e);
             sum = _mm512_add_ps(sum, e);
         }
         for (int t = vis; t < n; t++) p[qi][t] = 0.0f;
@@ -161,6 +214,40 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
                 _mm512_storeu_ps(acc + (long)qi * d + 16 * j, _mm512_mul_ps(av, _mm512_loadu_ps(acc + (long)qi * d + 16 * j)));
         }
     }
+    if (c <= 4) {
+        /* up to 4 query vectors at a time with their accumulators in registers */
+        for (int q0 = 0; q0 < nq; q0 += 4) {
+            const int g = nq - q0 < 4 ? nq - q0 : 4;
+            __m512 ac[4][4];
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; j++)
+                    ac[i][j] = (i < g && j < c) ? _mm512_loadu_ps(acc + (long)(q0 + i) * d + 16 * j) : _mm512_setzero_ps();
+            }
+            for (int t = 0; t < n; t++) {
+                __m512 vr[4];
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) vr[j] = j < c ? load16(dtype, vc, off + (long)t * d + 16 * j) : _mm512_setzero_ps();
+                #pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    if (i >= g) break;
+                    __m512 pv = _mm512_set1_ps(p[q0 + i][t]);
+                    #pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++)
+                        if (j < c) ac[i][j] = _mm512_fmadd_ps(pv, vr[j], ac[i][j]);
+                }
+            }
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; j++)
+                    if (i < g && j < c) _mm512_storeu_ps(acc + (long)(q0 + i) * d + 16 * j, ac[i][j]);
+            }
+        }
+        return 1;
+    }
+    __m512 kr[MAX_HEAD_DIM / 16];
     for (int t = 0; t < n; t++) {
         for (int j = 0; j < c; j++) kr[j] = load16(dtype, vc, off + (long)t * d + 16 * j);
         for (int qi = 0; qi < nq; qi++) {
@@ -180,6 +267,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
     const int d = a->d, G = a->group, bs = a->bs;
     const int nq = it->nrows * G;
     float qf[MAX_TILE_Q][MAX_HEAD_DIM];
+    bf16_t qb[MAX_TILE_Q][MAX_HEAD_DIM]; /* the raw bfloat16 query (bfloat16 caches) */
     float kb[MAX_BLOCK * MAX_HEAD_DIM], vb[MAX_BLOCK * MAX_HEAD_DIM];
     float s[MAX_TILE_Q][MAX_BLOCK];
     int pos[MAX_TILE_Q];
@@ -191,6 +279,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
             int qi = r * G + g;
             long base = (row * a->kvh * G + (long)it->kvh * G + g) * d;
             for (int j = 0; j < d; j++) qf[qi][j] = load(a, a->q, base + j) * a->scale;
+            if (a->dtype) memcpy(qb[qi], (const bf16_t *)a->q + base, sizeof(bf16_t) * d);
             pos[qi] = seg_start + it->row0 + r;
         }
     }
@@ -211,7 +300,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
         {
             int visible[MAX_TILE_Q];
             for (int qi = 0; qi < nq; qi++) visible[qi] = pos[qi] - t0 + 1;
-            if (block_avx512(a->dtype, a->k, a->v, off, n, d, nq, qf, visible, m, l, acc)) continue;
+            if (block_avx512(a->dtype, a->k, a->v, off, n, d, nq, qf, qb, a->scale, visible, m, l, acc)) continue;
         }
 #endif
         load_block(a, a->k, off, n, kb);
