@@ -382,7 +382,7 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
         if (ctx > longest) longest = ctx;
     }
     int parts = 1;
-    const long want = 4L * (nthreads > 0 ? nthreads : 1);
+    const long want = 8L * (nthreads > 0 ? nthreads : 1);
     if (base_items < want && min_part_tokens > 0) {
         parts = (int)((want + base_items - 1) / base_items);
         long cap = (longest + min_part_tokens - 1) / min_part_tokens;
