@@ -114,7 +114,8 @@ def test_native_q4_weights_agree_with_dequantized_bfloat16():
     assert torch.equal(_logits(native, ids, len(ids)), dense)
     q4 = _logits(native, ids, INT4_MAX_ROWS)  # decode-sized forwards: the int4 kernel
     top2 = dense.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    # logits here are 16-32, where one bf16 step is 0.125: a margin of one step is a tie
+    clear = (top2[:, 0] - top2[:, 1]) > 0.2
     assert clear.sum() > 200
     agree = (q4.argmax(-1) == dense.argmax(-1))[clear].float().mean().item()
     assert agree >= 0.99, agree
