@@ -72,6 +72,12 @@ class NativeSegments:
     start: torch.Tensor
     table_offset: torch.Tensor  # where each segment's block table starts in `tables`
     tables: torch.Tensor
+    args: tuple = ()  # the kernel's arguments for these arrays, converted once per step
+
+    def __post_init__(self) -> None:
+        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        self.args = (ctypes.c_int(self.count), p(self.row_start), p(self.num_rows), p(self.start),
+                     p(self.table_offset), p(self.tables))
 
 
 @dataclass
@@ -173,8 +179,7 @@ def _native_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     rc = lib.agentserve_paged_attention(
         1 if q.dtype is torch.bfloat16 else 0, ptr(q), ptr(out), ptr(k_cache), ptr(v_cache),
-        NB, BS, KVH, G, D, segs.count, ptr(segs.row_start), ptr(segs.num_rows), ptr(segs.start),
-        ptr(segs.table_offset), ptr(segs.tables), scale, torch.get_num_threads(), MIN_PARTITION_TOKENS)
+        NB, BS, KVH, G, D, *segs.args, scale, torch.get_num_threads(), MIN_PARTITION_TOKENS)
     if rc != 0:
         raise RuntimeError(f"native paged attention refused its arguments (code {rc}: head_dim <= 256, "
                            f"block_size <= 128 and at most 16 query heads per KV head are supported)")
