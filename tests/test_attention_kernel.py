@@ -177,3 +177,42 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         native.reset_for_tests()
+
+
+LONG_CHUNKS = [
+    # (prefills, bs, group, d): long chunks forced through the native kernel (bf16: big row tiles)
+    ([(0, 200)], 16, 3, 64),
+    ([(2048, 300)], 16, 3, 64),
+    ([(1000, 2000)], 16, 3, 64),  # long chunk after a prefix
+    ([(37, 261), (0, 77)], 16, 3, 64),  # tiles straddle the causal diagonal mid-panel
+    ([(500, 333)], 8, 4, 128),
+    ([(129, 250)], 32, 2, 48),
+    ([(300, 200)], 16, 1, 64),
+    ([(64, 100)], 16, 7, 32),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("prefills,bs,group,d", LONG_CHUNKS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_chunks_in_native_kernel(monkeypatch, prefills, bs, group, d, dtype):
+    monkeypatch.setattr(A, "GEMM_CHUNK_ROWS", 10 ** 9)
+    outs, ref = _case(dtype, [3, 70], prefills, bs=bs, group=group, d=d, kvh=2, seed=11)
+    meta = A.build_metadata([], [], [(list(range(1, 1 + -(-(s + n) // bs))), s, n) for s, n in prefills], bs,
+                            torch.device("cpu"), kernel=True, dtype=dtype)
+    assert not meta.prefills  # all rows went to the native kernel
+    tol = 3e-2 if dtype is torch.bfloat16 else 2e-5
+    assert (outs["native"].double() - ref).abs().max() < tol
+
+
+@needs_kernel
+def test_chunk_routing_by_dtype():
+    table = list(range(1, 1 + 4096 // 16 + 1))
+    pf = [(table, 2048, 2048)]
+    bf = A.build_metadata([], [], pf, 16, torch.device("cpu"), kernel=True, dtype=torch.bfloat16)
+    fp = A.build_metadata([], [], pf, 16, torch.device("cpu"), kernel=True, dtype=torch.float32)
+    assert len(fp.prefills) == 1 and fp.native is None  # float32: torch's flash kernel
+    if native.big_tiles():  # bfloat16 with AVX512-BF16: the native kernel at any length
+        assert not bf.prefills and bf.native is not None and bf.native.count == 1
+    else:
+        assert len(bf.prefills) == 1

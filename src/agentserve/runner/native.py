@@ -94,6 +94,8 @@ def _load() -> ctypes.CDLL:
     i, p, L, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     fn.argtypes = [i, p, p, p, p, L, i, i, i, i, i, p, p, p, p, p, f, i, i]
     fn.restype = ctypes.c_int
+    lib.agentserve_paged_attention_big_tiles.argtypes = []
+    lib.agentserve_paged_attention_big_tiles.restype = ctypes.c_int
     return lib
 
 
@@ -120,6 +122,13 @@ def paged_attention_kernel() -> ctypes.CDLL | None:
                         "sequence's context per layer and is slower at long contexts", _why_not)
         _tried = True
         return _kernel
+
+
+def big_tiles() -> bool:
+    """Whether the loaded kernel has its fast path for long bfloat16 prefill
+    chunks (built for a CPU with AVX512-BF16)."""
+    lib = paged_attention_kernel()
+    return lib is not None and bool(lib.agentserve_paged_attention_big_tiles())
 
 
 def unavailable_reason() -> str | None:

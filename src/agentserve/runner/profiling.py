@@ -74,7 +74,8 @@ class ModelTimer:
         g = torch.Generator().manual_seed(length)
         ids = torch.randint(0, self.vocab, (length,), generator=g).to(self.device)
         pos = torch.arange(length, device=self.device)
-        meta = build_metadata([], [], [(self._blocks(0, length), 0, length)], self.bs, self.device)
+        meta = build_metadata([], [], [(self._blocks(0, length), 0, length)], self.bs, self.device,
+                              dtype=self.model.dtype)
         rows = torch.tensor([length - 1], device=self.device)
         return lambda: self.model.forward(ids, pos, meta, self.kv, rows)
 

@@ -11,10 +11,15 @@
  * with few items are split into partitions whose partial results are merged
  * afterwards, so a single sequence still keeps every core busy.
  *
- * Plain C with OpenMP: it is compiled at first use by runner/native.py with
- * the machine's C compiler and loaded with ctypes; the loop bodies are written
- * so that the compiler vectorizes them (omp simd), no intrinsics, so the same
- * source builds on any CPU. Accumulation is in float32 for both dtypes. */
+ * Long bfloat16 prefill chunks on CPUs with AVX512-BF16 take a separate path
+ * (run_item_big): row tiles of up to 48 query vectors, one query per vector
+ * lane, scores with bfloat16 dot products, weighted V in float32 (see there).
+ *
+ * C with OpenMP: it is compiled at first use by runner/native.py with the
+ * machine's C compiler (-march=native) and loaded with ctypes. The portable
+ * loops are written so that the compiler vectorizes them (omp simd); AVX-512
+ * paths are used where the build targets them. Accumulation is in float32 for
+ * both dtypes. */
 
 #include <math.h>
 #include <stdint.h>
@@ -63,6 +68,7 @@ static inline float exp_neg(float x) {
 typedef struct {
     int seg, kvh, row0, nrows, part, nparts;
     int tok0, tok1; /* context positions [tok0, tok1) this item reads */
+    int big;        /* run by run_item_big (a long bfloat16 chunk's row tile) */
     long scratch;   /* offset of its partial results (nparts > 1), else -1 */
 } item_t;
 
@@ -260,12 +266,277 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
     }
     return 1;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* ---- Long prefill chunks, bfloat16 (AVX512-BF16): the "big tile" path ----
+ *
+ * An item holds up to BIG_Q query vectors (rows x the group's heads) in
+ * vectors of 16 lanes, one query per lane. The context is walked in panels of
+ * 16 positions (gathered through the block table, any block size):
+ * - scores: the queries are stored once per item as bfloat16 pairs
+ *   (head-dim 2j, 2j+1) per lane, [pair][16 queries]; a key row's pair is
+ *   broadcast and `dpbf16` multiplies it into 16 queries' scores at once, so
+ *   a panel's scores are (tokens x query vectors) accumulators, no horizontal
+ *   reduction and no transposition of K;
+ * - softmax: the running max, sum and rescale factor are per lane, so the
+ *   panel's max is an elementwise max over its 16 token vectors;
+ * - weighted V in float32: the panel's V rows are converted once per panel,
+ *   each query's probability is broadcast into FMAs with the accumulators of
+ *   a few queries kept in registers. (Probabilities rounded to bfloat16 pairs
+ *   with `dpbf16` here ran about 1.3x faster, but their rounding, about half
+ *   the output's own bfloat16 rounding, was enough to flip the default
+ *   model's greedy answer at a near tie; float32 keeps the old path's
+ *   accuracy.)
+ * Masked (causal) positions get probability 0; the softmax is in float32. */
+
+#define BIG_Q 48 /* query vectors per item (rows = BIG_Q / group) */
+#define BIG_NV ((BIG_Q + 15) / 16)
+#define PANEL 16
+
+static const bf16_t zero_row[MAX_HEAD_DIM];
+
+/* scores of TT tokens (row pointers kr) for NV query vectors: s[t * BIG_NV + v] */
+static inline __attribute__((always_inline)) void qk_kernel(const __m512i *qt, int np, const bf16_t *const *kr,
+                                                            __m512 *s, const int NV, const int TT) {
+    __m512 c[16][BIG_NV];
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; t++) {
+        #pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) c[t][v] = _mm512_setzero_ps();
+    }
+    const int32_t *k32[16];
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; t++) k32[t] = (const int32_t *)kr[t];
+    for (int j = 0; j < np; j++) {
+        __m512i qv[BIG_NV];
+        #pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) qv[v] = _mm512_load_si512(qt + (long)j * BIG_NV + v);
+        #pragma GCC unroll 16
+        for (int t = 0; t < TT; t++) {
+            __m512i kb = _mm512_set1_epi32(k32[t][j]);
+            #pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) c[t][v] = _mm512_dpbf16_ps(c[t][v], (__m512bh)qv[v], (__m512bh)kb);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; t++) {
+        #pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) s[t * BIG_NV + v] = c[t][v];
+    }
+}
+
+/* acc[q][chunks c0 .. c0+CC) for queries q0 .. q0+g (g <= QG) += the panel's
+ * n probabilities (pf[t * BIG_Q16 + q]) times its V rows in float32
+ * (vf[t * C + c]), after scaling by alpha[q] when `rescale`. */
+#define BIG_Q16 (BIG_NV * 16)
+static inline __attribute__((always_inline)) void pv_kernel(float *acc, int d, int q0, int g, int c0, int C,
+                                                            int n, const __m512 *vf, const float *pf,
+                                                            const float *alpha, int rescale, const int QG,
+                                                            const int CC) {
+    __m512 a[24][4];
+    #pragma GCC unroll 24
+    for (int i = 0; i < QG; i++) {
+        #pragma GCC unroll 4
+        for (int c = 0; c < CC; c++) a[i][c] = _mm512_setzero_ps();
+        if (i >= g) continue;
+        float *ar = acc + (long)(q0 + i) * d + 16 * c0;
+        __m512 al = _mm512_set1_ps(alpha[q0 + i]);
+        #pragma GCC unroll 4
+        for (int c = 0; c < CC; c++) {
+            a[i][c] = _mm512_loadu_ps(ar + 16 * c);
+            if (rescale) a[i][c] = _mm512_mul_ps(a[i][c], al);
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        __m512 vv[4];
+        #pragma GCC unroll 4
+        for (int c = 0; c < CC; c++) vv[c] = _mm512_load_ps((const float *)(vf + (long)t * C + c0 + c));
+        const float *pr = pf + (long)t * BIG_Q16 + q0;
+        #pragma GCC unroll 24
+        for (int i = 0; i < QG; i++) {
+            if (i >= g) break;
+            __m512 pb = _mm512_set1_ps(pr[i]);
+            #pragma GCC unroll 4
+            for (int c = 0; c < CC; c++) a[i][c] = _mm512_fmadd_ps(pb, vv[c], a[i][c]);
+        }
+    }
+    #pragma GCC unroll 24
+    for (int i = 0; i < QG; i++) {
+        if (i >= g) break;
+        float *ar = acc + (long)(q0 + i) * d + 16 * c0;
+        #pragma GCC unroll 4
+        for (int c = 0; c < CC; c++) _mm512_storeu_ps(ar + 16 * c, a[i][c]);
+    }
+}
+
+static void pv_panel(float *acc, int d, int qfirst, int nq, int n, const __m512 *vf, const float *pf,
+                     const float *alpha, int rescale) {
+    const int C = d / 16;
+/* full groups of QG queries with a constant count (no per-query tests), then the rest */
+#define PV_GROUPS(QG, CC)                                                                       \
+    {                                                                                           \
+        int q0 = qfirst;                                                                        \
+        for (; q0 + (QG) <= nq; q0 += (QG))                                                     \
+            pv_kernel(acc, d, q0, (QG), c0, C, n, vf, pf, alpha, rescale, (QG), (CC));          \
+        if (q0 < nq) pv_kernel(acc, d, q0, nq - q0, c0, C, n, vf, pf, alpha, rescale, (QG), (CC)); \
+    }
+    for (int c0 = 0; c0 < C; c0 += 4) {
+        const int cc = C - c0 < 4 ? C - c0 : 4;
+        switch (cc) {
+        case 4: PV_GROUPS(6, 4) break;
+        case 3: PV_GROUPS(8, 3) break;
+        case 2: PV_GROUPS(12, 2) break;
+        default: PV_GROUPS(24, 1) break;
+        }
+    }
+#undef PV_GROUPS
+}
+
+/* One big-tile item (bfloat16, d % 16 == 0): fills m, l and acc like run_item. */
+static void run_item_big(const args_t *a, const item_t *it, float *m_out, float *l_out, float *acc) {
+    const int d = a->d, G = a->group, bs = a->bs;
+    const int nq = it->nrows * G, nv = (nq + 15) / 16, np = d / 2, C = d / 16;
+    __m512i qt[MAX_HEAD_DIM / 2 * BIG_NV];       /* [pair][vector] */
+    __m512 vf[PANEL * MAX_HEAD_DIM / 16];        /* [token][chunk] */
+    float pf[PANEL * BIG_Q16] __attribute__((aligned(64))); /* [token][query] */
+    float alpha[BIG_Q16] __attribute__((aligned(64)));
+    int32_t posl[BIG_Q16] __attribute__((aligned(64)));
+    __m512 s[PANEL * BIG_NV];
+    __m512 mv[BIG_NV], lv[BIG_NV];
+    int vmin[BIG_NV], vmax[BIG_NV];
+    const int seg_start = a->start[it->seg];
+    const int32_t *table = a->table + a->table_off[it->seg];
+    memset(qt, 0, sizeof(__m512i) * np * BIG_NV);
+    for (int qi = 0; qi < BIG_Q16; qi++) posl[qi] = -1;
+    for (int r = 0; r < it->nrows; r++) {
+        long row = a->row_start[it->seg] + it->row0 + r;
+        for (int g = 0; g < G; g++) {
+            int qi = r * G + g;
+            const int32_t *src = (const int32_t *)((const bf16_t *)a->q + (row * a->kvh * G + (long)it->kvh * G + g) * d);
+            int32_t *dst = (int32_t *)qt + (qi >> 4) * 16 + (qi & 15);
+            for (int j = 0; j < np; j++) dst[(long)j * BIG_NV * 16] = src[j];
+            posl[qi] = seg_start + it->row0 + r;
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        mv[v] = _mm512_set1_ps(-1e30f);
+        lv[v] = _mm512_setzero_ps();
+        vmin[v] = posl[16 * v];
+        int hi = 16 * v + 15 < nq ? 16 * v + 15 : nq - 1;
+        vmax[v] = posl[hi];
+    }
+    memset(acc, 0, sizeof(float) * nq * d);
+    const __m512 scale = _mm512_set1_ps(a->scale), big_neg = _mm512_set1_ps(-1e30f);
+    const long head_off = (long)it->kvh * a->nblocks * bs * d;
+    const bf16_t *kc = (const bf16_t *)a->k + head_off, *vc = (const bf16_t *)a->v + head_off;
+    for (int p0 = it->tok0; p0 < it->tok1; p0 += PANEL) {
+        const int n = it->tok1 - p0 < PANEL ? it->tok1 - p0 : PANEL;
+        /* query vectors that see something of this panel: a suffix */
+        int v0 = 0;
+        while (v0 < nv && vmax[v0] < p0) v0++;
+        if (v0 == nv) continue;
+        const bf16_t *kr[PANEL], *vr[PANEL];
+        {
+            int bi = p0 / bs, w = p0 % bs;
+            for (int t = 0; t < PANEL; t++) {
+                if (t < n) {
+                    long o = ((long)table[bi] * bs + w) * d;
+                    kr[t] = kc + o;
+                    vr[t] = vc + o;
+                    if (++w == bs) { w = 0; bi++; }
+                } else {
+                    kr[t] = vr[t] = zero_row;
+                }
+            }
+        }
+        /* scores */
+        switch (nv - v0) {
+        case 1:
+            qk_kernel(qt + v0, np, kr, s + v0, 1, 16);
+            break;
+        case 2:
+            qk_kernel(qt + v0, np, kr, s + v0, 2, 8);
+            qk_kernel(qt + v0, np, kr + 8, s + 8 * BIG_NV + v0, 2, 8);
+            break;
+        default:
+            for (int v = v0; v < nv; v += 3) {
+                if (nv - v >= 3) {
+                    qk_kernel(qt + v, np, kr, s + v, 3, 8);
+                    qk_kernel(qt + v, np, kr + 8, s + 8 * BIG_NV + v, 3, 8);
+                } else if (nv - v == 2) {
+                    qk_kernel(qt + v, np, kr, s + v, 2, 8);
+                    qk_kernel(qt + v, np, kr + 8, s + 8 * BIG_NV + v, 2, 8);
+                } else {
+                    qk_kernel(qt + v, np, kr, s + v, 1, 16);
+                }
+            }
+            break;
+        }
+        /* online softmax per lane; the probabilities to pf */
+        int rescale = 0;
+        for (int v = v0; v < nv; v++) {
+            __m512 x[PANEL];
+            __m512 bmax = big_neg;
+            const int full = n == PANEL && vmin[v] >= p0 + PANEL - 1;
+            __mmask16 mk[PANEL];
+            if (full) {
+                for (int t = 0; t < PANEL; t++) {
+                    x[t] = _mm512_mul_ps(s[t * BIG_NV + v], scale);
+                    bmax = _mm512_max_ps(bmax, x[t]);
+                }
+            } else {
+                const __m512i pv = _mm512_load_si512(posl + 16 * v);
+                for (int t = 0; t < PANEL; t++) {
+                    mk[t] = t < n ? _mm512_cmpge_epi32_mask(pv, _mm512_set1_epi32(p0 + t)) : 0;
+                    x[t] = _mm512_mask_mul_ps(big_neg, mk[t], s[t * BIG_NV + v], scale);
+                    bmax = _mm512_max_ps(bmax, x[t]);
+                }
+            }
+            const __m512 mnew = _mm512_max_ps(mv[v], bmax);
+            const __m512 al = exp_neg16(_mm512_sub_ps(mv[v], mnew));
+            if (_mm512_cmpneq_ps_mask(al, _mm512_set1_ps(1.0f))) rescale = 1;
+            _mm512_store_ps(alpha + 16 * v, al);
+            mv[v] = mnew;
+            __m512 sum = _mm512_setzero_ps();
+            for (int t = 0; t < PANEL; t++) {
+                x[t] = exp_neg16(_mm512_sub_ps(x[t], mnew));
+                if (!full) x[t] = _mm512_maskz_mov_ps(mk[t], x[t]);
+                sum = _mm512_add_ps(sum, x[t]);
+            }
+            lv[v] = _mm512_fmadd_ps(lv[v], al, sum);
+            for (int t = 0; t < n; t++) _mm512_store_ps(pf + t * BIG_Q16 + 16 * v, x[t]);
+        }
+        /* the panel's V rows in float32 */
+        for (int t = 0; t < n; t++)
+            for (int c = 0; c < C; c++) vf[t * C + c] = load16(1, vr[t], 16 * c);
+        int qfirst = 16 * v0;
+        while (qfirst < nq && posl[qfirst] < p0) qfirst++;
+        pv_panel(acc, d, qfirst, nq, n, vf, pf, alpha, rescale);
+    }
+    float mtmp[BIG_Q16], ltmp[BIG_Q16];
+    for (int v = 0; v < nv; v++) {
+        _mm512_storeu_ps(mtmp + 16 * v, mv[v]);
+        _mm512_storeu_ps(ltmp + 16 * v, lv[v]);
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        l_out[qi] = ltmp[qi];
+        m_out[qi] = ltmp[qi] > 0.0f ? mtmp[qi] : -INFINITY;
+    }
+}
+#define HAVE_BIG_TILES 1
+#endif
 #endif
 
 /* Runs one item: fills m, l and acc (unnormalized) for its nq query vectors. */
 static void run_item(const args_t *a, const item_t *it, float *m, float *l, float *acc) {
     const int d = a->d, G = a->group, bs = a->bs;
     const int nq = it->nrows * G;
+#if defined(HAVE_BIG_TILES)
+    if (it->big) {
+        run_item_big(a, it, m, l, acc);
+        return;
+    }
+#endif
     float qf[MAX_TILE_Q][MAX_HEAD_DIM];
     bf16_t qb[MAX_TILE_Q][MAX_HEAD_DIM]; /* the raw bfloat16 query (bfloat16 caches) */
     float kb[MAX_BLOCK * MAX_HEAD_DIM], vb[MAX_BLOCK * MAX_HEAD_DIM];
@@ -365,6 +636,41 @@ static void write_rows(const args_t *a, const item_t *it, const float *l, const 
     }
 }
 
+#if defined(HAVE_BIG_TILES)
+#define MAX_ITEM_Q (BIG_Q > MAX_TILE_Q ? BIG_Q : MAX_TILE_Q)
+#else
+#define MAX_ITEM_Q MAX_TILE_Q
+#endif
+/* A prefill segment (2 rows or more; decode rows keep run_item's path) with at
+ * least this many query vectors (rows x group) goes to big tiles: measured
+ * faster from 3 rows of 3 heads on (SmolLM2 shapes, 2 threads). */
+#define BIG_MIN_Q 8
+
+/* Rows per item for a segment of nrows rows; *big: whether run_item_big runs them. */
+static int seg_tile(int dtype, int d, int group, int nrows, int *big) {
+    int b = 0;
+#if defined(HAVE_BIG_TILES)
+    b = dtype == 1 && d % 16 == 0 && nrows > 1 && (long)nrows * group >= BIG_MIN_Q;
+#else
+    (void)dtype; (void)d;
+#endif
+    if (big) *big = b;
+#if defined(HAVE_BIG_TILES)
+    if (b) return BIG_Q / group;
+#endif
+    (void)nrows;
+    return MAX_TILE_Q / group;
+}
+
+/* 1 when this build has the big-tile path for long bfloat16 chunks (AVX512-BF16). */
+int agentserve_paged_attention_big_tiles(void) {
+#if defined(HAVE_BIG_TILES)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or a negative code for arguments the kernel does not handle. */
 int agentserve_paged_attention(int dtype, const void *q, void *out, const void *k, const void *v,
                                long nblocks, int bs, int kvh, int group, int d,
@@ -373,10 +679,10 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
                                float scale, int nthreads, int min_part_tokens) {
     if (d > MAX_HEAD_DIM || bs > MAX_BLOCK || group > MAX_TILE_Q || group < 1 || bs < 1) return -1;
     args_t a = {dtype, q, out, k, v, nblocks, bs, kvh, group, d, row_start, nrows, start, table_off, table, scale};
-    const int tile = MAX_TILE_Q / group;
     /* count items without partitions; split contexts only when that leaves cores idle */
     long base_items = 0, longest = 0;
     for (int s = 0; s < nsegs; s++) {
+        const int tile = seg_tile(dtype, d, group, nrows[s], NULL);
         base_items += (long)kvh * ((nrows[s] + tile - 1) / tile);
         long ctx = start[s] + nrows[s];
         if (ctx > longest) longest = ctx;
@@ -395,6 +701,8 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
     long n = 0, scratch = 0;
     const long qstride = (long)d + 2; /* per query vector: m, l, acc[d] */
     for (int s = 0; s < nsegs; s++) {
+        int big;
+        const int tile = seg_tile(dtype, d, group, nrows[s], &big);
         for (int r0 = 0; r0 < nrows[s]; r0 += tile) {
             int nr = nrows[s] - r0 < tile ? nrows[s] - r0 : tile;
             int ctx = start[s] + r0 + nr; /* the tile's last row sees [0, ctx) */
@@ -409,7 +717,7 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
                 for (int p = 0; p < np; p++) {
                     item_t *it = &items[n++];
                     it->seg = s; it->kvh = h; it->row0 = r0; it->nrows = nr;
-                    it->part = p; it->nparts = np;
+                    it->part = p; it->nparts = np; it->big = big;
                     it->tok0 = (int)((long)nb * p / np) * bs;
                     int e = (int)((long)nb * (p + 1) / np) * bs;
                     it->tok1 = e < ctx ? e : ctx;
@@ -424,8 +732,8 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
     for (long i = 0; i < n; i++) {
         const item_t *it = &items[i];
-        float m[MAX_TILE_Q], l[MAX_TILE_Q];
-        float acc[MAX_TILE_Q * MAX_HEAD_DIM];
+        float m[MAX_ITEM_Q], l[MAX_ITEM_Q];
+        float acc[MAX_ITEM_Q * MAX_HEAD_DIM];
         run_item(&a, it, m, l, acc);
         if (it->scratch < 0) {
             write_rows(&a, it, l, acc);
@@ -446,8 +754,8 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
             const item_t *it = &items[i];
             if (it->scratch < 0 || it->part != 0) continue;
             int nq = it->nrows * group;
-            float l[MAX_TILE_Q];
-            float acc[MAX_TILE_Q * MAX_HEAD_DIM];
+            float l[MAX_ITEM_Q];
+            float acc[MAX_ITEM_Q * MAX_HEAD_DIM];
             for (int qi = 0; qi < nq; qi++) {
                 float mx = -INFINITY;
                 for (int p = 0; p < it->nparts; p++) {
