@@ -42,5 +42,12 @@ def test_longest_step_with_decodes_and_capped_prefills():
     b = replace(a, executed_steps=20, decode_steps=7, capped_steps=3,
                 recent_decode_step_s=a.recent_decode_step_s + (0.12, 0.18, 0.04))
     line = stats_line(a, b, 10.0)
-    assert "longest step with decodes 180 ms (prefill capped in 2 steps)" in line  # the 0.9 s was before
+    assert "longest step with decodes 180 ms, p99 180 ms (prefill capped in 2 steps)" in line  # the 0.9 s was before
     assert "longest step" not in stats_line(a, replace(a, executed_steps=12), 10.0)  # no decodes this interval
+
+
+def test_p99_of_steps_with_decodes_ignores_a_lone_outlier():
+    a = snap(executed_steps=0, decode_steps=0, capped_steps=0, recent_decode_step_s=())
+    times = (0.05,) * 198 + (0.12, 0.9)
+    b = replace(a, executed_steps=200, decode_steps=200, recent_decode_step_s=times)
+    assert "longest step with decodes 900 ms, p99 120 ms" in stats_line(a, b, 10.0)

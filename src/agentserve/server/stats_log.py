@@ -36,8 +36,9 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
     ]
     with_decodes = cur.decode_steps - prev.decode_steps
     if with_decodes > 0 and cur.recent_decode_step_s:
-        worst = max(cur.recent_decode_step_s[-with_decodes:])
-        parts.append(f"longest step with decodes {1000 * worst:.0f} ms "
+        times = sorted(cur.recent_decode_step_s[-with_decodes:])
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        parts.append(f"longest step with decodes {1000 * times[-1]:.0f} ms, p99 {1000 * p99:.0f} ms "
                      f"(prefill capped in {cur.capped_steps - prev.capped_steps} steps)")
     if cur.preemptions > prev.preemptions:
         parts.append(f"preemptions {cur.preemptions - prev.preemptions}")
