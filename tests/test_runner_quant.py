@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from gguf_fixtures import write_tiny_gguf
-from tiny_models import hf_llama, loaded
+from tiny_models import hf_llama, loaded, teacher_forced_logits
 
 from agentserve.llm import LLM
 from agentserve.runner import device as devices
 from agentserve.runner import linear
-from agentserve.runner.attention import build_metadata
 from agentserve.runner.gguf_loader import load_gguf, unpermute_qk
 from agentserve.runner.linear import INT4_MAX_ROWS, Q4Linear
 from agentserve.runner.quant import Q4Weight, from_blocks
@@ -116,19 +115,6 @@ def test_loader_keeps_q4_tensors(tiny_q4):
         np.testing.assert_array_equal(w.numpy(), tiny_q4.expected[name], err_msg=name)
 
 
-def _logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
-    """Teacher-forced logits of every position, fed `chunk` tokens a forward."""
-    n, bs = len(ids), llm.kv_cache.block_size
-    table = list(range(-(-n // bs)))
-    out = []
-    for start in range(0, n, chunk):
-        k = min(chunk, n - start)
-        meta = build_metadata([], [], [(table, start, k)], bs, llm.device)
-        out.append(llm.model.forward(torch.tensor(ids[start:start + k]), torch.arange(start, start + k), meta,
-                                     llm.kv_cache, torch.arange(k)))
-    return torch.cat(out)
-
-
 @needs_int4
 def test_tiny_q4_model_native_against_bf16(tiny_q4):
     m = load_gguf(tiny_q4.path, keep_quantized=True)
@@ -141,12 +127,12 @@ def test_tiny_q4_model_native_against_bf16(tiny_q4):
     assert isinstance(native.model.lm_head, linear.Linear)
     assert native.model.weight_bytes < bf16.model.weight_bytes
     ids = list(np.random.default_rng(0).integers(0, tiny_q4.vocab, 48))
-    exact = _logits(fp32, ids, 48)
-    dense = _logits(bf16, ids, 48)
-    assert torch.equal(_logits(native, ids, 48), dense)  # 48 rows a forward: the bf16 copies
+    exact = teacher_forced_logits(fp32, ids, 48)
+    dense = teacher_forced_logits(bf16, ids, 48)
+    assert torch.equal(teacher_forced_logits(native, ids, 48), dense)  # 48 rows a forward: the bf16 copies
     rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
     # the int4 kernel (8 rows a forward): as close to float32 as the bf16 weights are
-    assert rel(_logits(native, ids, INT4_MAX_ROWS)) < 1.5 * rel(dense)
+    assert rel(teacher_forced_logits(native, ids, INT4_MAX_ROWS)) < 1.5 * rel(dense)
 
 
 # --- the weights option: choices, conflicts, fallbacks ---------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_models import teacher_forced_logits
+
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
 from agentserve.runner.attention import build_metadata
@@ -83,19 +85,6 @@ STORY = (
     "beam that no longer needed him. His daughter visited on Sundays and asked him why he still went up.")
 
 
-def _logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
-    """Teacher-forced float32 logits of every position, `chunk` tokens a forward."""
-    n, bs = len(ids), llm.kv_cache.block_size
-    table = list(range(-(-n // bs)))
-    out = []
-    for start in range(0, n, chunk):
-        k = min(chunk, n - start)
-        meta = build_metadata([], [], [(table, start, k)], bs, llm.device)
-        out.append(llm.model.forward(torch.tensor(ids[start:start + k]), torch.arange(start, start + k), meta,
-                                     llm.kv_cache, torch.arange(k)))
-    return torch.cat(out)
-
-
 @pytest.mark.skipif(int4_unavailable(torch.device("cpu")) is not None, reason="no int4 kernel in this torch")
 def test_native_q4_weights_agree_with_dequantized_bfloat16():
     loaded = load_model(None, keep_quantized=True)
@@ -109,10 +98,10 @@ def test_native_q4_weights_agree_with_dequantized_bfloat16():
     ids = native.tokenizer.encode(native.chat_template.render(
         [{"role": "user", "content": "Summarize this story in one sentence.\n\n" + STORY}]))
     assert len(ids) > 250
-    dense = _logits(bf16, ids, len(ids))
+    dense = teacher_forced_logits(bf16, ids, len(ids))
     # prefill-sized forwards use the bf16 copies: bit for bit the bf16 weight format
-    assert torch.equal(_logits(native, ids, len(ids)), dense)
-    q4 = _logits(native, ids, INT4_MAX_ROWS)  # decode-sized forwards: the int4 kernel
+    assert torch.equal(teacher_forced_logits(native, ids, len(ids)), dense)
+    q4 = teacher_forced_logits(native, ids, INT4_MAX_ROWS)  # decode-sized forwards: the int4 kernel
     top2 = dense.topk(2, dim=-1).values
     # logits here are 16-32, where one bf16 step is 0.125: a margin of one step is a tie
     clear = (top2[:, 0] - top2[:, 1]) > 0.2

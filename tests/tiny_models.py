@@ -1,4 +1,4 @@
-"""Tiny random Llama models and a byte-level tokenizer for runner tests.
+"""Tiny random Llama models, a byte-level tokenizer and teacher-forced logits for runner tests.
 
 Weights are drawn with a large initializer range so the logits are peaked:
 greedy decoding of a near-uniform random model would hinge on float32 ties,
@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from agentserve.runner.attention import build_metadata
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.loader import LoadedModel
 from agentserve.runner.tokenizer import Tokenizer
@@ -79,3 +80,17 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
     out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                             eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def teacher_forced_logits(llm, ids: list[int], chunk: int) -> torch.Tensor:
+    """float32 logits of every position of `ids`, fed `chunk` tokens a forward
+    through the paged cache (blocks 0.. in order)."""
+    n, bs = len(ids), llm.kv_cache.block_size
+    table = list(range(-(-n // bs)))
+    out = []
+    for start in range(0, n, chunk):
+        k = min(chunk, n - start)
+        meta = build_metadata([], [], [(table, start, k)], bs, llm.device, dtype=llm.model.dtype)
+        out.append(llm.model.forward(torch.tensor(ids[start:start + k]), torch.arange(start, start + k), meta,
+                                     llm.kv_cache, torch.arange(k)))
+    return torch.cat(out)

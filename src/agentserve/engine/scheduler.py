@@ -28,7 +28,7 @@ from agentserve.clock import Clock
 from agentserve.engine.executor import ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from agentserve.engine.step_time import StepTimeModel, attention_pairs
+from agentserve.engine.step_time import StepTimeModel, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext, make_policy
 from agentserve.policy.program import ProgramState, ProgramTable
@@ -478,15 +478,9 @@ class Scheduler:
         stats = self.stats
         stats.execute_s += result.elapsed
         stats.executed_steps += 1
-        prefill = attention = decodes = context = 0
+        prefill, attention, decodes, context = step_features(out.chunks)
         for ch in out.chunks:
             req = ch.request
-            if ch.is_decode:
-                decodes += 1
-                context += ch.start + 1
-            else:
-                prefill += ch.num_tokens
-                attention += attention_pairs(ch.start, ch.num_tokens)
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
             prog = self.programs.get(req.program_id)
