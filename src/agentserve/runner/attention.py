@@ -121,9 +121,10 @@ def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
     (None: whenever `use_native` says so)."""
     if kernel is None:
         kernel = use_native(device, dtype)
+    slots = torch.tensor(_slot_mapping(decode_tables, decode_lens, prefills, block_size),
+                         dtype=torch.int64).to(device)
     if kernel:
-        return _native_metadata(decode_tables, decode_lens, prefills, block_size, device, dtype)
-    slots: list[int] = []
+        return _native_metadata(slots, decode_tables, decode_lens, prefills, block_size, device, dtype)
     decode = None
     bs = block_size
     if decode_tables:
@@ -133,14 +134,11 @@ def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
         if any(n != nb * bs for n in decode_lens):
             lens = torch.tensor(decode_lens, dtype=torch.int64)
             mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :].to(device)
-        for t, n in zip(decode_tables, decode_lens):
-            slots.append(t[(n - 1) // bs] * bs + (n - 1) % bs)
         decode = DecodeBatch(len(decode_tables), torch.tensor(padded, dtype=torch.int64).view(-1).to(device),
                              nb, mask)
     spans = []
     row = len(decode_tables)
     for table, start, n in prefills:
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         if start == 0:
             spans.append(PrefillSpan(row, n, 0, None, None))
         else:
@@ -149,13 +147,21 @@ def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
             spans.append(PrefillSpan(row, n, start, torch.tensor(table, dtype=torch.int64).to(device),
                                      mask.to(device)))
         row += n
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.int64).to(device), decode, spans)
+    return AttentionMetadata(slots, decode, spans)
 
 
-def _native_metadata(decode_tables: list[list[int]], decode_lens: list[int],
+def _slot_mapping(decode_tables: list[list[int]], decode_lens: list[int],
+                  prefills: list[tuple[list[int], int, int]], bs: int) -> list[int]:
+    """The cache slot of each new token, in the step's row order."""
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(decode_tables, decode_lens)]
+    for table, start, n in prefills:
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+    return slots
+
+
+def _native_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                      prefills: list[tuple[list[int], int, int]], bs: int, device: torch.device,
-                     dtype: torch.dtype = torch.bfloat16) -> AttentionMetadata:
-    slots: list[int] = []
+                     dtype: torch.dtype) -> AttentionMetadata:
     row_start: list[int] = []
     num_rows: list[int] = []
     starts: list[int] = []
@@ -170,13 +176,11 @@ def _native_metadata(decode_tables: list[list[int]], decode_lens: list[int],
         tables.extend(table)
 
     for row, (t, n) in enumerate(zip(decode_tables, decode_lens)):
-        slots.append(t[(n - 1) // bs] * bs + (n - 1) % bs)
         segment(row, 1, n - 1, t)
     spans = []
     row = len(decode_tables)
     all_native = BF16_CHUNKS_NATIVE and dtype is torch.bfloat16 and native.big_tiles()
     for table, start, n in prefills:
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         if n >= GEMM_CHUNK_ROWS and not all_native:
             prefix = torch.tensor(table[:-(-start // bs)], dtype=torch.int64).to(device) if start else None
             spans.append(PrefillSpan(row, n, start, prefix, None))
@@ -186,7 +190,7 @@ def _native_metadata(decode_tables: list[list[int]], decode_lens: list[int],
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     segs = NativeSegments(len(row_start), i32(row_start), i32(num_rows), i32(starts), i32(offsets),
                           i32(tables or [0])) if row_start else None
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.int64).to(device), None, spans, segs, kernel=True)
+    return AttentionMetadata(slots, None, spans, segs, kernel=True)
 
 
 def _native_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
