@@ -20,115 +20,18 @@ of a step always gets `min_prefill_chunk` tokens, so prefills progress."""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from agentserve.clock import Clock
 from agentserve.engine.executor import ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from agentserve.engine.step_time import StepTimeModel, step_features
+from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
+from agentserve.engine.step_time import StepBudget, StepTimeModel, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext, make_policy
 from agentserve.policy.program import ProgramState, ProgramTable
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 256  # running requests at most
-    max_model_len: int | None = None
-    program_idle_timeout: float = 600.0
-    # While decodes run, cap a step's prefill tokens so that its predicted time stays
-    # under this many ms (None or 0: no cap, the whole token budget as without decodes).
-    max_step_ms_with_decodes: float | None = 200.0
-    min_prefill_chunk: int = 32  # prefill tokens a capped step still computes
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if self.max_step_ms_with_decodes is not None and not self.max_step_ms_with_decodes >= 0:
-            raise ValueError("max_step_ms_with_decodes must be >= 0 (0 or None: no cap)")
-        if self.min_prefill_chunk < 1:
-            raise ValueError("min_prefill_chunk must be >= 1")
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    preemptions: int = 0
-    admitted_prompt_tokens: int = 0  # tokens of requests at admission
-    hit_tokens: int = 0  # of those, found in the prefix cache (device or host)
-    loaded_tokens: int = 0  # of the hits, reloaded from the host tier
-    pins_created: int = 0
-    pins_hit: int = 0  # the program's next turn was admitted while its pin held
-    pins_expired: int = 0
-    pins_reclaimed: int = 0
-    pins_released_early: int = 0
-    pins_released_at_end: int = 0
-    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
-    decode_tokens: int = 0  # tokens sampled
-    execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)
-    executed_steps: int = 0  # steps that ran the executor (`steps` also counts empty scheduling passes)
-    ttl_sum: float = 0.0
-    ttl_history: list[float] = field(default_factory=list)  # recent TTL decisions (bounded)
-    capped_steps: int = 0  # steps whose prefill the step-time target held back
-    decode_steps: int = 0  # executed steps with at least one decode
-    decode_step_max_s: float = 0.0  # the longest of those
-    decode_step_history: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # the latest of those
-
-    def decode_step_p99_s(self) -> float:
-        """p99 of the recent steps' times that had decodes (0 if none)."""
-        h = sorted(self.decode_step_history)
-        return h[min(len(h) - 1, int(0.99 * len(h)))] if h else 0.0
-
-
-class _Step:
-    """One step being scheduled: the chunks so far, the token budget left and,
-    while decodes run under a step-time target, the prefill time left."""
-
-    __slots__ = ("budget", "scheduled", "decode_rows", "decode_context", "time_left", "prefill_tokens",
-                 "capped", "model", "min_chunk")
-
-    def __init__(self, budget: int, model: StepTimeModel, min_chunk: int) -> None:
-        self.budget = budget
-        self.scheduled: dict[Request, int] = {}  # in the order the chunks are emitted
-        self.decode_rows = 0
-        self.decode_context = 0
-        self.time_left: float | None = None  # None: no cap
-        self.prefill_tokens = 0
-        self.capped = False
-        self.model = model
-        self.min_chunk = min_chunk
-
-    def add(self, req: Request, n: int) -> None:
-        self.scheduled[req] = n
-        self.budget -= n
-
-    def drop(self, req: Request) -> None:
-        """An already scheduled request was preempted: its tokens go back."""
-        n = self.scheduled.pop(req, None)
-        if n is not None:
-            self.budget += n
-
-    def allow(self, start: int, want: int) -> int:
-        """Prefill tokens a chunk after `start` may take of the `want` it could."""
-        if self.time_left is None or want <= 0:
-            return want
-        n = self.model.max_chunk(start, self.time_left)
-        if not self.prefill_tokens:
-            n = max(n, self.min_chunk)  # prefills always progress
-        if n < want:
-            self.capped = True
-            return n
-        return want
-
-    def add_prefill(self, req: Request, start: int, n: int) -> None:
-        self.add(req, n)
-        self.prefill_tokens += n
-        if self.time_left is not None:
-            self.time_left -= self.model.chunk_time(start, n)
 
 
 class Scheduler:
@@ -303,7 +206,7 @@ class Scheduler:
                 self.policy.tool_stats.forget_program(pid)
         self._release_pins(now)
         out = SchedulerOutput(block_table=self.kv.block_ids)
-        step = _Step(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
+        step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
         # 1. Running requests: decodes first, then prefill chunks, each in admission order.
         decoding, prefilling = [], []
@@ -362,7 +265,7 @@ class Scheduler:
         prompt and output is prefilling until it has caught up)."""
         return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
 
-    def _schedule_running(self, req: Request, n: int, step: _Step, now: float, out: SchedulerOutput) -> bool:
+    def _schedule_running(self, req: Request, n: int, step: StepBudget, now: float, out: SchedulerOutput) -> bool:
         """KV for `n` more tokens of running `req`: reclaim later programs' pins,
         then preempt the lowest-priority running request admitted at or after
         `req` (ties: the most recently admitted, least progress lost) until it
@@ -378,7 +281,7 @@ class Scheduler:
                 return False
         return True
 
-    def _prefill_time_left(self, step: _Step) -> float | None:
+    def _prefill_time_left(self, step: StepBudget) -> float | None:
         """Seconds of prefill the step may add under the step-time target; None
         when no cap applies (no decode this step, no target, too few samples)."""
         target = self.config.max_step_ms_with_decodes
@@ -386,7 +289,7 @@ class Scheduler:
             return None
         return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context)
 
-    def _admit(self, req: Request, step: _Step, now: float) -> bool:
+    def _admit(self, req: Request, step: StepBudget, now: float) -> bool:
         match = self.kv.match(req.token_ids)
         hit = match.num_tokens
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks

@@ -27,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+from agentserve.engine.request import Request
 from agentserve.engine.scheduler_output import ScheduledChunk
 
 # Features are scaled to order-one values before fitting (conditioning only).
@@ -215,3 +216,50 @@ def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
         s = a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))
         x[r] = s / a[r][r]
     return x
+
+
+class StepBudget:
+    """One step being scheduled: the chunks so far, the token budget left and,
+    while decodes run under a step-time target, the prefill time left."""
+
+    __slots__ = ("budget", "scheduled", "decode_rows", "decode_context", "time_left", "prefill_tokens",
+                 "capped", "model", "min_chunk")
+
+    def __init__(self, budget: int, model: StepTimeModel, min_chunk: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[Request, int] = {}  # in the order the chunks are emitted
+        self.decode_rows = 0
+        self.decode_context = 0
+        self.time_left: float | None = None  # None: no cap
+        self.prefill_tokens = 0
+        self.capped = False
+        self.model = model
+        self.min_chunk = min_chunk
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req] = n
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        """An already scheduled request was preempted: its tokens go back."""
+        n = self.scheduled.pop(req, None)
+        if n is not None:
+            self.budget += n
+
+    def allow(self, start: int, want: int) -> int:
+        """Prefill tokens a chunk after `start` may take of the `want` it could."""
+        if self.time_left is None or want <= 0:
+            return want
+        n = self.model.max_chunk(start, self.time_left)
+        if not self.prefill_tokens:
+            n = max(n, self.min_chunk)  # prefills always progress
+        if n < want:
+            self.capped = True
+            return n
+        return want
+
+    def add_prefill(self, req: Request, start: int, n: int) -> None:
+        self.add(req, n)
+        self.prefill_tokens += n
+        if self.time_left is not None:
+            self.time_left -= self.model.chunk_time(start, n)

@@ -1,0 +1,56 @@
+"""The scheduler's settings and the counters it keeps."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None
+    program_idle_timeout: float = 600.0
+    # While decodes run, cap a step's prefill tokens so that its predicted time stays
+    # under this many ms (None or 0: no cap, the whole token budget as without decodes).
+    max_step_ms_with_decodes: float | None = 200.0
+    min_prefill_chunk: int = 32  # prefill tokens a capped step still computes
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_step_ms_with_decodes is not None and not self.max_step_ms_with_decodes >= 0:
+            raise ValueError("max_step_ms_with_decodes must be >= 0 (0 or None: no cap)")
+        if self.min_prefill_chunk < 1:
+            raise ValueError("min_prefill_chunk must be >= 1")
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    admitted_prompt_tokens: int = 0  # tokens of requests at admission
+    hit_tokens: int = 0  # of those, found in the prefix cache (device or host)
+    loaded_tokens: int = 0  # of the hits, reloaded from the host tier
+    pins_created: int = 0
+    pins_hit: int = 0  # the program's next turn was admitted while its pin held
+    pins_expired: int = 0
+    pins_reclaimed: int = 0
+    pins_released_early: int = 0
+    pins_released_at_end: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    decode_tokens: int = 0  # tokens sampled
+    execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)
+    executed_steps: int = 0  # steps that ran the executor (`steps` also counts empty scheduling passes)
+    ttl_sum: float = 0.0
+    ttl_history: list[float] = field(default_factory=list)  # recent TTL decisions (bounded)
+    capped_steps: int = 0  # steps whose prefill the step-time target held back
+    decode_steps: int = 0  # executed steps with at least one decode
+    decode_step_max_s: float = 0.0  # the longest of those
+    decode_step_history: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # the latest of those
+
+    def decode_step_p99_s(self) -> float:
+        """p99 of the recent steps' times that had decodes (0 if none)."""
+        h = sorted(self.decode_step_history)
+        return h[min(len(h) - 1, int(0.99 * len(h)))] if h else 0.0
