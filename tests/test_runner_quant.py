@@ -1,6 +1,7 @@
 """GGUF Q4_0/Q4_1 weights kept 4-bit: the block reader against gguf's own
 dequantization, the int4 Linear against F.linear with the dequantized weight
-(decode-sized inputs on the int4 kernel, larger ones on the bf16 copy), a tiny
+(decode-sized inputs on each int4 kernel, agentserve's and torch's, larger ones
+on the bf16 copy), a tiny
 Q4 GGUF run natively against the same file dequantized, and the `weights`
 option's fallbacks (one log line, no crash)."""
 
@@ -19,9 +20,9 @@ from tiny_models import hf_llama, loaded, teacher_forced_logits
 
 from agentserve.llm import LLM
 from agentserve.runner import device as devices
-from agentserve.runner import linear
+from agentserve.runner import linear, native
 from agentserve.runner.gguf_loader import load_gguf, unpermute_qk
-from agentserve.runner.linear import INT4_MAX_ROWS, Q4Linear
+from agentserve.runner.linear import Q4Linear
 from agentserve.runner.quant import Q4Weight, from_blocks
 
 needs_int4 = pytest.mark.skipif(linear.int4_unavailable(torch.device("cpu")) is not None,
@@ -48,29 +49,70 @@ def test_blocks_dequantize_exactly_like_gguf(qtype):
     assert both.qtype == "Q4_0+Q4_1" and torch.equal(both.dequantize(), torch.cat([back, other_back]))
 
 
-@needs_int4
+KERNELS = [pytest.param("auto", marks=pytest.mark.skipif(native.q4_kernel() is None,
+                                                         reason=f"{native.q4_unavailable_reason()}")),
+           pytest.param("torch", marks=pytest.mark.skipif(linear._check_int4() is not None,
+                                                          reason="torch has no CPU int4 kernel"))]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-@pytest.mark.parametrize("rows", [1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 3, "max", "max+1", 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_matches_dequantized_weight(qtype, rows, bias):
-    w, back = q4_weight(qtype, 96, 160, seed=rows)
+def test_int4_linear_matches_dequantized_weight(kernel, qtype, rows, bias):
+    w, back = q4_weight(qtype, 96, 160, seed=7)
+    lin0 = Q4Linear(w, kernel=kernel)
+    assert lin0.kernel == ("agentserve" if kernel == "auto" else "torch")
+    rows = {"max": lin0.max_rows, "max+1": lin0.max_rows + 1}.get(rows, rows)
     g = torch.Generator().manual_seed(rows)
     b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)
-    lin = Q4Linear(w, b)
+    lin = Q4Linear(w, b, kernel=kernel)
     y = lin(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
     ref = F.linear(x.double(), back.double(), None if b is None else b.double())
     dense = F.linear(x, back.to(torch.bfloat16), b)  # what the bf16 weight format computes
-    if rows > INT4_MAX_ROWS:
+    if rows > lin.max_rows:
         assert torch.equal(y, dense)  # the bf16 copy: bit for bit the bf16 path
     else:
-        # bf16 tolerance: the kernel's bf16 scales and output rounding, about what the dense bf16 product makes
         err = (y.double() - ref).abs()
         dense_err = (dense.double() - ref).abs()
-        assert err.max() <= 2 * dense_err.max() + 1e-3
-        assert err.pow(2).mean().sqrt() <= 2 * dense_err.pow(2).mean().sqrt()
-    assert lin.nbytes == 96 * 160 // 2 + 160 // 32 * 96 * 2 * 2 + (96 * 2 if bias else 0)
+        if kernel == "torch":  # its bf16 scales and output rounding, about what the dense bf16 product makes
+            assert err.max() <= 2 * dense_err.max() + 1e-3
+            assert err.pow(2).mean().sqrt() <= 2 * dense_err.pow(2).mean().sqrt()
+        else:  # exact scales, two-level activation codes: the output's own rounding, like the dense product
+            assert err.max() <= dense_err.max() + 1e-3
+            assert err.pow(2).mean().sqrt() <= 1.2 * dense_err.pow(2).mean().sqrt()
+    blocks = 160 // 32 * 96
+    bias_bytes = 96 * 2 if bias else 0
+    # the packed codes plus fp16 (d, m) per block, or torch's codes plus bf16 (scale, zero) pairs
+    assert lin.nbytes == 96 * 160 // 2 + blocks * 4 + bias_bytes
+
+
+@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+def test_native_q4_float32_activations(rows):
+    """float32 in and out through the same kernel: two-level codes keep it near exact."""
+    w, back = q4_weight(Q.Q4_1, 64, 256, seed=rows)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 3
+    y = Q4Linear(w, max_rows=16)(x)
+    ref = F.linear(x.double(), back.double())
+    assert y.dtype == torch.float32
+    assert ((y.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 1e-4
+
+
+@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+def test_native_q4_edge_activations():
+    """A block of zeros, one huge outlier, and values at the int8 limits."""
+    w, back = q4_weight(Q.Q4_0, 32, 128, seed=3)
+    x = torch.zeros(3, 128)
+    x[1, 5] = 1e4
+    x[1, 40:72] = torch.linspace(-1, 1, 32)
+    x[2] = torch.randn(128, generator=torch.Generator().manual_seed(0)).sign() * 127.0
+    y = Q4Linear(w)(x.to(torch.bfloat16)).double()
+    ref = F.linear(x.to(torch.bfloat16).double(), back.double())
+    assert torch.equal(y[0], torch.zeros(32, dtype=torch.float64))
+    assert ((y - ref).abs() <= 1e-2 * ref.abs() + 1e-2).all()
 
 
 def test_int4_shape_rules():
@@ -119,20 +161,20 @@ def test_loader_keeps_q4_tensors(tiny_q4):
 def test_tiny_q4_model_native_against_bf16(tiny_q4):
     m = load_gguf(tiny_q4.path, keep_quantized=True)
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
-    native, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
-    assert native.model.weight_format == "native" and bf16.model.weight_format == "bf16"
-    assert native.dtype == torch.bfloat16 and fp32.model.weight_format == "fp32"
+    q4, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
+    assert q4.model.weight_format == "native" and bf16.model.weight_format == "bf16"
+    assert q4.dtype == torch.bfloat16 and fp32.model.weight_format == "fp32"
     # 8 projections int4; the head (266 rows) is not a multiple of 16 and stays bf16
-    assert (native.model.int4_linears, native.model.num_linears) == (8, 9)
-    assert isinstance(native.model.lm_head, linear.Linear)
-    assert native.model.weight_bytes < bf16.model.weight_bytes
+    assert (q4.model.int4_linears, q4.model.num_linears) == (8, 9)
+    assert isinstance(q4.model.lm_head, linear.Linear)
+    assert q4.model.weight_bytes < bf16.model.weight_bytes
     ids = list(np.random.default_rng(0).integers(0, tiny_q4.vocab, 48))
     exact = teacher_forced_logits(fp32, ids, 48)
     dense = teacher_forced_logits(bf16, ids, 48)
-    assert torch.equal(teacher_forced_logits(native, ids, 48), dense)  # 48 rows a forward: the bf16 copies
+    assert torch.equal(teacher_forced_logits(q4, ids, 48), dense)  # 48 rows a forward: the bf16 copies
     rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
     # the int4 kernel (8 rows a forward): as close to float32 as the bf16 weights are
-    assert rel(teacher_forced_logits(native, ids, INT4_MAX_ROWS)) < 1.5 * rel(dense)
+    assert rel(teacher_forced_logits(q4, ids, q4.model.int4_max_rows)) < 1.5 * rel(dense)
 
 
 # --- the weights option: choices, conflicts, fallbacks ---------------------------
@@ -154,6 +196,7 @@ def test_weights_plan_and_conflicts():
 
 def test_native_without_the_kernel_falls_back_with_one_line(monkeypatch, caplog):
     monkeypatch.setattr(linear, "_INT4_REASON", "this torch build (x) lacks aten._weight_int4pack_mm_for_cpu")
+    monkeypatch.setattr(native, "q4_kernel", lambda: None)
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         assert devices.plan_weights("native", "auto", torch.device("cpu")) == (False, torch.bfloat16)
         assert devices.plan_weights("auto", "bfloat16", torch.device("cpu")) == (False, torch.bfloat16)

@@ -13,7 +13,7 @@ from tiny_models import teacher_forced_logits
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
 from agentserve.runner.attention import build_metadata
-from agentserve.runner.linear import INT4_MAX_ROWS, int4_unavailable
+from agentserve.runner.linear import int4_unavailable
 from agentserve.runner.loader import load_model
 
 N_NEW = 64
@@ -101,7 +101,7 @@ def test_native_q4_weights_agree_with_dequantized_bfloat16():
     dense = teacher_forced_logits(bf16, ids, len(ids))
     # prefill-sized forwards use the bf16 copies: bit for bit the bf16 weight format
     assert torch.equal(teacher_forced_logits(native, ids, len(ids)), dense)
-    q4 = teacher_forced_logits(native, ids, INT4_MAX_ROWS)  # decode-sized forwards: the int4 kernel
+    q4 = teacher_forced_logits(native, ids, native.model.int4_max_rows)  # decode-sized forwards: the int4 kernel
     top2 = dense.topk(2, dim=-1).values
     # logits here are 16-32, where one bf16 step is 0.125: a margin of one step is a tie
     clear = (top2[:, 0] - top2[:, 1]) > 0.2

@@ -22,7 +22,6 @@ from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
 from agentserve.runner import device as devices
 from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache
-from agentserve.runner.linear import INT4_MAX_ROWS
 from agentserve.runner.loader import LoadedModel, load_model
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.profiling import reload_cost_for
@@ -100,7 +99,8 @@ class LLM:
         m = self.model
         if m.weight_format != "native":
             return m.weight_format
-        return (f"native: {m.int4_linears} of {m.num_linears} projections int4 up to {INT4_MAX_ROWS} rows a step, "
+        return (f"native: {m.int4_linears} of {m.num_linears} projections int4 ({m.int4_kernel} kernel) "
+                f"up to {m.int4_max_rows} rows a step, "
                 f"bf16 above; {m.weight_bytes / 2**20:.0f} MiB read a decode step, "
                 f"{m.resident_weight_bytes / 2**20:.0f} MiB held")
 

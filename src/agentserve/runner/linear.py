@@ -9,33 +9,38 @@ rounding, and float32 is the path that must match transformers exactly.
 Packing is checked on a random input at load and skipped if the build
 lacks it or disagrees.
 
-`Q4Linear` keeps a GGUF Q4_0/Q4_1 weight 4-bit and multiplies with torch's CPU
-int4 kernel (`aten._weight_int4pack_mm_for_cpu`, group size 32 = one ggml
-block). The kernel dequantizes w = (q - 8) * scale + zero per group, so Q4_1's
+`Q4Linear` keeps a GGUF Q4_0/Q4_1 weight 4-bit for the few rows of a decode
+step. Where the native kernels are built for an AVX512-VNNI CPU it uses
+agentserve's own (csrc/q4_matmul.c): the file's codes and fp16 scales exactly,
+the activations quantized per block to two levels of int8 codes, products
+summed in integers (see there). Its error against the float32 product is the
+output's own bf16 rounding (SmolLM2's projection shapes: 1.6-1.7e-3 relative;
+one level of codes, llama.cpp's scheme for these files, gave 5-9e-3 and only
+95% of SmolLM2's clear greedy choices). Without that kernel it uses torch's
+CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, group size 32 = one ggml
+block), which dequantizes w = (q - 8) * scale + zero per group: Q4_1's
 w = d*q + m is scale = d, zero = m + 8d and Q4_0's w = d*(q - 8) is scale = d,
-zero = 0. With bfloat16 activations the kernel takes its scales and zeros only
-in bfloat16 (float32 scales need float32 activations, whose kernel was about
-30x slower), so the fp16 block scales lose 3 bits; each block's zero is then
+zero = 0. With bfloat16 activations that kernel takes its scales and zeros only
+in bfloat16, so the fp16 block scales lose 3 bits; each block's zero is then
 re-fitted to the block's own codes (least squares given the rounded scale),
-which takes back part of that (SmolLM2 projections: 2.4-2.6e-3 relative error
-against the float32 product instead of 2.5-2.8e-3; the dense bf16 weight gives
-2.1e-3, mostly the output's own rounding).
+which takes back part of that (2.4-2.6e-3 relative error instead of 2.5-2.8e-3).
 
-The kernel reads a quarter of the bytes a bf16 weight takes and wins where
-reading the weights is the cost, a step of a few rows (decode); its compute is
-poor, so past `INT4_MAX_ROWS` rows (prefill, large batches) the layer
-multiplies with a bf16 copy of the dequantized weight kept beside the codes
-(oneDNN-packed: the very numbers and kernel of the `bf16` weight format).
-That copy costs memory, 2 bytes a weight on top of the int4 form's 0.625, and
-no time. Dequantizing per call instead, to save the memory, was measured far
-slower: dequantizing SmolLM2's 120 projections takes about 120 ms a step, the
-bf16 GEMMs themselves 17 ms at 16 rows, 41 ms at 64 and ~260 ms at 512."""
+Either kernel reads a quarter of the bytes a bf16 weight takes and wins where
+reading the weights is the cost, a step of a few rows (decode). Past
+`max_rows` rows (prefill, large batches) the layer multiplies with a bf16 copy
+of the dequantized weight kept beside the codes (oneDNN-packed: the very
+numbers and kernel of the `bf16` weight format). That copy costs memory, 2
+bytes a weight on top of the int4 form's 0.625, and no time. Dequantizing per
+call instead, to save the memory, was measured far slower: dequantizing
+SmolLM2's 120 projections takes about 120 ms a step, the bf16 GEMMs themselves
+17 ms at 16 rows, 41 ms at 64 and ~260 ms at 512."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from agentserve.runner import native
 from agentserve.runner.quant import BLOCK, Q4Weight
 
 
@@ -96,12 +101,14 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-# Rows (tokens in the step) up to which Q4Linear uses the int4 kernel; above,
-# the bf16 copy. Measured over SmolLM2's 120 projections, 2 threads, fastest of
-# 7-11 runs (ms, int4 / packed bf16): 1 row 3.9 / 12.0, 4 rows 6.2 / 11.0,
-# 5-8 rows 11.0-11.2 / 11.1-12.4 (the kernel works in tiles of 4 rows), 9 rows
-# 16.3 / 11.8, 16 rows 21.1 / 14.8, 64 rows 92.7 / 40.8.
-INT4_MAX_ROWS = 8
+# Rows (tokens in the step) up to which Q4Linear uses an int4 kernel; above,
+# the bf16 copy. Measured over 30 layers of SmolLM2's four projection shapes
+# (120 distinct weights, so they stream from memory as in a step), 2 threads,
+# median of 7 (ms; agentserve's kernel / torch's int4 / packed bf16): 1 row
+# 2.8 / 3.9 / 11.5; 4 rows 4.5 / 6.3 / 9.9; 8 rows 7.9 / 11.3 / 11.7; 12 rows
+# 11.0 / 16.6 / 13.1; 16 rows 14.1 / 21.6 / 15.0; 32 rows 25.9 / 41.9 / 23.1.
+INT4_MAX_ROWS = 8  # torch's int4 kernel
+NATIVE_Q4_MAX_ROWS = 12  # agentserve's
 
 
 def _int4_ops_present() -> bool:
@@ -116,7 +123,9 @@ def int4_unavailable(device: torch.device) -> str | None:
     """None when Q4Linear can run on `device`, else why not (a phrase for a log line)."""
     global _INT4_REASON
     if device.type != "cpu":
-        return f"the int4 kernel used here is torch's CPU one, the device is {device.type}"
+        return f"the int4 kernels here are CPU ones, the device is {device.type}"
+    if native.q4_kernel() is not None:
+        return None
     if _INT4_REASON is False:
         _INT4_REASON = _check_int4()
     return _INT4_REASON  # type: ignore[return-value]
@@ -132,7 +141,7 @@ def _check_int4() -> str | None:
                      torch.rand(n, k // BLOCK, generator=g) * 0.1, torch.randn(n, k // BLOCK, generator=g) * 0.1,
                      "Q4_1")
         x = torch.randn(2, k, generator=g).to(torch.bfloat16)
-        lin = Q4Linear(w, max_rows=2, pack=False)
+        lin = Q4Linear(w, max_rows=2, pack=False, kernel="torch")
         ref = F.linear(x.float(), w.dequantize())
         err = (lin(x).float() - ref).abs().max().item()
         if not err <= 0.02 * ref.abs().max().item():
@@ -160,29 +169,53 @@ def int4_scales_zeros(w: Q4Weight) -> torch.Tensor:
     return torch.stack([scale, zero.to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
 
 
+def _native_pack(lib, w: Q4Weight) -> torch.Tensor:
+    """The weight in csrc/q4_matmul.c's tile layout (the file's fp16 d and m as they were)."""
+    n, k = w.shape
+    out = torch.empty(n // 16 * (k // BLOCK) * 320, dtype=torch.uint8)
+    codes = w.codes.contiguous()
+    d, m = w.d.to(torch.float16).contiguous(), w.m.to(torch.float16).contiguous()
+    lib.agentserve_q4_pack(codes.data_ptr(), d.data_ptr(), m.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
 class Q4Linear:
-    """y = x @ W.T (+ bias) for a GGUF Q4_0/Q4_1 weight: the int4 kernel for at
-    most `max_rows` rows of x (bf16), a bf16 copy of the dequantized weight
-    (oneDNN-packed when `pack`) above."""
+    """y = x @ W.T (+ bias) for a GGUF Q4_0/Q4_1 weight: an int4 kernel (agentserve's
+    where built, else torch's) for at most `max_rows` rows of x (bf16), a bf16 copy
+    of the dequantized weight (oneDNN-packed when `pack`) above."""
 
-    __slots__ = ("int4", "scales_zeros", "bias", "dense", "max_rows")
+    __slots__ = ("lib", "packed", "int4", "scales_zeros", "bias", "bias32", "dense", "max_rows", "shape")
 
-    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int = INT4_MAX_ROWS,
-                 pack: bool = True, dense: Linear | None = None) -> None:
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int | None = None,
+                 pack: bool = True, dense: Linear | None = None, kernel: str = "auto") -> None:
         if not int4_shape_ok(weight.shape):
             raise ValueError(f"int4 weights need rows in multiples of 16 and whole blocks, got {tuple(weight.shape)}")
-        self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-        self.scales_zeros = int4_scales_zeros(weight)
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel {kernel!r} is not one of auto, torch")
+        self.shape = tuple(weight.shape)
+        self.lib = native.q4_kernel() if kernel == "auto" else None
+        self.packed = self.int4 = self.scales_zeros = self.bias32 = None
+        if self.lib is not None:
+            self.packed = _native_pack(self.lib, weight)
+            self.bias32 = None if bias is None else bias.float().contiguous()
+        else:
+            self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+            self.scales_zeros = int4_scales_zeros(weight)
         self.bias = bias
-        self.max_rows = max_rows
+        self.max_rows = max_rows if max_rows is not None else \
+            NATIVE_Q4_MAX_ROWS if self.lib is not None else INT4_MAX_ROWS
         # `dense` lets a tied LM head share the embedding's bf16 copy
         self.dense = dense or Linear(weight.dequantize().to(torch.bfloat16), bias, pack)
 
     @property
+    def kernel(self) -> str:
+        return "agentserve" if self.lib is not None else "torch"
+
+    @property
     def nbytes(self) -> int:
-        """Bytes a decode step reads: the 4-bit codes, the scales and zeros, the bias."""
-        n = self.int4.numel() * self.int4.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        """Bytes a decode step reads: the 4-bit codes, the scales (and zeros or minimums), the bias."""
+        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        return size(self.packed) + size(self.int4) + size(self.scales_zeros) + size(self.bias)
 
     @property
     def resident_bytes(self) -> int:
@@ -190,7 +223,21 @@ class Q4Linear:
         return self.nbytes + self.dense.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        rows = x.shape[0]
+        if rows > self.max_rows:
             return self.dense(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4, BLOCK, self.scales_zeros)
-        return y if self.bias is None else y.add_(self.bias)
+        x = x.contiguous()
+        if self.lib is None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.scales_zeros)
+            return y if self.bias is None else y.add_(self.bias)
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"int4 projections take bfloat16 or float32 activations, got {x.dtype}")
+        n, k = self.shape
+        y = torch.empty(rows, n, dtype=x.dtype)
+        rc = self.lib.agentserve_q4_matmul(int(x.dtype is torch.bfloat16), x.data_ptr(), rows, k,
+                                           self.packed.data_ptr(), n,
+                                           None if self.bias32 is None else self.bias32.data_ptr(),
+                                           y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native Q4 kernel failed with code {rc} (x {tuple(x.shape)}, weight {self.shape})")
+        return y

@@ -5,7 +5,7 @@ paged KV cache, over a flattened mixed batch of prefill chunks and decode tokens
 Weights arrive in Hugging Face names; the q/k/v and gate/up projections are
 fused into one matrix each, so a layer runs four matrix multiplies. With
 `quantized`, projections whose weights came as GGUF Q4_0/Q4_1 (`quant.Q4Weight`)
-stay 4-bit and run on the int4 kernel (`linear.Q4Linear`); everything else is
+stay 4-bit and run on an int4 kernel (`linear.Q4Linear`); everything else is
 dequantized to the compute dtype. The norms
 follow transformers exactly (statistics in float32, cast back before the weight
 is applied), which is what makes the float32 path token-exact against it."""
@@ -72,7 +72,10 @@ class LlamaModel:
             self.lm_head = self._linear(w, ["lm_head.weight"])
         self.rope = RotaryTable(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
-        self.int4_linears = sum(isinstance(x, Q4Linear) for x in linears)
+        q4 = [x for x in linears if isinstance(x, Q4Linear)]
+        self.int4_linears = len(q4)
+        self.int4_kernel = q4[0].kernel if q4 else None  # "agentserve" or "torch"
+        self.int4_max_rows = q4[0].max_rows if q4 else 0
         self.num_linears = len(linears)
         # what `--weights` calls it: native when any projection runs on 4-bit codes
         self.weight_format = "native" if self.int4_linears else \

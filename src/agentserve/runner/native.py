@@ -1,6 +1,6 @@
 """The native CPU kernels (csrc/): compiled at first use, cached, loaded with ctypes.
 
-The C source is built with the machine's C compiler (`cc`, or $CC) for this
+The C sources (paged attention, the Q4 weight matrix product) are built together with the machine's C compiler (`cc`, or $CC) for this
 CPU (-march=native) and OpenMP, into a cache directory keyed by the source,
 the compiler and the CPU, so it is built once per machine (about a second).
 It links the same OpenMP runtime that torch has already loaded (the soname
@@ -10,7 +10,9 @@ team that would compete for the cores. No torch headers are needed.
 Anything that goes wrong (no compiler, a failed build, a library that does
 not load, AGENTSERVE_ATTENTION=torch) leaves `paged_attention_kernel()`
 returning None with one warning in the log; callers then use the portable
-torch path."""
+torch path. `q4_kernel()` is None when the library is missing or was built
+for a CPU without AVX512-VNNI; `linear.Q4Linear` then uses torch's int4
+kernel."""
 
 from __future__ import annotations
 
@@ -27,9 +29,12 @@ from pathlib import Path
 
 log = logging.getLogger("agentserve.runner")
 
-_SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+_lib_why_not: str | None = None
 _kernel: ctypes.CDLL | None = None
 _tried = False
 _why_not: str | None = None
@@ -57,10 +62,10 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    src = _SRC.read_bytes()
+    src = b"".join(p.name.encode() + p.read_bytes() for p in _SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + version.encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = cache_dir() / f"paged_attention-{key}.so"
+    out = cache_dir() / f"kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +73,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-400:]}")
         os.replace(tmp, out)
@@ -96,7 +101,25 @@ def _load() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     lib.agentserve_paged_attention_big_tiles.argtypes = []
     lib.agentserve_paged_attention_big_tiles.restype = ctypes.c_int
+    lib.agentserve_q4_fast.argtypes = []
+    lib.agentserve_q4_fast.restype = ctypes.c_int
+    lib.agentserve_q4_pack.argtypes = [p, p, p, L, L, p]
+    lib.agentserve_q4_pack.restype = None
+    lib.agentserve_q4_matmul.argtypes = [i, p, L, L, p, L, p, p, i]
+    lib.agentserve_q4_matmul.restype = ctypes.c_int
     return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    """The built library, or None with the reason in _lib_why_not. Call under _lock."""
+    global _lib, _lib_tried, _lib_why_not
+    if not _lib_tried:
+        try:
+            _lib = _load()
+        except Exception as e:  # any failure: the portable paths serve
+            _lib_why_not = str(e) or type(e).__name__
+        _lib_tried = True
+    return _lib
 
 
 def paged_attention_kernel() -> ctypes.CDLL | None:
@@ -113,10 +136,8 @@ def paged_attention_kernel() -> ctypes.CDLL | None:
         elif choice == "torch":
             _why_not = "AGENTSERVE_ATTENTION=torch"
         else:
-            try:
-                _kernel = _load()
-            except Exception as e:  # any failure: the portable path serves
-                _why_not = str(e) or type(e).__name__
+            _kernel = _library()
+            _why_not = _lib_why_not
         if _kernel is None:
             log.warning("native paged attention unavailable (%s): using the torch path, which copies each "
                         "sequence's context per layer and is slower at long contexts", _why_not)
@@ -131,12 +152,27 @@ def big_tiles() -> bool:
     return lib is not None and bool(lib.agentserve_paged_attention_big_tiles())
 
 
+def q4_kernel() -> ctypes.CDLL | None:
+    """The library when it has the Q4 matrix product for this CPU (AVX512-VNNI), else None."""
+    with _lock:
+        lib = _library()
+    return lib if lib is not None and lib.agentserve_q4_fast() else None
+
+
+def q4_unavailable_reason() -> str | None:
+    """Why `q4_kernel()` is None (a phrase for a log line), or None."""
+    if q4_kernel() is not None:
+        return None
+    return _lib_why_not or "the kernels were built for a CPU without AVX512-VNNI"
+
+
 def unavailable_reason() -> str | None:
     paged_attention_kernel()
     return _why_not
 
 
 def reset_for_tests() -> None:
-    global _kernel, _tried, _why_not
+    global _kernel, _tried, _why_not, _lib, _lib_tried, _lib_why_not
     with _lock:
         _kernel, _tried, _why_not = None, False, None
+        _lib, _lib_tried, _lib_why_not = None, False, None
