@@ -1,4 +1,4 @@
-"""GGUF Q4_0/Q4_1 weights kept 4-bit: the block reader against gguf's own
+"""GGUF Q4_0/Q4_1 (and Q8_0) weights kept as their codes: the block reader against gguf's own
 dequantization, the int4 Linear against F.linear with the dequantized weight
 (decode-sized inputs on each int4 kernel, agentserve's and torch's, larger ones
 on the bf16 copy), a tiny
@@ -22,8 +22,8 @@ from agentserve.llm import LLM
 from agentserve.runner import device as devices
 from agentserve.runner import linear, native
 from agentserve.runner.gguf_loader import load_gguf, unpermute_qk
-from agentserve.runner.linear import Q4Linear
-from agentserve.runner.quant import Q4Weight, from_blocks
+from agentserve.runner.linear import Q4Linear, Q8Linear
+from agentserve.runner.quant import Q4Weight, Q8Weight, from_blocks
 
 needs_int4 = pytest.mark.skipif(linear.int4_unavailable(torch.device("cpu")) is not None,
                                 reason=f"no int4 kernel: {linear.int4_unavailable(torch.device('cpu'))}")
@@ -146,13 +146,14 @@ def tiny_q4(tmp_path_factory):
     return write_tiny_gguf(path, n_layers=2, tied=False, qtypes=_qtypes(2, Q.Q4_0))
 
 
-def test_loader_keeps_q4_tensors(tiny_q4):
+def test_loader_keeps_q4_and_q8_tensors(tiny_q4):
     m = load_gguf(tiny_q4.path, keep_quantized=True)
     assert set(m.tensor_types) == {"F32", "Q4_0", "Q4_1", "Q8_0"}
     for name, qtype in tiny_q4.qtypes.items():
         w = m.weights[name]
-        if qtype in (Q.Q4_0, Q.Q4_1):
-            assert isinstance(w, Q4Weight) and w.qtype == qtype.name, name
+        if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            kind = Q8Weight if qtype == Q.Q8_0 else Q4Weight
+            assert isinstance(w, kind) and w.qtype == qtype.name, name
             w = w.dequantize()  # q/k: un-permuted like the dequantizing loader does
         np.testing.assert_array_equal(w.numpy(), tiny_q4.expected[name], err_msg=name)
 
@@ -206,18 +207,78 @@ def test_native_without_the_kernel_falls_back_with_one_line(monkeypatch, caplog)
 
 
 @needs_int4
-def test_native_on_models_without_q4_falls_back_with_one_line(tmp_path, caplog):
-    q8 = write_tiny_gguf(tmp_path / "q8.gguf", n_layers=1,
-                         qtypes={n: Q.Q8_0 for n in _qtypes(1)} | {"model.embed_tokens.weight": Q.F16})
+def test_native_on_models_without_codes_falls_back_with_one_line(tmp_path, caplog):
+    f16 = write_tiny_gguf(tmp_path / "f16.gguf", n_layers=1, qtypes={n: Q.F16 for n in _qtypes(1)})
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         opts = dict(device="cpu", kv_cache_tokens=64, max_model_len=64)
-        llm = LLM(str(q8.path), weights="native", **opts)
+        llm = LLM(str(f16.path), weights="native", **opts)
         assert llm.model.weight_format == "bf16" and llm.dtype == torch.bfloat16
         tiny = LLM(loaded(hf_llama(layers=1)), weights="native", **opts)
         assert tiny.model.weight_format == "bf16"
-        auto = LLM(str(q8.path), weights="auto", dtype="bfloat16", **opts)
+        auto = LLM(str(f16.path), weights="auto", dtype="bfloat16", **opts)
         assert auto.model.weight_format == "bf16"  # auto falls back silently
     warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights native")]
     assert len(warnings) == 2, warnings
-    assert "GGUF tensor types (F16, F32, Q8_0) have no int4 kernel" in warnings[0]
+    assert "GGUF tensor types (F16, F32) have no native kernel" in warnings[0]
     assert "tiny-llama is not a GGUF file" in warnings[1]
+
+
+def q8_weight(n: int, k: int, seed: int = 0) -> tuple[Q8Weight, torch.Tensor]:
+    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quantize(values, Q.Q8_0)
+    back = torch.from_numpy(dequantize(raw, Q.Q8_0).astype(np.float32).reshape(n, k))
+    return from_blocks(raw, "Q8_0", (n, k)), back  # type: ignore[return-value]
+
+
+def test_q8_blocks_dequantize_exactly_like_gguf():
+    w, back = q8_weight(32, 96)
+    assert isinstance(w, Q8Weight) and w.codes.dtype == torch.int8
+    assert torch.equal(w.dequantize(), back)
+    assert torch.equal(w.map_rows(lambda t: unpermute_qk(t, 4)).dequantize(), unpermute_qk(back, 4))
+    assert torch.equal(Q8Weight.cat([w, w]).dequantize(), torch.cat([back, back]))
+    assert w.nbytes == 32 * 3 * 34
+
+
+@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_q8_linear_matches_dequantized_weight(rows, bias):
+    w, back = q8_weight(80, 192, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    b = torch.randn(80, generator=g).to(torch.bfloat16) if bias else None
+    x = (torch.randn(rows, 192, generator=g) * 4).to(torch.bfloat16)
+    lin = Q8Linear(w, b)
+    y = lin(x)
+    ref = F.linear(x.double(), back.double(), None if b is None else b.double())
+    dense = F.linear(x, back.to(torch.bfloat16), b)
+    if rows > lin.max_rows:
+        assert torch.equal(y, dense)
+    else:
+        err, dense_err = (y.double() - ref).abs(), (dense.double() - ref).abs()
+        assert err.max() <= dense_err.max() + 1e-3
+        assert err.pow(2).mean().sqrt() <= 1.2 * dense_err.pow(2).mean().sqrt()
+        y32 = lin(x.float())  # float32 activations: near exact
+        assert ((y32.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 1e-4
+    assert lin.nbytes == 80 * 192 // 32 * 36 + (80 * 2 if bias else 0)  # codes, fp16 scale, int16 code sum
+
+
+@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+def test_q8_model_runs_natively_where_the_kernel_is_built(tmp_path, monkeypatch, caplog):
+    """Every projection Q8_0: on the Q8_0 kernel; without the native library, dequantized
+    with one log line (there is no torch kernel for Q8_0)."""
+    q8 = write_tiny_gguf(tmp_path / "q8.gguf", n_layers=1,
+                         qtypes={n: Q.Q8_0 for n in _qtypes(1)} | {"model.embed_tokens.weight": Q.F16})
+    opts = dict(device="cpu", kv_cache_tokens=64, max_model_len=64)
+    llm = LLM(str(q8.path), weights="native", **opts)
+    assert llm.model.weight_format == "native"
+    assert (llm.model.q8_linears, llm.model.int4_linears, llm.model.num_linears) == (4, 0, 5)
+    bf16 = LLM(str(q8.path), weights="bf16", **opts)
+    ids = list(np.random.default_rng(0).integers(0, q8.vocab, 24))
+    exact = teacher_forced_logits(LLM(str(q8.path), weights="fp32", **opts), ids, 24)
+    rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
+    assert rel(teacher_forced_logits(llm, ids, 4)) < 1.5 * rel(teacher_forced_logits(bf16, ids, 24))
+    monkeypatch.setattr(native, "q4_kernel", lambda: None)
+    monkeypatch.setattr(linear, "_INT4_REASON", None)
+    with caplog.at_level(logging.WARNING, logger="agentserve"):
+        assert LLM(str(q8.path), weights="native", **opts).model.weight_format == "bf16"
+    assert "have no native kernel here (only Q4_0, Q4_1 do)" in caplog.text

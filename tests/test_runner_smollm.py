@@ -92,8 +92,10 @@ def test_native_q4_weights_agree_with_dequantized_bfloat16():
     native = LLM(loaded, weights="native", **opts)
     bf16 = LLM(loaded, weights="bf16", **opts)
     m = native.model
-    # every projection of the 30 layers is Q4_1; the LM head is the tied Q8_0 embedding, in bf16
+    # every projection of the 30 layers is Q4_1; the LM head is the tied Q8_0 embedding
+    # (on the Q8_0 kernel where the native kernels are built, else in bf16)
     assert (m.weight_format, m.int4_linears, m.num_linears) == ("native", 120, 121)
+    assert m.q8_linears == (1 if m.int4_kernel == "agentserve" else 0)
     assert m.weight_bytes < 0.5 * bf16.model.weight_bytes
     ids = native.tokenizer.encode(native.chat_template.render(
         [{"role": "user", "content": "Summarize this story in one sentence.\n\n" + STORY}]))

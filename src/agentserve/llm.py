@@ -99,8 +99,9 @@ class LLM:
         m = self.model
         if m.weight_format != "native":
             return m.weight_format
+        q8 = f", {m.q8_linears} Q8_0" if m.q8_linears else ""
         return (f"native: {m.int4_linears} of {m.num_linears} projections int4 ({m.int4_kernel} kernel) "
-                f"up to {m.int4_max_rows} rows a step, "
+                f"up to {m.int4_max_rows} rows a step{q8}, "
                 f"bf16 above; {m.weight_bytes / 2**20:.0f} MiB read a decode step, "
                 f"{m.resident_weight_bytes / 2**20:.0f} MiB held")
 

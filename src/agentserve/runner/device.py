@@ -106,21 +106,25 @@ def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, 
 
 
 def settle_weights(weights: str, native: bool, loaded) -> bool:
-    """After loading with `keep_quantized=native`: whether the model has Q4 tensors
-    to run natively. An explicit `native` that cannot be honoured logs one line why."""
+    """After loading with `keep_quantized=native`: whether the model has Q4 (or,
+    where the Q8_0 kernel is built, Q8_0) tensors to run natively. An explicit
+    `native` that cannot be honoured logs one line why."""
     if not native:
         return False
-    from agentserve.runner.quant import Q4_TYPES, Q4Weight
+    from agentserve.runner.linear import q8_available
+    from agentserve.runner.quant import Q4_TYPES, Q8_TYPES, Q4Weight, Q8Weight
 
-    if any(isinstance(w, Q4Weight) for w in loaded.weights.values()):
+    kinds = (Q4Weight, Q8Weight) if q8_available(torch.device("cpu")) else (Q4Weight,)
+    types = dict(Q4_TYPES, **Q8_TYPES) if Q8Weight in kinds else Q4_TYPES
+    if any(isinstance(w, kinds) for w in loaded.weights.values()):
         return True
     if weights == "native":
-        types = loaded.tensor_types
-        if not types:
-            why = f"{loaded.source} is not a GGUF file (native weights are GGUF Q4_0/Q4_1 tensors)"
-        elif not set(types) & set(Q4_TYPES):
-            why = (f"its GGUF tensor types ({', '.join(types)}) have no int4 kernel here "
-                   f"(only {', '.join(Q4_TYPES)} do)")
+        found = loaded.tensor_types
+        if not found:
+            why = f"{loaded.source} is not a GGUF file (native weights are GGUF {'/'.join(types)} tensors)"
+        elif not set(found) & set(types):
+            why = (f"its GGUF tensor types ({', '.join(found)}) have no native kernel here "
+                   f"(only {', '.join(types)} do)")
         else:
             why = "the loaded weights were dequantized already (load with keep_quantized=True)"
         log.warning("weights native: %s; using dequantized bfloat16 weights", why)

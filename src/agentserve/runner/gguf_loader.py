@@ -3,7 +3,7 @@
 Three translations happen here, each undoing a choice llama.cpp made:
 
 * Quantized blocks -> float32 (`gguf.quants.dequantize`), except that with
-  `keep_quantized` Q4_0 and Q4_1 tensors stay 4-bit as `quant.Q4Weight`
+  `keep_quantized` Q4_0, Q4_1 and Q8_0 tensors stay as their codes (`quant.Q4Weight`, `quant.Q8Weight`)
   (codes and block scales read straight from the file's bytes) for the
   int4 kernel of `linear.Q4Linear`.
 * ggml names (`blk.3.attn_q.weight`) -> Hugging Face Llama names
@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.loader import LoadedModel, check_weights
-from agentserve.runner.quant import Q4_TYPES, Q4Weight, from_blocks
+from agentserve.runner.quant import Q4_TYPES, Q8_TYPES, QuantWeight, from_blocks
 from agentserve.runner.tokenizer import Tokenizer
 
 # Architecture -> whether its converter permuted q/k rows for interleaved rope.
@@ -62,7 +62,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 def load_gguf(path: str | Path, keep_quantized: bool = False) -> LoadedModel:
     """Read a GGUF model: config, float32 weights in HF names and layout, tokenizer.
-    `keep_quantized`: Q4_0/Q4_1 tensors come as `Q4Weight` instead of float32."""
+    `keep_quantized`: Q4_0/Q4_1/Q8_0 tensors come as `Q4Weight`/`Q8Weight` instead of float32."""
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -85,25 +85,25 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> LoadedModel:
 
 
 def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted: bool,
-                 source: str, keep_quantized: bool = False) -> dict[str, torch.Tensor | Q4Weight]:
-    """Every tensor dequantized (or with `keep_quantized`, Q4_0/Q4_1 kept as
-    Q4Weight), renamed, and (if `permuted`) q/k rows restored."""
+                 source: str, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantWeight]:
+    """Every tensor dequantized (or with `keep_quantized`, Q4_0/Q4_1/Q8_0 kept as
+    their codes), renamed, and (if `permuted`) q/k rows restored."""
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-    weights: dict[str, torch.Tensor | Q4Weight] = {}
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
     for name, t in tensors.items():
         if name == _ROPE_FREQS:
             continue
         hf = hf_name(name, source)
         qtype = GGMLQuantizationType(t.tensor_type).name
-        w: torch.Tensor | Q4Weight
-        if keep_quantized and qtype in Q4_TYPES and len(t.shape) == 2:
-            w = q4_tensor(t)
+        w: torch.Tensor | QuantWeight
+        if keep_quantized and (qtype in Q4_TYPES or qtype in Q8_TYPES) and len(t.shape) == 2:
+            w = quant_tensor(t)
         else:
             w = dequantize_tensor(t)
         proj = hf.split(".")[-2]
         if permuted and proj in heads:
             n = heads[proj]
-            w = w.map_rows(lambda x: unpermute_qk(x, n)) if isinstance(w, Q4Weight) else unpermute_qk(w, n)
+            w = unpermute_qk(w, n) if isinstance(w, torch.Tensor) else w.map_rows(lambda x: unpermute_qk(x, n))
         weights[hf] = w
     return weights
 
@@ -222,8 +222,8 @@ def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape))
 
 
-def q4_tensor(t: ReaderTensor) -> Q4Weight:
-    """A Q4_0/Q4_1 reader tensor as 4-bit codes and block scales, shape [out, in]."""
+def quant_tensor(t: ReaderTensor) -> QuantWeight:
+    """A Q4_0/Q4_1/Q8_0 reader tensor as codes and block scales, shape [out, in]."""
     shape = tuple(int(d) for d in reversed(t.shape))
     return from_blocks(t.data, GGMLQuantizationType(t.tensor_type).name, shape)  # type: ignore[arg-type]
 

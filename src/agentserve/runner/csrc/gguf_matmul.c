@@ -1,5 +1,5 @@
-/* y = x W^T for GGUF Q4_0/Q4_1 weights kept 4-bit, for the few rows of a
- * decode step.
+/* y = x W^T for GGUF Q4_0/Q4_1 and Q8_0 weights kept as stored, for the few
+ * rows of a decode step.
  *
  * A Q4 weight is w = d*q + m per block of 32 columns (q in 0..15; Q4_0 is
  * m = -8d). The activations are quantized per block too, as llama.cpp does
@@ -24,8 +24,15 @@
  * blocks streams from memory in order; the 16 outputs of a tile accumulate in
  * one vector per activation row, with no horizontal sums.
  *
+ * Q8_0 (w = d*q, q int8, blocks of 32; agentserve_q8_pack, 576 bytes per
+ * tile and block: 512 of codes, 16 fp16 scales, 16 int16 code sums) goes
+ * the same way with the roles swapped: vpdpbusd wants its unsigned operand,
+ * so the activation codes are offset by 128 and the code sums take the offset
+ * back out.
+ *
  * Built only where the compiler targets AVX512-VNNI (agentserve_q4_fast()
- * says so); elsewhere the caller uses torch's int4 kernel. */
+ * says so); elsewhere the caller uses torch's int4 kernel for Q4 and
+ * dequantized weights for Q8_0. */
 
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +42,7 @@
 #define Q4_TILE 16
 #define Q4_BLOCK 32
 #define Q4_TILE_BLOCK_BYTES 320
+#define Q8_TILE_BLOCK_BYTES 576
 #define Q4_ROWS 8 /* activation rows sharing one pass over a tile's weights */
 
 static inline float q4_half_to_float(uint16_t h) {
@@ -66,6 +74,30 @@ void agentserve_q4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t 
             for (int lane = 0; lane < Q4_TILE; lane++) {
                 dd[lane] = d[(t * Q4_TILE + lane) * nb + b];
                 mm[lane] = m[(t * Q4_TILE + lane) * nb + b];
+            }
+        }
+    }
+}
+
+/* codes int8 [n, k], d fp16 bits [n, k/32] -> out [n/16][k/32][576]: group g
+ * (0..7) of 64 bytes holds columns 4g..4g+3 of each of the 16 rows. */
+void agentserve_q8_pack(const int8_t *codes, const uint16_t *d, long n, long k, uint8_t *out) {
+    long nb = k / Q4_BLOCK;
+    for (long t = 0; t < n / Q4_TILE; t++) {
+        for (long b = 0; b < nb; b++) {
+            uint8_t *dst = out + (t * nb + b) * Q8_TILE_BLOCK_BYTES;
+            uint16_t *dd = (uint16_t *)(dst + 512);
+            int16_t *sums = (int16_t *)(dst + 544);
+            for (int lane = 0; lane < Q4_TILE; lane++) {
+                const int8_t *row = codes + (t * Q4_TILE + lane) * k + b * Q4_BLOCK;
+                int sum = 0;
+                for (int g = 0; g < 8; g++)
+                    for (int j = 0; j < 4; j++) {
+                        dst[g * 64 + lane * 4 + j] = (uint8_t)row[4 * g + j];
+                        sum += row[4 * g + j];
+                    }
+                dd[lane] = d[(t * Q4_TILE + lane) * nb + b];
+                sums[lane] = (int16_t)sum;
             }
         }
     }
@@ -166,6 +198,44 @@ typedef void (*q4_tile_fn)(const uint8_t *, long, const int8_t *, const int8_t *
                            __m512 *);
 static const q4_tile_fn q4_tiles[Q4_ROWS + 1] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
                                                   q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
+/* Q8_0: the activation codes offset to unsigned (hi + 128, lo + 128), so
+ * s = 128 sum q(hi+128) + sum q(lo+128) = sum q(128 hi + lo) + 16512 sum q. */
+static inline __attribute__((always_inline)) void q8_tile(const uint8_t *wt, long nb, int rows, const uint8_t *xu,
+                                                          const uint8_t *xulo, const float *dx, long k,
+                                                          __m512 *acc) {
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = wt + b * Q8_TILE_BLOCK_BYTES;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
+        __m512i offset = _mm512_mullo_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(p + 544))),
+                                            _mm512_set1_epi32(16512));
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xs = (const int32_t *)(xu + r * k + b * Q4_BLOCK);
+            const int32_t *xl = (const int32_t *)(xulo + r * k + b * Q4_BLOCK);
+            __m512i s = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++)
+                s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xs[g]), _mm512_loadu_si512(p + 64 * g));
+            s = _mm512_slli_epi32(s, 7);
+            for (int g = 0; g < 8; g++)
+                s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xl[g]), _mm512_loadu_si512(p + 64 * g));
+            s = _mm512_sub_epi32(s, offset);
+            __m512 unit = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b] * (1.0f / 128.0f)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), unit, acc[r]);
+        }
+    }
+}
+
+#define Q8_TILE_ROWS(R)                                                                       \
+    static void q8_tile_##R(const uint8_t *wt, long nb, const uint8_t *xu, const uint8_t *xl, \
+                            const float *dx, long k, __m512 *acc) {                           \
+        q8_tile(wt, nb, R, xu, xl, dx, k, acc);                                               \
+    }
+Q8_TILE_ROWS(1) Q8_TILE_ROWS(2) Q8_TILE_ROWS(3) Q8_TILE_ROWS(4)
+Q8_TILE_ROWS(5) Q8_TILE_ROWS(6) Q8_TILE_ROWS(7) Q8_TILE_ROWS(8)
+
+typedef void (*q8_tile_fn)(const uint8_t *, long, const uint8_t *, const uint8_t *, const float *, long, __m512 *);
+static const q8_tile_fn q8_tiles[Q4_ROWS + 1] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
+                                                  q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
 #else
 #define Q4_FAST 0
 #endif
@@ -173,14 +243,15 @@ static const q4_tile_fn q4_tiles[Q4_ROWS + 1] = {0, q4_tile_1, q4_tile_2, q4_til
 int agentserve_q4_fast(void) { return Q4_FAST; }
 
 /* y [rows, n] = x [rows, k] W^T (+ bias [n], float32), W packed by
- * agentserve_q4_pack. dtype 0: x and y float32, 1: bfloat16. Returns 0, or
- * -1 when this build has no kernel (not an AVX512-VNNI target), -2 on bad
- * shapes, -3 when out of memory. */
-int agentserve_q4_matmul(int dtype, const void *x, long rows, long k, const uint8_t *w, long n,
-                         const float *bias, void *y, int nthreads) {
+ * agentserve_q4_pack (q8 = 0) or agentserve_q8_pack (q8 = 1). dtype 0: x and
+ * y float32, 1: bfloat16. Returns 0, or -1 when this build has no kernel (not
+ * an AVX512-VNNI target), -2 on bad shapes, -3 when out of memory. */
+int agentserve_gguf_matmul(int q8, int dtype, const void *x, long rows, long k, const uint8_t *w, long n,
+                           const float *bias, void *y, int nthreads) {
 #if Q4_FAST
     if (rows <= 0 || n % Q4_TILE || k % Q4_BLOCK) return -2;
     long nb = k / Q4_BLOCK, ntiles = n / Q4_TILE;
+    const long tile_bytes = nb * (q8 ? Q8_TILE_BLOCK_BYTES : Q4_TILE_BLOCK_BYTES);
     int8_t *x8 = malloc((size_t)(2 * rows * k) + 64);
     float *dx = malloc(sizeof(float) * (size_t)(2 * rows * nb));
     if (!x8 || !dx) {
@@ -192,14 +263,20 @@ int agentserve_q4_matmul(int dtype, const void *x, long rows, long k, const uint
     int8_t *x8lo = x8 + rows * k;
     for (long r = 0; r < rows; r++)
         q4_quantize_row(dtype, x, r * k, nb, x8 + r * k, x8lo + r * k, dx + r * nb, sx + r * nb);
+    if (q8) { /* unsigned codes for vpdpbusd: + 128 */
+        for (long i = 0; i < 2 * rows * k; i++) x8[i] = (int8_t)(uint8_t)((int)x8[i] + 128);
+    }
     #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
     for (long t = 0; t < ntiles; t++) {
-        const uint8_t *wt = w + t * nb * Q4_TILE_BLOCK_BYTES;
+        const uint8_t *wt = w + t * tile_bytes;
         __m512 b = bias ? _mm512_loadu_ps(bias + t * Q4_TILE) : _mm512_setzero_ps();
         for (long r0 = 0; r0 < rows; r0 += Q4_ROWS) {
             int R = rows - r0 < Q4_ROWS ? (int)(rows - r0) : Q4_ROWS;
             __m512 acc[Q4_ROWS];
-            q4_tiles[R](wt, nb, x8 + r0 * k, x8lo + r0 * k, dx + r0 * nb, sx + r0 * nb, k, acc);
+            if (q8)
+                q8_tiles[R](wt, nb, (const uint8_t *)x8 + r0 * k, (const uint8_t *)x8lo + r0 * k, dx + r0 * nb, k, acc);
+            else
+                q4_tiles[R](wt, nb, x8 + r0 * k, x8lo + r0 * k, dx + r0 * nb, sx + r0 * nb, k, acc);
             for (int r = 0; r < R; r++) q4_store16(dtype, y, (r0 + r) * n + t * Q4_TILE, _mm512_add_ps(acc[r], b));
         }
     }
@@ -207,7 +284,7 @@ int agentserve_q4_matmul(int dtype, const void *x, long rows, long k, const uint
     free(dx);
     return 0;
 #else
-    (void)dtype; (void)x; (void)rows; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)nthreads;
+    (void)q8; (void)dtype; (void)x; (void)rows; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)nthreads;
     return -1;
 #endif
 }
