@@ -88,7 +88,8 @@ class LLMEngine:
         eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(rid, program_id if program_id is not None else rid, list(prompt_token_ids),
                       params.max_tokens, arrival_time=self.clock.now() if arrival_time is None else arrival_time,
-                      eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params)
+                      eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params,
+                      anonymous=program_id is None)
         self.scheduler.add_request(req)  # raises ValueError for a request that can never fit
         self._tracked[rid] = _Tracked(req, params, self.new_detokenizer())
         return req

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentserve.policy.program import ProgramState
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +35,9 @@ class Request:
     # Client hints (server: body/header fields; simulator: the trace).
     is_last_turn: bool = False
     ttl_hint: float | None = None
+    # No program id was given: the request is its own one-turn program, which
+    # no later turn can come back to, so it is no sample of how programs behave.
+    anonymous: bool = False
     # Opaque to the engine: sampling parameters for the runner, a scripted
     # output for the simulator, the detokenized text for the tool parser.
     sampling: Any = None
@@ -39,6 +45,9 @@ class Request:
     output_text: str | None = None
 
     # --- state, owned by the scheduler ---
+    # Its program, bound at arrival: the request keeps its program's place
+    # (arrival time) even if the table forgets or ends the program meanwhile.
+    program: ProgramState | None = field(default=None, repr=False)
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

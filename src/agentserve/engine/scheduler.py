@@ -31,7 +31,11 @@ from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.step_time import StepBudget, StepTimeModel, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext, make_policy
-from agentserve.policy.program import ProgramState, ProgramTable
+from agentserve.policy.program import ProgramTable
+
+# Idle programs are looked for this many times per idle timeout (not every
+# step: the look builds the set of busy programs).
+EXPIRY_CHECKS_PER_TIMEOUT = 16
 
 
 class Scheduler:
@@ -61,6 +65,7 @@ class Scheduler:
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
         self._order_dirty = True
+        self._next_expiry = 0.0
         self.step_model = StepTimeModel()
 
     # --- requests in and out ---
@@ -77,6 +82,8 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         now = self.clock.now()
         prog = self.programs.touch(req.program_id, now)
+        prog.anonymous = req.anonymous
+        req.program = prog
         self.policy.on_arrival(req, prog, now)
         req.status = RequestStatus.WAITING
         req.waiting_since = now
@@ -147,14 +154,15 @@ class Scheduler:
         else:
             del self._waiting_programs[pid]
 
-    def _program(self, req: Request) -> ProgramState:
-        prog = self.programs.get(req.program_id)
-        if prog is None:  # forgotten while idle, or ended by the client mid-request
-            prog = self.programs.touch(req.program_id, req.arrival_time)
-        return prog
-
     def _key(self, req: Request, now: float) -> tuple:
-        return self.policy.priority(req, self._program(req), now)
+        return self.policy.priority(req, req.program, now)
+
+    def _expire_idle(self, now: float) -> None:
+        """Programs whose clients went quiet without ending them end here, for
+        the statistics too: on a live server most programs end this way."""
+        busy = {r.program_id for r in self.running} | set(self._waiting_programs) | set(self.kv.pins)
+        for prog in self.programs.expire_idle(now, busy):
+            self.policy.on_program_end(prog)
 
     # --- pins ---
 
@@ -175,36 +183,34 @@ class Scheduler:
 
     def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool:
         """Release the pin of the latest-arriving program (later than `req`'s,
-        unless `any_program`) that would free memory. True if one was released."""
+        unless `any_program`) among those whose release returns at least one
+        block to the free set: a pin whose blocks others also hold frees
+        nothing, and dropping it would only cost its program the retention.
+        True if one was released."""
         pins = self.kv.pins
         if not pins:
             return False
-        mine = self._program(req).arrival_time
-        best = None
-        for pid, pin in pins.items():
-            if pid == req.program_id:
-                continue
-            if not any_program and pin.program_arrival <= mine:
-                continue
-            if best is None or pin.program_arrival > best.program_arrival:
-                best = pin
-        if best is None:
-            return False
-        self.kv.unpin(best.program_id, now)
-        self.stats.pins_reclaimed += 1
-        self._order_dirty = True
-        return True
+        mine = req.program.arrival_time
+        candidates = [pin for pid, pin in pins.items()
+                      if pid != req.program_id and (any_program or pin.program_arrival > mine)]
+        candidates.sort(key=lambda p: p.program_arrival, reverse=True)
+        for pin in candidates:
+            if self.kv.reclaimable_blocks(pin.program_id):
+                self.kv.unpin(pin.program_id, now)
+                self.stats.pins_reclaimed += 1
+                self._order_dirty = True
+                return True
+        return False
 
     # --- the step ---
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock.now()
         self.stats.steps += 1
-        if self.stats.steps % 1024 == 0:
-            busy = {r.program_id for r in self.running} | set(self._waiting_programs) | set(self.kv.pins)
-            for pid in self.programs.expire_idle(now, busy):
-                self.policy.tool_stats.forget_program(pid)
-        self._release_pins(now)
+        self._release_pins(now)  # first: a program whose pin expires now may be idle
+        if now >= self._next_expiry:
+            self._expire_idle(now)
+            self._next_expiry = now + self.programs.idle_timeout / EXPIRY_CHECKS_PER_TIMEOUT
         out = SchedulerOutput(block_table=self.kv.block_ids)
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
@@ -311,7 +317,7 @@ class Scheduler:
                 self._order_dirty = True
                 continue
             return False
-        prog = self._program(req)
+        prog = req.program
         # its blocks now belong to the request
         pinned = self.kv.unpin(req.program_id, now) > 0 or own_pin_released
         if pinned:
@@ -386,9 +392,7 @@ class Scheduler:
             req = ch.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
-            prog = self.programs.get(req.program_id)
-            if prog is not None:
-                prog.attained_service += result.elapsed
+            req.program.attained_service += result.elapsed
             self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
             if not ch.sample:
                 continue
@@ -428,13 +432,15 @@ class Scheduler:
         req.status = status
         req.finish_time = now
         self._requests.pop(req.request_id, None)
-        prog = self._program(req)
+        prog = req.program
         prog.turns_finished += 1
         prog.last_finish_time = now
         rid, pid = req.request_id, req.program_id
-        if req.is_last_turn:
+        if req.is_last_turn or prog.anonymous or prog.ended:
+            # (ended: the client ended the program while this turn ran; nothing comes back)
             self.kv.free(rid, now)
-            self.end_program(pid)
+            if not prog.ended:
+                self.end_program(pid)
             return
         decision = self.policy.on_turn_end(req, prog, now)
         prog.last_tool = req.tool_name

@@ -16,6 +16,7 @@ class ProgramState:
     last_finish_time: float | None = None
     last_tool: str | None = None
     ended: bool = False
+    anonymous: bool = False  # a request without a program id: not a sample of program behaviour
 
 
 class ProgramTable:
@@ -52,16 +53,15 @@ class ProgramTable:
             p.ended = True
         return p
 
-    def expire_idle(self, now: float, busy: set[str] | frozenset[str] = frozenset()) -> list[str]:
-        """Forget programs idle for longer than the timeout (none of `busy`)."""
+    def expire_idle(self, now: float, busy: set[str] | frozenset[str] = frozenset()) -> list[ProgramState]:
+        """End the programs idle for longer than the timeout (none of `busy`)."""
         gone = []
         for pid in list(self._programs):
             if now - self._last_active[pid] <= self.idle_timeout:
                 break  # ordered by activity: the rest are newer
             if pid in busy:
                 continue
-            gone.append(pid)
-            self.end(pid)
+            gone.append(self.end(pid))
         return gone
 
     def __len__(self) -> int:

@@ -36,7 +36,8 @@ class Continuum(Policy):
 
     def on_program_end(self, program):
         super().on_program_end(program)
-        self.eta.add_program(program.turns_finished)
+        if not program.anonymous:  # one-shot requests would fill eta's window with 1-turn programs
+            self.eta.add_program(program.turns_finished)
 
     def retention(self, req, program, now):
         if req.ttl_hint is not None:  # the client knows better than the statistics

@@ -6,9 +6,13 @@ known (InferCept is given it; here it is the tool's running mean).
   discard:  rebuild time x (its own tokens + the running batch's tokens)
   swap:     2 x copy time x the running batch's tokens (needs a host tier)
 
-A preserved request keeps its KV until its next turn arrives (no TTL), but
-every step re-weighs preserve against discard with the time that remains, as
-InferCept's scheduler does. Waiting requests are FCFS by request arrival."""
+A preserved request keeps its KV until its next turn arrives, but every step
+re-weighs preserve against discard with the time that remains, as InferCept's
+scheduler does. Once the tool runs past its expected duration nothing remains
+to weigh (preserving looks free), yet the expectation was only an estimate:
+the pin's TTL is a deadline of `deadline_factor` x the expected duration, so a
+tool that never returns cannot hold memory, or its program, forever. Waiting
+requests are FCFS by request arrival."""
 
 from __future__ import annotations
 
@@ -19,10 +23,13 @@ from agentserve.policy.base import Policy, PolicyContext, Retention, register
 class InferCept(Policy):
     name = "infercept"
 
-    def __init__(self, ctx: PolicyContext, default_tool_mean: float = 1.0) -> None:
+    def __init__(self, ctx: PolicyContext, default_tool_mean: float = 1.0, deadline_factor: float = 2.0) -> None:
         super().__init__(ctx)
+        if not deadline_factor >= 1.0:
+            raise ValueError(f"deadline_factor must be >= 1 (a pin outlives the expected duration), "
+                             f"got {deadline_factor!r}")
         self.default_tool_mean = default_tool_mean
-        self._expected: dict[str, tuple[float, float]] = {}  # program -> (pin start, expected tool seconds)
+        self.deadline_factor = deadline_factor
 
     def priority(self, req, program, now):
         return (not req.preempted, req.arrival_time)
@@ -47,25 +54,21 @@ class InferCept(Policy):
         preserve, discard, swap = self._waste(req.num_computed_tokens, expected, self.ctx.running_tokens())
         best = min(preserve, discard, swap)
         if best == preserve:
-            self._expected[req.program_id] = (now, expected)
-            return Retention("pin", float("inf"))
+            return Retention("pin", self.deadline_factor * expected)
         return Retention("swap") if best == swap else Retention.free()
 
     def review_pins(self, pins, now):
+        # The pin's start and tool are its program's last finish and tool: the
+        # one program table holds them, so nothing here outlives the program.
         drop = []
         batch = self.ctx.running_tokens() if pins else 0
+        programs = self.ctx.programs
         for pid, pin in pins.items():
-            start, expected = self._expected.get(pid, (now, self.default_tool_mean))
-            remaining = max(0.0, expected - (now - start))
+            prog = programs.get(pid)
+            if prog is None or prog.last_finish_time is None:
+                continue  # not pinned by a turn of a known program: its expiry governs
+            remaining = max(0.0, self.expected_duration(prog.last_tool) - (now - prog.last_finish_time))
             preserve, discard, _ = self._waste(pin.num_tokens, remaining, batch)
             if discard < preserve:
                 drop.append(pid)
         return drop
-
-    def on_arrival(self, req, program, now):
-        super().on_arrival(req, program, now)
-        self._expected.pop(req.program_id, None)
-
-    def on_program_end(self, program):
-        super().on_program_end(program)
-        self._expected.pop(program.program_id, None)
