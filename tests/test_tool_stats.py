@@ -137,3 +137,55 @@ def test_bad_constructor_args():
     for kw in ("max_samples_per_tool", "max_global_samples", "max_tools", "max_pending"):
         with pytest.raises(ValueError):
             ToolDurationStats(**{kw: 0})
+
+
+# ---------------------------------------------------------------- latency shifts
+
+
+def test_a_shifted_tool_forgets_its_older_samples_here_and_in_the_global_window():
+    rng = random.Random(1)
+    s = ToolDurationStats()
+    for _ in range(400):
+        s.record("slow", rng.uniform(0.9, 1.1))
+        s.record("other", rng.uniform(4.0, 6.0))
+    assert s.shifts == 0
+    calls = 0
+    while s.shifts == 0:
+        s.record("slow", rng.uniform(9.0, 11.0))  # the backend got ten times slower
+        calls += 1
+        assert calls <= 32, "the shift went unnoticed"
+    # exactly the samples since the change are kept (the two ranges do not overlap)
+    assert s.count("slow") == calls and min(s.samples("slow")) >= 9.0
+    assert s.count("other") == 400  # other tools keep theirs
+    assert s.global_count() == 400 + calls
+    assert sorted(s.global_samples()) == sorted(s.samples("other") + s.samples("slow"))
+    assert list(s.global_sorted_samples()) == sorted(s.global_samples())
+    assert s.global_mean() == pytest.approx(math.fsum(s.global_samples()) / s.global_count())
+    # and it learns on from there
+    s.record("slow", 10.0)
+    assert s.count("slow") == calls + 1
+
+
+@pytest.mark.parametrize("name,draw", [
+    ("exponential", lambda r: r.expovariate(1.0)),
+    ("heavy-tailed", lambda r: r.lognormvariate(0.0, 1.5)),
+    ("rounded", lambda r: round(r.expovariate(1.0), 1)),  # many ties
+])
+def test_stable_latencies_are_not_mistaken_for_shifts(name, draw):
+    shifts = 0
+    for seed in range(4):
+        rng = random.Random(seed)
+        s = ToolDurationStats()
+        for _ in range(5000):
+            s.record("t", draw(rng))
+        shifts += s.shifts
+    assert shifts <= 1, f"{name}: {shifts} false shifts in 20000 samples"
+
+
+def test_shift_detection_can_be_turned_off():
+    s = ToolDurationStats(shift_alpha=0.0)
+    for i in range(2000):
+        s.record("t", 1.0 if i < 1000 else 100.0)
+    assert s.shifts == 0 and s.count("t") == 1000
+    with pytest.raises(ValueError):
+        ToolDurationStats(shift_alpha=1.0)

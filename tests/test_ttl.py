@@ -313,3 +313,40 @@ def test_end_to_end_events_drive_tool_regime():
         m.stats.on_arrival(pid, t + dur)
     assert m.ttl("fast", 1.0) > 0.0 and m.last_regime == "tool"
     assert m.ttl("slow", 1.0) == 0.0 and m.last_regime == "tool"
+
+
+def _calls_until_ttl_follows(shift_alpha: float, before, after, settled) -> int | None:
+    """Tool "t" is called 500 times with `before` latencies, then 400 times with
+    `after` ones, beside a steady tool "u". Returns after how many calls past the
+    swap the learned TTL of "t" entered `settled` and stayed there (None: never)."""
+    rng = random.Random(5)
+    stats = ToolDurationStats(shift_alpha=shift_alpha)
+    m = TTLModel(k_threshold=100, stats=stats)
+    for _ in range(500):
+        stats.record("t", before(rng))
+        stats.record("u", rng.uniform(4.0, 6.0))
+    assert not settled(m.ttl("t", 30.0))
+    since = None
+    for call in range(1, 401):
+        stats.record("t", after(rng))
+        stats.record("u", rng.uniform(4.0, 6.0))
+        if settled(m.ttl("t", 30.0)):
+            since = since or call
+        else:
+            since = None
+    return since
+
+
+@pytest.mark.parametrize("before,after,settled", [
+    (lambda r: r.uniform(0.9, 1.1), lambda r: r.uniform(9.0, 11.0), lambda ttl: 10.5 <= ttl <= 11.0),
+    (lambda r: r.uniform(9.0, 11.0), lambda r: r.uniform(0.9, 1.1), lambda ttl: 1.05 <= ttl <= 1.1),
+], ids=["slower", "faster"])
+def test_ttl_follows_a_tool_latency_shift_within_bounded_calls(before, after, settled):
+    """After a tool's latency distribution changes, the TTL is the optimum for
+    the new one within the shift test's delay plus the K samples the paper asks
+    of any new tool; a window that only slides takes several hundred calls."""
+    bound = 100 + 2 * 32  # K + twice the shift test's window
+    follows = _calls_until_ttl_follows(1e-4, before, after, settled)
+    assert follows is not None and follows <= bound, follows
+    sliding = _calls_until_ttl_follows(0.0, before, after, settled)
+    assert sliding is None or sliding > bound, sliding

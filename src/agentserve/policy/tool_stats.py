@@ -8,12 +8,20 @@ plus the same window kept sorted, so the TTL solver can read sorted samples with
 Everything is bounded: per-tool and global windows (oldest sample dropped), the number of tool
 names (least recently updated tool dropped) and the number of programs waiting for their next
 turn (oldest departure dropped).  Times are passed in; nothing here reads a clock.
+
+The TTL assumes a stable duration distribution per tool; a tool whose latency shifts (a slower
+backend, a cache turned on) would otherwise be judged by its old samples until the window has
+turned over (1000 calls).  After each sample, a two-sample Kolmogorov-Smirnov test compares the
+tool's latest ``shift_window`` samples with the older rest of its window; when they differ at
+level ``shift_alpha``, the older samples are dropped from the tool's and the global window, so the
+statistics re-learn from the new distribution.  KS is distribution-free, so one threshold serves
+any tool: its false alarms stay near ``shift_alpha`` per test however heavy the tail.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict, deque
 from typing import Sequence
 
@@ -27,12 +35,14 @@ NO_TOOL_CALL = "(no tool call)"
 
 
 class _Window:
-    """A sliding window of floats, also kept sorted, with a running sum and a version."""
+    """A sliding window of (duration, tool) samples, the durations also kept sorted, with a
+    running sum and a version.  The tool stays with each sample so that the global window can
+    forget one tool's samples after that tool's latency shifted."""
 
-    __slots__ = ("values", "sorted", "total", "version", "_adds", "_frozen", "_frozen_version")
+    __slots__ = ("samples", "sorted", "total", "version", "_adds", "_frozen", "_frozen_version")
 
     def __init__(self, maxlen: int) -> None:
-        self.values: deque[float] = deque(maxlen=maxlen)
+        self.samples: deque[tuple[float, str]] = deque(maxlen=maxlen)
         self.sorted: list[float] = []
         self.total = 0.0
         self.version = 0
@@ -40,23 +50,65 @@ class _Window:
         self._frozen: tuple[float, ...] = ()
         self._frozen_version = 0
 
-    def add(self, x: float, version: int) -> None:
-        values = self.values
-        if len(values) == values.maxlen:
-            old = values[0]  # dropped by the append below
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def values(self) -> tuple[float, ...]:
+        return tuple(x for x, _ in self.samples)
+
+    def add(self, x: float, tool: str, version: int) -> None:
+        samples = self.samples
+        if len(samples) == samples.maxlen:
+            old = samples[0][0]  # dropped by the append below
             del self.sorted[bisect_left(self.sorted, old)]
             self.total -= old
-        values.append(x)
+        samples.append((x, tool))
         insort(self.sorted, x)
         self.total += x
         self._adds += 1
-        if self._adds >= values.maxlen:  # bound the float drift of add/subtract
+        if self._adds >= samples.maxlen:  # bound the float drift of add/subtract
             self._adds = 0
-            self.total = math.fsum(values)
+            self.total = math.fsum(self.sorted)
         self.version = version
 
+    def drop_older(self, tool: str, keep: int, version: int) -> None:
+        """Forget `tool`'s samples except its `keep` most recent (rare: rebuilt in O(n log n))."""
+        kept: list[tuple[float, str]] = []
+        seen = 0
+        for sample in reversed(self.samples):
+            if sample[1] == tool:
+                seen += 1
+                if seen > keep:
+                    continue
+            kept.append(sample)
+        kept.reverse()
+        self.samples = deque(kept, maxlen=self.samples.maxlen)
+        self.sorted = sorted(x for x, _ in kept)
+        self.total = math.fsum(self.sorted)
+        self._adds = 0
+        self.version = version
+
+    def shift_statistic(self, recent: int) -> float | None:
+        """Two-sample KS distance between the latest `recent` samples and the older rest; None
+        while the older rest is smaller than `recent` (too few to compare)."""
+        n_old = len(self.samples) - recent
+        if recent < 1 or n_old < recent:
+            return None
+        new = sorted(self.samples[-k][0] for k in range(1, recent + 1))
+        every = self.sorted
+        # Between two of the recent samples the recent ECDF is flat and the older one only
+        # rises, so the largest gap lies at a recent sample or just below one: 2 x `recent`
+        # evaluations instead of a merge of the whole window.
+        d = 0.0
+        for x in new:
+            lo, hi = bisect_left(new, x), bisect_right(new, x)
+            below = abs(lo / recent - (bisect_left(every, x) - lo) / n_old)
+            at = abs(hi / recent - (bisect_right(every, x) - hi) / n_old)
+            d = max(d, below, at)
+        return d
+
     def mean(self) -> float | None:
-        n = len(self.values)
+        n = len(self.samples)
         if n == 0:
             return None
         return max(0.0, self.total / n)
@@ -83,6 +135,8 @@ class ToolDurationStats:
         max_global_samples: int = 10000,
         max_tools: int = 1000,
         max_pending: int = 100000,
+        shift_window: int = 32,
+        shift_alpha: float = 1e-4,
     ) -> None:
         for label, v in (
             ("max_samples_per_tool", max_samples_per_tool),
@@ -96,12 +150,19 @@ class ToolDurationStats:
         self.max_global_samples = int(max_global_samples)
         self.max_tools = int(max_tools)
         self.max_pending = int(max_pending)
+        if not 0.0 <= shift_alpha < 1.0:
+            raise ValueError(f"shift_alpha must be in [0, 1) (0: never re-learn), got {shift_alpha!r}")
+        self.shift_window = max(1, int(shift_window))
+        self.shift_alpha = float(shift_alpha)
+        # KS critical value: D > c(alpha) * sqrt((m + n) / (m n)), c(alpha) = sqrt(-ln(alpha / 2) / 2)
+        self._shift_c = math.sqrt(-0.5 * math.log(shift_alpha / 2.0)) if shift_alpha > 0 else math.inf
         self._tools: OrderedDict[str, _Window] = OrderedDict()  # oldest update first
         self._global = _Window(self.max_global_samples)
         self._pending: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest first
         self._tick = 0  # monotonic version source shared by all windows
         self.evicted_tools = 0
         self.dropped_pending = 0
+        self.shifts = 0  # times a tool's latency shift made its older samples be dropped
 
     # ------------------------------------------------------------------ events
 
@@ -150,19 +211,47 @@ class ToolDurationStats:
                 self.evicted_tools += 1
         else:
             self._tools.move_to_end(tool)
-        win.add(duration, tick)
+        win.add(duration, tool, tick)
         if tool != NO_TOOL_CALL:
-            self._global.add(duration, tick)
+            self._global.add(duration, tool, tick)
+        if self._shifted(win):
+            self.shifts += 1
+            self._tick += 1
+            keep = self._change_point(win)
+            win.drop_older(tool, keep, self._tick)
+            if tool != NO_TOOL_CALL:
+                self._global.drop_older(tool, keep, self._tick)
+
+    def _shifted(self, win: _Window) -> bool:
+        m = self.shift_window
+        d = win.shift_statistic(m)
+        if d is None:
+            return False
+        n_old = len(win) - m
+        return d > self._shift_c * math.sqrt((m + n_old) / (m * n_old))
+
+    def _change_point(self, win: _Window) -> int:
+        """How many of the latest samples came after the shift: the split of the latest
+        ``shift_window`` with the largest standardised KS distance, sqrt(k (n - k) / n) * D(k).
+        A big shift is seen after a dozen samples, so keeping the whole test window would keep
+        as many samples from before it."""
+        n = len(win)
+        best_k, best = self.shift_window, -1.0
+        for k in range(max(1, self.shift_window // 4), self.shift_window + 1):
+            score = math.sqrt(k * (n - k) / n) * (win.shift_statistic(k) or 0.0)
+            if score > best:
+                best_k, best = k, score
+        return best_k
 
     # ------------------------------------------------------------------ queries
 
     def samples(self, tool: str) -> Sequence[float]:
         """The tool's window, oldest first (a copy)."""
         win = self._tools.get(tool)
-        return tuple(win.values) if win is not None else ()
+        return win.values() if win is not None else ()
 
     def global_samples(self) -> Sequence[float]:
-        return tuple(self._global.values)
+        return self._global.values()
 
     def sorted_samples(self, tool: str) -> Sequence[float]:
         """The tool's window in ascending order.
@@ -188,10 +277,10 @@ class ToolDurationStats:
 
     def count(self, tool: str) -> int:
         win = self._tools.get(tool)
-        return len(win.values) if win is not None else 0
+        return len(win) if win is not None else 0
 
     def global_count(self) -> int:
-        return len(self._global.values)
+        return len(self._global)
 
     def mean(self, tool: str) -> float | None:
         win = self._tools.get(tool)
