@@ -218,19 +218,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if meta.kernel:
-        if q.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the native attention kernel takes float32 or bfloat16, not {q.dtype}")
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        if meta.native is not None:
-            _native_attention(q, out, k_cache, v_cache, meta.native, scale)
-        for sp in meta.prefills:  # long chunks: matrix-multiply kernels
-            a, b = sp.row_start, sp.row_start + sp.num_rows
-            if sp.blocks is None:
-                out[a:b] = _fresh_chunk(q[a:b], k[a:b], v[a:b], scale, G)
-            else:
-                out[a:b] = _chunk_after_prefix(q[a:b], k[a:b], v[a:b], k_cache, v_cache, sp, scale)
-        return out.view(T, H * D)
+        return attend_native(q, k, v, k_cache, v_cache, meta, scale)
     dec = meta.decode
     if dec is not None and not meta.prefills:
         return _decode(q, k_cache, v_cache, dec, scale).reshape(T, H * D)
@@ -249,6 +237,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             vs = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, scale=scale, enable_gqa=G > 1)
         out[a:b] = o.squeeze(0).transpose(0, 1)
+    return out.view(T, H * D)
+
+
+def attend_native(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The native path (meta.kernel), once the step's K/V are in the cache. The
+    step's own k and v are read only by long chunks on matrix kernels
+    (meta.prefills); without those they may be None. Returns [T, heads * d]."""
+    T, H, D = q.shape
+    G = H // k_cache.shape[0]
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the native attention kernel takes float32 or bfloat16, not {q.dtype}")
+    if meta.prefills and (k is None or v is None):
+        raise ValueError("long chunks on matrix kernels need the step's own k and v")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if meta.native is not None:
+        _native_attention(q, out, k_cache, v_cache, meta.native, scale)
+    for sp in meta.prefills:  # long chunks: matrix-multiply kernels
+        a, b = sp.row_start, sp.row_start + sp.num_rows
+        if sp.blocks is None:
+            out[a:b] = _fresh_chunk(q[a:b], k[a:b], v[a:b], scale, G)
+        else:
+            out[a:b] = _chunk_after_prefix(q[a:b], k[a:b], v[a:b], k_cache, v_cache, sp, scale)
     return out.view(T, H * D)
 
 

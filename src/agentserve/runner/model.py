@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from agentserve.runner.attention import AttentionMetadata, paged_attention
+from agentserve.runner.attention import AttentionMetadata, attend_native, paged_attention
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.layer_ops import LayerOps
 from agentserve.runner.linear import (Linear, Q4Linear, Q8Linear, int4_shape_ok, int4_unavailable, q8_available,
                                      should_pack)
 from agentserve.runner.quant import Q4Weight, Q8Weight, QuantWeight
@@ -74,6 +75,8 @@ class LlamaModel:
         else:
             self.lm_head = self._linear(w, ["lm_head.weight"])
         self.rope = RotaryTable(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        # bfloat16 on the CPU: norms, rotary + KV write and SiLU as one native call each
+        self.ops = LayerOps.create(dtype, self.device)
         linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
         q4 = [x for x in linears if isinstance(x, Q4Linear)]
         self.int4_linears = len(q4)
@@ -141,6 +144,8 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [len(logit_rows), vocab]."""
+        if self.ops is not None and meta.kernel and not meta.prefills:
+            return self._forward_fused(input_ids, positions, meta, kv, logit_rows)
         cfg = self.cfg
         T = input_ids.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -165,6 +170,35 @@ class LlamaModel:
         h = h[logit_rows]
         h = rms_norm(h, self.norm, eps)
         return self.lm_head(h).float()
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """forward() with the small operations as native calls (self.ops): each
+        residual add is folded into the next norm; rotary, the KV write and the
+        q copy are one pass over the fused projection."""
+        cfg, ops = self.cfg, self.ops
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        positions = positions.to(torch.int64).contiguous()
+        if positions.numel() and int(positions.max()) >= self.rope.max_positions:
+            raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
+                             f"({self.rope.max_positions} positions)")
+        slots = meta.slot_mapping
+        h = F.embedding(input_ids, self.embed)
+        x = torch.empty_like(h)
+        ops.add_rms_norm(h, None, self.layers[0].input_norm, eps, x)
+        for i, L in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            q = ops.rope_kv(L.qkv(x), H, KVH, D, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
+            attn = attend_native(q, None, None, k_cache, v_cache, meta, self.scale)
+            ops.add_rms_norm(h, L.o(attn), L.post_norm, eps, x)
+            down = L.down(ops.silu_mul(L.gate_up(x)))
+            if i + 1 < len(self.layers):
+                ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, eps, x)
+            else:
+                h.add_(down)
+        h = h[logit_rows].contiguous()
+        return self.lm_head(ops.add_rms_norm(h, None, self.norm, eps, torch.empty_like(h))).float()
 
 
 class _Weights:

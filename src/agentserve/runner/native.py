@@ -1,6 +1,7 @@
 """The native CPU kernels (csrc/): compiled at first use, cached, loaded with ctypes.
 
-The C sources (paged attention, the GGUF Q4/Q8 weight matrix products) are built together with the machine's C compiler (`cc`, or $CC) for this
+The C sources (paged attention, the GGUF Q4/Q8 weight matrix products, the
+small per-layer operations of a bfloat16 forward) are built together with the machine's C compiler (`cc`, or $CC) for this
 CPU (-march=native) and OpenMP, into a cache directory keyed by the source,
 the compiler and the CPU, so it is built once per machine (about a second).
 It links the same OpenMP runtime that torch has already loaded (the soname
@@ -109,6 +110,12 @@ def _load() -> ctypes.CDLL:
     lib.agentserve_q8_pack.restype = None
     lib.agentserve_gguf_matmul.argtypes = [i, i, p, L, L, p, L, p, p, i]
     lib.agentserve_gguf_matmul.restype = ctypes.c_int
+    lib.agentserve_add_rms_norm.argtypes = [p, p, p, p, L, L, f, i]
+    lib.agentserve_add_rms_norm.restype = None
+    lib.agentserve_rope_kv.argtypes = [p, L, i, i, i, p, p, p, p, p, L, p, p, i]
+    lib.agentserve_rope_kv.restype = None
+    lib.agentserve_silu_mul.argtypes = [p, L, L, p, i]
+    lib.agentserve_silu_mul.restype = None
     return lib
 
 
@@ -160,6 +167,15 @@ def q4_kernel() -> ctypes.CDLL | None:
     with _lock:
         lib = _library()
     return lib if lib is not None and lib.agentserve_q4_fast() else None
+
+
+def layer_ops() -> ctypes.CDLL | None:
+    """The library for csrc/layer_ops.c (any CPU), or None when it did not build
+    (the model then runs those operations in torch) or AGENTSERVE_LAYER_OPS=torch."""
+    if os.environ.get("AGENTSERVE_LAYER_OPS", "auto").strip().lower() == "torch":
+        return None
+    with _lock:
+        return _library()
 
 
 def q4_unavailable_reason() -> str | None:

@@ -1,0 +1,106 @@
+/* The small per-layer operations of a bfloat16 forward, one call each:
+ * residual add + RMSNorm, rotary embedding + KV-cache write, SiLU-and-multiply.
+ *
+ * In torch each of these is 3-10 small kernels (casts, powers, means, cats,
+ * index copies), and at decode sizes their dispatch, about 2-5 us a kernel,
+ * costs more than their arithmetic: some 300-400 ops and 3-4 ms of a
+ * SmolLM2 step. Here they are one pass over the rows each.
+ *
+ * Each rounds where the torch expressions it replaces round (transformers'
+ * RMSNorm: the normalized value is cast to bfloat16 before the weight
+ * multiplies it; rotate-half rotary: x*cos and rotate(x)*sin each rounded,
+ * then their sum; SiLU rounded, then the product), so results equal torch's
+ * up to the order of the RMS sum. Only bfloat16 is handled: float32 keeps
+ * torch's kernels, the path that must match transformers bit for bit. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float lo_f32(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline bf16_t lo_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40);
+    return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float rnd(float f) { return lo_f32(lo_bf16(f)); }
+
+/* h [T, dim] (+)= delta (when not NULL), then out = weight * bf16(h * rsqrt(mean(h^2) + eps)). */
+void agentserve_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weight, bf16_t *out, long T, long dim,
+                             float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * dim >= 65536)
+    for (long t = 0; t < T; t++) {
+        bf16_t *x = h + t * dim;
+        float ss = 0.0f;
+        if (delta) {
+            const bf16_t *dl = delta + t * dim;
+            #pragma omp simd reduction(+:ss)
+            for (long j = 0; j < dim; j++) {
+                float v = rnd(lo_f32(x[j]) + lo_f32(dl[j]));
+                x[j] = lo_bf16(v);
+                ss += v * v;
+            }
+        } else {
+            #pragma omp simd reduction(+:ss)
+            for (long j = 0; j < dim; j++) {
+                float v = lo_f32(x[j]);
+                ss += v * v;
+            }
+        }
+        float r = 1.0f / sqrtf(ss / (float)dim + eps);
+        bf16_t *o = out + t * dim;
+        #pragma omp simd
+        for (long j = 0; j < dim; j++) o[j] = lo_bf16(lo_f32(weight[j]) * rnd(lo_f32(x[j]) * r));
+    }
+}
+
+/* qkv [T, (H + 2 KVH) * D] rows of a fused q/k/v projection. Rotates q and k
+ * (rotate-half, cos/sin tables [positions, D]) and writes q to q_out [T, H, D],
+ * k and v to the cache [KVH, cache_tokens, D] at slots[t]. */
+void agentserve_rope_kv(const bf16_t *qkv, long T, int H, int KVH, int D, const bf16_t *cos_t, const bf16_t *sin_t,
+                        const int64_t *positions, bf16_t *k_cache, bf16_t *v_cache, long cache_tokens,
+                        const int64_t *slots, bf16_t *q_out, int nthreads) {
+    const long width = (long)(H + 2 * KVH) * D;
+    const int half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T >= 64)
+    for (long t = 0; t < T; t++) {
+        const bf16_t *row = qkv + t * width;
+        const bf16_t *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        const long slot = slots[t];
+        for (int h = 0; h < H + KVH; h++) {
+            const bf16_t *x = row + (long)h * D;
+            bf16_t *dst = h < H ? q_out + (t * H + h) * (long)D : k_cache + ((long)(h - H) * cache_tokens + slot) * D;
+            #pragma omp simd
+            for (int j = 0; j < half; j++) {
+                float a = lo_f32(x[j]), b = lo_f32(x[j + half]);
+                dst[j] = lo_bf16(rnd(a * lo_f32(c[j])) + rnd(-b * lo_f32(s[j])));
+                dst[j + half] = lo_bf16(rnd(b * lo_f32(c[j + half])) + rnd(a * lo_f32(s[j + half])));
+            }
+        }
+        for (int h = 0; h < KVH; h++)
+            memcpy(v_cache + ((long)h * cache_tokens + slot) * D, row + (long)(H + KVH + h) * D, sizeof(bf16_t) * D);
+    }
+}
+
+/* gu [T, 2 * inter] (gate then up) -> out [T, inter] = bf16(silu(gate)) * up. */
+void agentserve_silu_mul(const bf16_t *gu, long T, long inter, bf16_t *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * inter >= 65536)
+    for (long t = 0; t < T; t++) {
+        const bf16_t *g = gu + t * 2 * inter, *u = g + inter;
+        bf16_t *o = out + t * inter;
+        #pragma omp simd
+        for (long j = 0; j < inter; j++) {
+            float x = lo_f32(g[j]);
+            o[j] = lo_bf16(rnd(x / (1.0f + expf(-x))) * lo_f32(u[j]));
+        }
+    }
+}

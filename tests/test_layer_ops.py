@@ -1,0 +1,113 @@
+"""The native per-layer operations of a bfloat16 forward (csrc/layer_ops.c):
+each one bit for bit against the torch expressions it replaces, the fused
+forward against the torch forward of the same model, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import hf_llama, loaded, teacher_forced_logits
+
+from agentserve.llm import LLM
+from agentserve.runner import native
+from agentserve.runner.config import ModelConfig
+from agentserve.runner.layer_ops import LayerOps
+from agentserve.runner.model import rms_norm
+from agentserve.runner.rope import RotaryTable, apply_rotary
+
+OPS = LayerOps.create(torch.bfloat16, torch.device("cpu"))
+needs_ops = pytest.mark.skipif(OPS is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_add_rms_norm_equals_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
+    delta = torch.randn(rows, 576, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
+    want_h = h + delta
+    out = torch.empty_like(h)
+    OPS.add_rms_norm(h, delta, w, 1e-5, out)
+    assert torch.equal(h, want_h)  # the residual stream, updated in place
+    assert torch.equal(out, rms_norm(want_h, w, 1e-5))
+    OPS.add_rms_norm(h, None, w, 1e-6, out)
+    assert torch.equal(h, want_h) and torch.equal(out, rms_norm(want_h, w, 1e-6))
+
+
+@needs_ops
+def test_silu_mul_equals_torch():
+    gu = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
+    gu[0, :4] = torch.tensor([0.0, -100.0, 100.0, float("inf")])
+    g, u = gu.chunk(2, dim=-1)
+    assert torch.equal(OPS.silu_mul(gu), F.silu(g) * u)
+
+
+@needs_ops
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_rope_kv_equals_rotary_and_cache_write(heads, kv_heads, head_dim):
+    cfg = ModelConfig(vocab_size=16, hidden_size=heads * head_dim, intermediate_size=32, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv_heads, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=4096)
+    rope = RotaryTable(cfg, 4096, torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(heads)
+    T = 11
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    k_cache = torch.zeros(kv_heads, 8, 16, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(128, generator=g)[:T]
+    q = OPS.rope_kv(qkv, heads, kv_heads, head_dim, rope.cos, rope.sin, pos, k_cache, v_cache, slots)
+    cos, sin = rope.lookup(pos)
+    qk = apply_rotary(qkv[:, :(heads + kv_heads) * head_dim].view(T, heads + kv_heads, head_dim), cos, sin)
+    assert torch.equal(q, qk[:, :heads])
+    flat = lambda c: c.view(kv_heads, -1, head_dim)[:, slots].transpose(0, 1)  # noqa: E731
+    assert torch.equal(flat(k_cache), qk[:, heads:])
+    assert torch.equal(flat(v_cache), qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim))
+    untouched = torch.ones(kv_heads * 128, dtype=torch.bool)
+    for h in range(kv_heads):
+        untouched[h * 128 + slots] = False
+    assert not k_cache.view(-1, head_dim)[untouched].any()
+
+
+@needs_ops
+def test_fused_forward_agrees_with_torch_forward():
+    """Exact through the first layers (the ops are exact; only the RMS sums are
+    added in another order), and the same greedy choices at the end."""
+    llm = LLM(loaded(hf_llama(layers=4)), dtype="bfloat16", device="cpu", kv_cache_tokens=512, max_model_len=512)
+    model = llm.model
+    assert model.ops is not None
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    for rows in (1, 7, 120):
+        fused = teacher_forced_logits(llm, ids, rows)
+        model.ops = None
+        try:
+            ref = teacher_forced_logits(llm, ids, rows)
+        finally:
+            model.ops = OPS
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.5
+        assert clear.sum() > 60
+        assert torch.equal(fused.argmax(-1)[clear], ref.argmax(-1)[clear]), rows
+        assert ((fused - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 0.02
+
+
+@needs_ops
+def test_position_beyond_the_rotary_table_is_refused():
+    llm = LLM(loaded(hf_llama(layers=1)), dtype="bfloat16", device="cpu", kv_cache_tokens=64, max_model_len=64)
+    m = llm.model
+    from agentserve.runner.attention import build_metadata
+
+    meta = build_metadata([[0]], [1], [], 16, torch.device("cpu"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rotary table"):
+        m.forward(torch.tensor([3]), torch.tensor([m.rope.max_positions]), meta, llm.kv_cache, torch.tensor([0]))
+
+
+def test_float32_and_the_env_switch_keep_torch(monkeypatch):
+    assert LayerOps.create(torch.float32, torch.device("cpu")) is None
+    monkeypatch.setenv("AGENTSERVE_LAYER_OPS", "torch")
+    assert LayerOps.create(torch.bfloat16, torch.device("cpu")) is None
+    llm = LLM(loaded(hf_llama(layers=1)), dtype="bfloat16", device="cpu", kv_cache_tokens=64, max_model_len=64)
+    assert llm.model.ops is None
+    assert llm.generate([[1, 2, 3]])[0].token_ids  # the torch path still serves
