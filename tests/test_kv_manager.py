@@ -230,6 +230,76 @@ def test_reclaimable_blocks_counts_shared_blocks_once():
     accounting_ok(kv)
 
 
+# ---------------------------------------------------------------- superseded history
+
+
+@pytest.mark.parametrize("eviction", ALL_STRATEGIES)
+def test_superseded_history_leaves_the_pin_and_is_evicted_first(eviction):
+    """P's next turn keeps only the first 2 of its 5 history blocks: the other 3
+    (and the pin's partial last block) leave P's pin at once and are evicted
+    before Q's blocks, freed earlier, whatever the strategy."""
+    kv = mk(12, eviction=eviction)
+    q = list(range(500, 500 + 3 * BS + 1))
+    admit(kv, "q", q)
+    compute(kv, "q", q)
+    kv.free("q", 0.0)
+    p = list(range(5 * BS + 2))  # 5 full blocks and a partial one
+    admit(kv, "p", p)
+    compute(kv, "p", p)
+    kv.pin("P", "p", expiry=100.0, program_arrival=0.0, now=1.0)
+    assert len(kv.pins["P"].blocks) == 6
+    rewritten = p[:2 * BS] + [900, 901, 902, 903, 904]
+    assert kv.supersede("P", p, p + [7, 7, 7], now=2.0) == 0  # extends its history: nothing happens
+    assert kv.supersede("P", p, rewritten, now=2.0) == 3
+    accounting_ok(kv)
+    assert len(kv.pins["P"].blocks) == 2 and kv.pins["P"].num_tokens == 2 * BS
+    assert kv.reclaimable_blocks("P") == 2
+    # 12 blocks: 3 Q, 2 pinned, 3 superseded, 4 empty; take 7
+    fresh = list(range(2000, 2000 + 7 * BS - 1))
+    assert admit(kv, "f", fresh) is not None
+    accounting_ok(kv)
+    assert kv.match(q).num_tokens == 3 * BS  # Q's older blocks all stayed
+    assert kv.match(p).num_tokens == 2 * BS  # P's superseded chain is gone
+    assert kv.pool.num_demoted == 3
+
+
+def test_superseded_block_revived_by_a_hit_leaves_the_cold_list():
+    kv = mk(8)
+    p = list(range(4 * BS))
+    admit(kv, "p", p)
+    compute(kv, "p", p)
+    kv.free("p", 1.0)
+    assert kv.supersede("P", p, p[:BS] + [99] * BS, now=2.0) == 3
+    # another program still wants the old chain: the hit takes the blocks off the cold list
+    m = admit(kv, "r", p + [1])
+    assert m.num_tokens == 4 * BS
+    accounting_ok(kv)
+    kv.free("r", 3.0)
+    accounting_ok(kv)
+    assert kv.pool.num_cached_free == 4 and kv.num_free_blocks == 8
+
+
+def test_superseded_host_copies_are_evicted_first():
+    kv = mk(4, host_blocks=4)
+    old = list(range(2 * BS + 1))
+    other = list(range(300, 300 + 2 * BS + 1))
+    for rid, toks in (("o", other), ("p", old)):  # other's copies are older on the host
+        admit(kv, rid, toks)
+        compute(kv, rid, toks)
+        kv.free(rid, 1.0)
+    filler = list(range(1000, 1000 + 4 * BS - 1))
+    admit(kv, "f", filler)  # evicts the cached device blocks: all four on the host now
+    compute(kv, "f", filler)
+    kv.free("f", 2.0)
+    assert kv.host.num_used == 4
+    assert kv.supersede("P", old, [5] * (3 * BS), now=3.0) == 0  # no device block of it left
+    g = list(range(2000, 2000 + 3 * BS - 1))
+    admit(kv, "g", g)  # evicts two of f's blocks to the host: two host slots must go
+    accounting_ok(kv)
+    assert kv.match(other + [0]).num_host_blocks == 2  # other's copies kept, old's dropped
+    assert kv.match(old + [0]).num_tokens == 0
+
+
 # ---------------------------------------------------------------- host tier
 
 
@@ -519,6 +589,7 @@ class KVModel:
         self.now = 0.0
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
+        self.history: dict[str, list] = {}  # program -> tokens of the request it pinned last
 
     # --- the fake executor ---
 
@@ -619,14 +690,33 @@ class KVModel:
         self.kv.pin(r["program"], rid, self.now + ttl, 0.0, self.now)
         assert self.kv.num_free_blocks == free_before  # a pin frees nothing
         assert r["program"] in self.kv.pins
+        self.history[r["program"]] = r["tokens"]
 
     def unpin(self, pid):
         expect = self.kv.reclaimable_blocks(pid)
+        held = len(self.kv.pins[pid].blocks)  # 0 once a next turn superseded them all
         before = self.kv.num_free_blocks
         self.tick()
         n = self.kv.unpin(pid, self.now)
-        assert n > 0
+        assert n == held
         assert self.kv.num_free_blocks - before == expect
+
+    def supersede(self, pid, cut, suffix):
+        """The program's next turn keeps `cut` of its pinned history and rewrites the rest."""
+        old = self.history.get(pid)
+        if old is None:
+            return
+        new = old[:round(len(old) * cut)] + suffix
+        before = self.kv.num_free_blocks
+        pin = self.kv.pins.get(pid)
+        held = list(pin.blocks) if pin is not None else []
+        self.tick()
+        self.kv.supersede(pid, old, new, self.now)
+        assert self.kv.num_free_blocks >= before
+        if pin is not None:
+            assert all(b in held for b in pin.blocks)
+            hits = {n.block for n in self.kv.match(new + [0]).nodes}
+            assert all(b in pin.blocks for b in held if b in hits), "a block the new turn matches left the pin"
 
     def expire(self, dt):
         self.now += dt
@@ -739,6 +829,11 @@ class KVMachine(RuleBasedStateMachine):
     def expire(self, dt):
         self.m.expire(dt)
 
+    @precondition(lambda self: self.m.history)
+    @rule(data=st.data(), cut=st.floats(0.0, 1.0), suffix=st.lists(st.integers(0, 3), max_size=6))
+    def supersede(self, data, cut, suffix):
+        self.m.supersede(data.draw(st.sampled_from(sorted(self.m.history))), cut, suffix)
+
     @precondition(_has_reqs)
     @rule(data=st.data())
     def swap_out(self, data):
@@ -785,6 +880,8 @@ def test_long_randomized_sequences(eviction, host, collisions):
                     "free", "pin", "swap_out"]
         if m.kv.pins:
             ops.append("unpin")
+        if m.history:
+            ops.append("supersede")
         op = rng.choice(ops)
         rid = rng.choice(sorted(m.reqs)) if m.reqs else None
         if op == "allocate":
@@ -813,6 +910,8 @@ def test_long_randomized_sequences(eviction, host, collisions):
             m.expire(rng.uniform(0, 2))
         elif op == "swap_out":
             m.swap_out(rid)
+        elif op == "supersede":
+            m.supersede(rng.choice(sorted(m.history)), rng.random(), [rng.randrange(4) for _ in range(rng.randrange(6))])
         else:
             m.flush()
         m.check()

@@ -195,3 +195,35 @@ def test_infercept_overdue_pin_gets_a_deadline_and_its_program_expires():
     h.idle(20.0)  # and the program, now idle, is forgotten with no state left behind
     assert "F" not in h.s.programs
     assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+# ---------------------------------------------------------------- superseded turns
+
+
+def test_a_rewritten_context_demotes_the_superseded_turn_at_once():
+    """P's second turn keeps the first 2 blocks of its history and rewrites the
+    rest: the moment it arrives, the rest leaves P's pin and goes to the cold
+    end, so memory pressure takes it, deepest first, before Q's older and still
+    useful prefix (plain LRU would take Q's first)."""
+    h = Harness("continuum", num_blocks=16, budget=64)
+    q = h.req("q1", "Q", prompt_of(7, 13), max_tokens=2, is_last_turn=True)
+    h.run()  # 15 tokens, 14 computed: 3 cached blocks, 1 empty
+    p1 = h.req("p1", "P", prompt_of(8, 18), max_tokens=4, tool_name="search", ttl_hint=100.0)
+    h.run()
+    assert len(h.kv.pins["P"].blocks) == 6  # 21 computed tokens: 5 full blocks and a partial one
+    p2 = h.req("p2", "P", p1.token_ids[:2 * BS] + prompt_of(10, 5), max_tokens=2)
+    assert h.s.stats.superseded_blocks == 3 and len(h.kv.pins["P"].blocks) == 2
+    assert h.kv.num_free_blocks == 14 and h.kv.pool.num_cached_free == 6
+    # p2 takes 2 empty blocks beside its 2 hits, big the 6 left and 2 evicted ones
+    big = h.req("big", "N", prompt_of(11, 31), max_tokens=1)
+    h.run()
+    assert p2.num_cached_tokens == 2 * BS and big.is_finished
+    assert h.kv.match(q.token_ids).num_tokens == 3 * BS  # Q's prefix survived
+    assert h.kv.match(p1.token_ids).num_tokens == 3 * BS  # P's 2 deepest superseded blocks went
+    assert p2.output_token_ids == expected(p2.prompt_token_ids, 2)
+
+
+def test_a_turn_that_extends_its_history_demotes_nothing():
+    h = Harness("continuum", num_blocks=64)
+    run_program(h, "P", 4, seed=3, ttl_hint=100.0)
+    assert h.s.stats.superseded_blocks == 0 and h.kv.pool.num_demoted == 0

@@ -84,6 +84,9 @@ class Scheduler:
         prog = self.programs.touch(req.program_id, now)
         prog.anonymous = req.anonymous
         req.program = prog
+        if prog.history is not None:
+            self.stats.superseded_blocks += self.kv.supersede(req.program_id, prog.history, req.token_ids, now)
+            prog.history = None
         self.policy.on_arrival(req, prog, now)
         req.status = RequestStatus.WAITING
         req.waiting_since = now
@@ -444,6 +447,7 @@ class Scheduler:
             return
         decision = self.policy.on_turn_end(req, prog, now)
         prog.last_tool = req.tool_name
+        prog.history = req.token_ids
         if decision.action == "pin" and decision.ttl > 0:
             self.kv.pin(pid, rid, now + decision.ttl, prog.arrival_time, now)
             self.stats.pins_created += 1

@@ -39,6 +39,7 @@ class SchedulerStats:
     pins_reclaimed: int = 0
     pins_released_early: int = 0
     pins_released_at_end: int = 0
+    superseded_blocks: int = 0  # cached blocks of a program's history that its next turn left, demoted
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0  # tokens sampled
     execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)

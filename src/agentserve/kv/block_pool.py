@@ -4,14 +4,19 @@ blocks and prefix-index nodes.
 Free blocks come in two kinds. Empty ones (no cached content) sit on a stack
 and are reused first. Cached ones (their KV is still indexed) are handed to
 the eviction strategy, which picks the victim when an empty block is lacking;
-a prefix hit on a cached free block revives it without copying anything."""
+a prefix hit on a cached free block revives it without copying anything.
+
+Cached blocks known to be dead (a program's superseded history, see
+KVCacheManager.supersede) are demoted: they wait on a cold list that is
+evicted before anything the strategy holds, whatever the strategy, and leave
+it like any free block when a prefix hit revives them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from agentserve.kv.block import Block
-from agentserve.kv.eviction import EvictionStrategy
+from agentserve.kv.eviction import EvictionStrategy, LinkedList
 from agentserve.kv.prefix_index import Node, PrefixIndex
 
 
@@ -26,15 +31,17 @@ class BlockPool:
         self.strategy = strategy
         self.on_evict = on_evict  # called with a cached block just before its content is dropped
         self._empty: list[Block] = list(reversed(self.blocks))
+        self._cold = LinkedList()  # demoted cached free blocks, next evicted first
         self.num_evictions = 0
+        self.num_demoted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._empty) + len(self.strategy)
+        return len(self._empty) + len(self._cold) + len(self.strategy)
 
     @property
     def num_cached_free(self) -> int:
-        return len(self.strategy)
+        return len(self._cold) + len(self.strategy)
 
     def allocate(self, n: int) -> list[Block] | None:
         """`n` blocks with ref_cnt 1, or None (and nothing changed) if fewer are free."""
@@ -45,7 +52,7 @@ class BlockPool:
             if self._empty:
                 b = self._empty.pop()
             else:
-                b = self.strategy.pop()
+                b = self._cold.popleft() if len(self._cold) else self.strategy.pop()
                 self._evict(b)
             b.ref_cnt = 1
             out.append(b)
@@ -54,8 +61,23 @@ class BlockPool:
     def ref(self, block: Block) -> None:
         """Take a reference on a block found by a prefix match."""
         if block.ref_cnt == 0:
-            self.strategy.remove(block)
+            if block.strategy_data is self._cold:
+                self._cold.unlink(block)
+            else:
+                self.strategy.remove(block)
         block.ref_cnt += 1
+
+    def demote(self, blocks) -> int:
+        """Move the free cached ones of `blocks` to the cold list, to be evicted
+        before any other cached block, in the order given. Returns how many moved."""
+        n = 0
+        for b in blocks:
+            if b.ref_cnt == 0 and b in self.strategy:
+                self.strategy.remove(b)
+                self._cold.append(b)
+                n += 1
+        self.num_demoted += n
+        return n
 
     def release(self, blocks, now: float) -> None:
         """Drop one reference on each block, last block first, so a request's
@@ -122,12 +144,13 @@ class BlockPool:
             want = holders.get(b.block_id, 0)
             assert b.ref_cnt == want, f"{b}: ref_cnt {b.ref_cnt}, holders {want}"
             in_strategy = b in self.strategy
+            in_cold = b.strategy_data is self._cold
             if b.ref_cnt > 0:
-                assert not in_strategy and b.block_id not in empty_ids, f"{b} in use but free"
+                assert not in_strategy and not in_cold and b.block_id not in empty_ids, f"{b} in use but free"
             elif b.node is not None:
-                assert in_strategy and b.block_id not in empty_ids, f"{b} cached free block not evictable"
+                assert in_strategy != in_cold and b.block_id not in empty_ids, f"{b} cached free block not evictable"
             else:
-                assert b.block_id in empty_ids and not in_strategy, f"{b} empty free block lost"
+                assert b.block_id in empty_ids and not in_strategy and not in_cold, f"{b} empty free block lost"
             if b.node is not None:
                 node = b.node
                 assert node.block is b, f"{b} and its node disagree"
@@ -136,4 +159,5 @@ class BlockPool:
                 assert b.parent is pb, f"{b} parent link stale"
                 nc = sum(1 for c in node.children.values() if c.block is not None)
                 assert b.num_children == nc, f"{b} num_children {b.num_children} != {nc}"
-        assert len(self.strategy) + len(self._empty) == self.num_free
+        assert sum(1 for _ in self._cold) == len(self._cold)
+        assert len(self.strategy) + len(self._cold) + len(self._empty) == self.num_free

@@ -47,7 +47,7 @@ class EvictionStrategy(abc.ABC):
         """A prefix match hit `block` (block.hits was already incremented)."""
 
 
-class _LinkedList:
+class LinkedList:
     """Intrusive doubly linked list over Block.prev/next: O(1) append, unlink, popleft.
 
     A member's `strategy_data` is `owner` (the list itself when no owner is
@@ -119,7 +119,7 @@ class LRU(EvictionStrategy):
     def __init__(self, capacity: int | None = None) -> None:
         # `capacity` (the pool size) is accepted so the pool can build any
         # strategy the same way; LRU needs no bound.
-        self._list = _LinkedList(self)
+        self._list = LinkedList(self)
 
     def add(self, block: Block, now: float) -> None:
         self._list.append(block)
@@ -148,10 +148,10 @@ class LeafLRU(EvictionStrategy):
     name = "leaf-lru"
 
     def __init__(self, capacity: int | None = None) -> None:
-        self._leaves = _LinkedList()
-        self._inner = _LinkedList()
+        self._leaves = LinkedList()
+        self._inner = LinkedList()
 
-    def _list_for(self, block: Block) -> _LinkedList:
+    def _list_for(self, block: Block) -> LinkedList:
         return self._leaves if block.num_children == 0 else self._inner
 
     def add(self, block: Block, now: float) -> None:
@@ -261,12 +261,12 @@ class ARC(EvictionStrategy):
         if self.capacity < 1:
             raise ValueError("ARC capacity must be >= 1")
         self.p = 0.0  # target |T1|
-        self._t1 = _LinkedList()
-        self._t2 = _LinkedList()
+        self._t1 = LinkedList()
+        self._t2 = LinkedList()
         self._b1: OrderedDict[int, None] = OrderedDict()
         self._b2: OrderedDict[int, None] = OrderedDict()
 
-    def _list_for(self, block: Block) -> _LinkedList:
+    def _list_for(self, block: Block) -> LinkedList:
         return self._t1 if block.hits <= 1 else self._t2
 
     def add(self, block: Block, now: float) -> None:

@@ -51,6 +51,11 @@ class HostTier:
         if node.host_slot is not None:
             self._lru.move_to_end(node)
 
+    def demote(self, node: Node) -> None:
+        """`node`'s copy is dead weight: next to be evicted."""
+        if node.host_slot is not None:
+            self._lru.move_to_end(node, last=False)
+
     def _evict_one(self, protect) -> None:
         for node in self._lru:
             if node in protect:

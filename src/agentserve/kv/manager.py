@@ -56,6 +56,18 @@ class Pin:
     num_tokens: int
 
 
+def _common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
+    """How many leading full blocks `a` and `b` share."""
+    n = min(len(a), len(b)) // block_size
+    if a[:n * block_size] == b[:n * block_size]:
+        return n
+    for i in range(n):
+        lo, hi = i * block_size, (i + 1) * block_size
+        if a[lo:hi] != b[lo:hi]:
+            return i
+    return n
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
                  host_blocks: int = 0,
@@ -255,6 +267,32 @@ class KVCacheManager:
             return 0
         self.pool.release(p.blocks, now)
         return len(p.blocks)
+
+    def supersede(self, program_id: str, old_tokens: Sequence[int], new_tokens: Sequence[int], now: float) -> int:
+        """A program's new turn `new_tokens` left `old_tokens`, the history of its
+        last turn (the agent rewrote or truncated its context): the cached chain
+        past the block where they part will not be matched by this program again.
+        Its blocks leave the program's pin now, with the pin's blocks that no
+        match can reach (a partial last block, private copies), and go to the
+        cold end of eviction, deepest first; so do their host copies. Returns the
+        number of device blocks demoted (0 when the new turn extends the old)."""
+        bs = self.block_size
+        common = _common_blocks(old_tokens, new_tokens, bs)
+        if common >= len(old_tokens) // bs:
+            return 0
+        gone = self.index.walk(old_tokens)[common:]
+        pin = self.pins.get(program_id)
+        if pin is not None:
+            dead = set(gone)
+            keep = [b for b in pin.blocks if b.node is not None and b.node not in dead]
+            if len(keep) < len(pin.blocks):
+                dropped = [b for b in pin.blocks if b.node is None or b.node in dead]
+                pin.blocks = keep
+                pin.num_tokens = min(pin.num_tokens, common * bs)
+                self.pool.release(dropped, now)
+        for node in gone:  # shallowest first, so the deepest copy ends up first in line
+            self.host.demote(node)
+        return self.pool.demote(n.block for n in reversed(gone) if n.block is not None)
 
     def reclaimable_blocks(self, program_id: str) -> int:
         """Blocks that unpinning `program_id` would return to the free set."""

@@ -17,6 +17,7 @@ class ProgramState:
     last_tool: str | None = None
     ended: bool = False
     anonymous: bool = False  # a request without a program id: not a sample of program behaviour
+    history: list[int] | None = None  # token ids of its last finished turn, which the next should extend
 
 
 class ProgramTable:
