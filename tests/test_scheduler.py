@@ -20,6 +20,7 @@ from agentserve.engine.executor import Executor, ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.engine import step_time
 from agentserve.engine.step_time import StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import policy_names
@@ -414,6 +415,41 @@ def test_step_time_model_forgets_a_spike_but_follows_a_slower_machine():
     # the machine gets 4x slower for good: the fit follows once the window has turned over
     _linear_machine_samples(m, 200, slow=4.0, seed=1)
     assert m.coefficients == pytest.approx([4 * c for c in true], rel=1e-3)
+
+
+def _plan_to_a_target(seed: int) -> tuple[StepTimeModel, float]:
+    """Steps of 8 decodes and a chunk planned to 200 ms on a linear machine whose
+    times scatter +-20%: (the model, the share of steps that overran)."""
+    rng = random.Random(seed)
+    m = StepTimeModel()
+    true = (0.004, 2e-4, 1e-8, 1e-3, 2e-6)
+    cost = lambda p, a, d, k: true[0] + true[1] * p + true[2] * a + true[3] * d + true[4] * k  # noqa: E731
+    target, over, steps = 0.2, 0, 0
+    for i in range(600):
+        d, k = 8, 8 * rng.randrange(1000, 4000)
+        start = rng.randrange(0, 4000)
+        n = m.max_chunk(start, target - m.base_time(d, k)) if m.ready else rng.choice([64, 256, 512])
+        if n <= 0:
+            continue
+        a = attention_pairs(start, n)
+        taken = cost(n, a, d, k) * rng.uniform(0.8, 1.2)
+        m.observe(n, a, d, k, taken)
+        if i >= 100:  # once the fit and the margin have samples
+            steps += 1
+            over += taken > target
+    return m, over / steps
+
+
+def test_step_time_margin_keeps_most_steps_under_the_target(monkeypatch):
+    """With the margin (a high quantile of taken/predicted) nearly all steps stay
+    under the target; planned with the fit alone, about half overrun it."""
+    m, over = _plan_to_a_target(3)
+    assert 1.1 < m.margin < 1.25
+    assert over <= 0.15
+    assert m.predict(100, attention_pairs(0, 100), 1, 10) == pytest.approx(m.base_time(1, 10) + m.chunk_time(0, 100))
+    monkeypatch.setattr(step_time, "MARGIN_QUANTILE", 0.5)
+    m, over = _plan_to_a_target(3)
+    assert m.margin < 1.05 and over > 0.3
 
 
 def test_decodes_go_before_the_prefill_of_an_earlier_admitted_request():
