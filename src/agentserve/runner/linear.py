@@ -240,6 +240,8 @@ class _CodesLinear:
         rows = x.shape[0]
         n, k = self.shape
         y = torch.empty(rows, n, dtype=x.dtype)
+        if rows == 0:
+            return y
         rc = self.lib.agentserve_gguf_matmul(int(self.q8), int(x.dtype is torch.bfloat16), x.data_ptr(), rows, k,
                                              self.packed.data_ptr(), n,
                                              None if self.bias32 is None else self.bias32.data_ptr(),

@@ -249,7 +249,8 @@ int agentserve_q4_fast(void) { return Q4_FAST; }
 int agentserve_gguf_matmul(int q8, int dtype, const void *x, long rows, long k, const uint8_t *w, long n,
                            const float *bias, void *y, int nthreads) {
 #if Q4_FAST
-    if (rows <= 0 || n % Q4_TILE || k % Q4_BLOCK) return -2;
+    if (rows < 0 || n % Q4_TILE || k % Q4_BLOCK) return -2;
+    if (rows == 0) return 0;
     long nb = k / Q4_BLOCK, ntiles = n / Q4_TILE;
     const long tile_bytes = nb * (q8 ? Q8_TILE_BLOCK_BYTES : Q4_TILE_BLOCK_BYTES);
     int8_t *x8 = malloc((size_t)(2 * rows * k) + 64);
