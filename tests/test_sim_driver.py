@@ -3,12 +3,16 @@ intact KV accounting, hung tools do not deadlock, and the CLI writes what it say
 
 import json
 import math
+from collections import defaultdict
 
 import pytest
 
 from agentserve.bench.generators import generate_swebench
 from agentserve.cli import main
+from agentserve.bench.trace import NON_TOOL_NAMES
 from agentserve.policy.base import policy_names
+from agentserve.policy.tool_stats import NO_TOOL_CALL
+from agentserve.policy.ttl import EtaEstimator
 from agentserve.sim.driver import SimConfig, percentile, simulate
 from agentserve.sim.report import ROW_KEYS
 from agentserve.sim.robustness import split_hanging
@@ -28,6 +32,28 @@ def test_every_policy_completes_under_memory_pressure(small_workload, policy, ho
     assert r.completed == len(small_workload) and r.rejected == 0
     assert all(j > 0 for j in r.jct)
     assert 0 < r.hit_ratio < 1
+
+
+def test_programs_that_are_never_ended_still_teach_eta_and_tool_times():
+    """Clients that never send end_program: the programs end idle, and what
+    continuum learned equals the workload's truth (eta exactly; each tool's mean
+    up to the step in which a returning turn is noticed), with no per-program
+    state left behind."""
+    programs = generate_swebench(60, 1.0, seed=4)
+    r = simulate(programs, SimConfig(policy="continuum", end_programs=False))
+    assert r.completed == 60
+    truth = EtaEstimator()
+    durations = defaultdict(list)
+    for p in programs:
+        truth.add_program(len(p.calls))
+        for c in p.calls[:-1]:  # the last call's tool never returns: no sample
+            durations[NO_TOOL_CALL if c.tool_name in (None, *NON_TOOL_NAMES) else c.tool_name].append(c.tool_duration)
+    st = r.state
+    assert st["eta_programs"] == 60 and st["eta"] == pytest.approx(truth.value())
+    assert st["tool_means"].keys() == durations.keys()
+    for tool, ds in durations.items():
+        assert st["tool_means"][tool] == pytest.approx(sum(ds) / len(ds), abs=0.05), tool
+    assert st["programs"] == st["pins"] == st["pending_tools"] == 0
 
 
 def test_jct_includes_tool_time():

@@ -5,7 +5,13 @@ Programs arrive at their turn-0 arrival time; each later turn arrives when the
 previous response is done plus the tool's duration (a closed loop, as an agent
 behaves), so queueing delays push the whole program back, as they do in life.
 A tool duration of +inf is a tool that never returns: the program never
-completes and whatever it pinned must expire."""
+completes and whatever it pinned must expire.
+
+With `end_programs` off, clients never say that a program ended (as most do
+not on a live server): the last turn is one more turn, and the program ends
+only when the scheduler finds it idle. The run then waits out the idle timeout,
+so that every program has ended, and reports what the policy learned and what
+per-program state is left (`SimResult.state`)."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ class SimConfig:
     max_step_ms_with_decodes: float | None = SchedulerConfig.max_step_ms_with_decodes
     seed: int = 0
     check_integrity_every: int = 0  # steps; 0 = only at the end
+    end_programs: bool = True  # the last turn says the program ended (False: programs end idle)
     policy_options: dict = field(default_factory=dict)
 
 
@@ -61,6 +68,7 @@ class SimResult:
     capped_steps: int = 0  # steps whose prefill the step-time target held back
     decode_step_max_s: float = 0.0  # the longest step with decodes running
     decode_step_p99_s: float = 0.0  # p99 of the latest such steps
+    state: dict = field(default_factory=dict)  # learned statistics and per-program state left at the end
 
     @property
     def throughput(self) -> float:
@@ -118,7 +126,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         req = Request(
             request_id=f"{p.program_id}/{turn}", program_id=p.program_id,
             prompt_token_ids=prompt, max_tokens=max(1, len(output)), arrival_time=now,
-            is_last_turn=turn == len(p.calls) - 1, sim_output=output,
+            is_last_turn=cfg.end_programs and turn == len(p.calls) - 1, sim_output=output,
         )
         # The simulator knows which tool the scripted output calls; a human or
         # unknown next step is no tool call.
@@ -164,7 +172,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
             ttft.append(req.first_token_time - req.arrival_time)
             queue_times.append(req.queue_time)
             p = programs[i]
-            if req.is_last_turn:
+            if turn == len(p.calls) - 1:
                 jct.append(req.finish_time - first_arrival[i])
                 last_finish = max(last_finish, req.finish_time)
                 plans.pop(i, None)
@@ -173,6 +181,10 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
                 if math.isfinite(d):
                     heapq.heappush(events, (req.finish_time + max(0.0, d), seq, i, turn + 1))
                     seq += 1
+    if not cfg.end_programs:  # wait out every pin and then the idle timeout, as a server idles
+        clock.advance_to(max([clock.now()] + [pin.expiry for pin in kv.pins.values()]))
+        clock.advance(sconf.program_idle_timeout + 1.0)
+        sched.schedule()
     sched.check_integrity()
     st = sched.stats
     start = min((p.arrival for p in programs), default=0.0)
@@ -188,4 +200,16 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
               "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
         capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
         decode_step_p99_s=st.decode_step_p99_s(),
+        state=_state(sched),
     )
+
+
+def _state(sched: Scheduler) -> dict:
+    pol = sched.policy
+    stats = pol.tool_stats
+    eta = getattr(pol, "eta", None)
+    return {
+        "programs": len(sched.programs), "pins": len(sched.kv.pins), "pending_tools": stats.pending_count(),
+        "eta": eta.value() if eta is not None else None, "eta_programs": len(eta) if eta is not None else 0,
+        "tool_means": {t: stats.mean(t) for t in stats.tools()}, "tool_shifts": stats.shifts,
+    }
