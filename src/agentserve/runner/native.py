@@ -31,6 +31,7 @@ from pathlib import Path
 log = logging.getLogger("agentserve.runner")
 
 _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+_HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -63,7 +64,7 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(p.name.encode() + p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.name.encode() + p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + version.encode() + _cpu_id().encode()).hexdigest()[:16]
     out = cache_dir() / f"kernels-{key}.so"

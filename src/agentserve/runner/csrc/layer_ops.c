@@ -17,22 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
+#include "bf16.h"
 
-static inline float lo_f32(bf16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline bf16_t lo_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40);
-    return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float rnd(float f) { return lo_f32(lo_bf16(f)); }
+static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* h [T, dim] (+)= delta (when not NULL), then out = weight * bf16(h * rsqrt(mean(h^2) + eps)). */
 void agentserve_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weight, bf16_t *out, long T, long dim,
@@ -45,21 +32,21 @@ void agentserve_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weigh
             const bf16_t *dl = delta + t * dim;
             #pragma omp simd reduction(+:ss)
             for (long j = 0; j < dim; j++) {
-                float v = rnd(lo_f32(x[j]) + lo_f32(dl[j]));
-                x[j] = lo_bf16(v);
+                float v = rnd(bf16_to_f32(x[j]) + bf16_to_f32(dl[j]));
+                x[j] = f32_to_bf16(v);
                 ss += v * v;
             }
         } else {
             #pragma omp simd reduction(+:ss)
             for (long j = 0; j < dim; j++) {
-                float v = lo_f32(x[j]);
+                float v = bf16_to_f32(x[j]);
                 ss += v * v;
             }
         }
         float r = 1.0f / sqrtf(ss / (float)dim + eps);
         bf16_t *o = out + t * dim;
         #pragma omp simd
-        for (long j = 0; j < dim; j++) o[j] = lo_bf16(lo_f32(weight[j]) * rnd(lo_f32(x[j]) * r));
+        for (long j = 0; j < dim; j++) o[j] = f32_to_bf16(bf16_to_f32(weight[j]) * rnd(bf16_to_f32(x[j]) * r));
     }
 }
 
@@ -81,9 +68,9 @@ void agentserve_rope_kv(const bf16_t *qkv, long T, int H, int KVH, int D, const 
             bf16_t *dst = h < H ? q_out + (t * H + h) * (long)D : k_cache + ((long)(h - H) * cache_tokens + slot) * D;
             #pragma omp simd
             for (int j = 0; j < half; j++) {
-                float a = lo_f32(x[j]), b = lo_f32(x[j + half]);
-                dst[j] = lo_bf16(rnd(a * lo_f32(c[j])) + rnd(-b * lo_f32(s[j])));
-                dst[j + half] = lo_bf16(rnd(b * lo_f32(c[j + half])) + rnd(a * lo_f32(s[j + half])));
+                float a = bf16_to_f32(x[j]), b = bf16_to_f32(x[j + half]);
+                dst[j] = f32_to_bf16(rnd(a * bf16_to_f32(c[j])) + rnd(-b * bf16_to_f32(s[j])));
+                dst[j + half] = f32_to_bf16(rnd(b * bf16_to_f32(c[j + half])) + rnd(a * bf16_to_f32(s[j + half])));
             }
         }
         for (int h = 0; h < KVH; h++)
@@ -99,8 +86,8 @@ void agentserve_silu_mul(const bf16_t *gu, long T, long inter, bf16_t *out, int 
         bf16_t *o = out + t * inter;
         #pragma omp simd
         for (long j = 0; j < inter; j++) {
-            float x = lo_f32(g[j]);
-            o[j] = lo_bf16(rnd(x / (1.0f + expf(-x))) * lo_f32(u[j]));
+            float x = bf16_to_f32(g[j]);
+            o[j] = f32_to_bf16(rnd(x / (1.0f + expf(-x))) * bf16_to_f32(u[j]));
         }
     }
 }

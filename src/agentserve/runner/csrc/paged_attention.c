@@ -26,25 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_TILE_Q 16 /* query vectors (rows x heads of a group) per item */
 #define MAX_BLOCK 128
 
-typedef uint16_t bf16_t;
-
-static inline float bf16_to_f32(bf16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline bf16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40); /* quiet NaN */
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (bf16_t)((v.u + rounding) >> 16);
-}
 
 /* exp for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r)
  * with x = n ln2 + r, |r| <= ln2/2; relative error below 2e-7. */
