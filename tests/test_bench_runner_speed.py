@@ -57,6 +57,7 @@ def test_parser_defaults_and_sweep_options():
     a = ap.parse_args([])
     assert not a.sweep and not a.ab_packing and a.dtypes is None and a.repeats == 3
     assert ap.parse_args(["--ab-packing"]).ab_packing
+    assert ap.parse_args(["--ab-weights"]).ab_weights and not a.ab_weights
     a = ap.parse_args(["--sweep"])
     cfg = rs.sweep_config(a)
     assert tuple(cfg.contexts) == (512, 2048, 4096, 8192) and tuple(cfg.batches) == (1, 8)

@@ -6,6 +6,7 @@ and writes JSON.
 
     python -m agentserve.bench.runner_speed --dtypes float32,bfloat16 --json runner_speed.json
     python -m agentserve.bench.runner_speed --ab-packing     # packed vs plain bf16 weights, side by side
+    python -m agentserve.bench.runner_speed --ab-weights     # --weights native vs bf16, side by side
     python -m agentserve.bench.runner_speed --sweep --peers vllm,llamacpp --json sweep.json
 
 --sweep: against context length, one dtype (bfloat16 by default):
@@ -73,17 +74,30 @@ def measure(dtype: str, model: str | None, repeats: int) -> dict:
     return row
 
 
-def ab_packing(model: str | None, rounds: int = 3) -> list[dict]:
-    """bfloat16 with oneDNN-packed weights against plain weights, measured in
-    alternation in one process (medians over rounds), so machine noise hits both."""
+# A/B comparisons: two LLM configurations, bfloat16 compute, measured in alternation
+AB_VARIANTS = {
+    "packing": (("packed", {"pack_weights": True, "weights": "bf16"}),
+                ("plain", {"pack_weights": False, "weights": "bf16"})),
+    "weights": (("native", {"weights": "native"}), ("bf16", {"weights": "bf16"})),
+}
+
+
+def ab_compare(model: str | None, which: str, rounds: int = 3) -> list[dict]:
+    """Two configurations of AB_VARIANTS[which] measured in alternation in one
+    process (medians over rounds), so machine noise hits both: decode at batch 1
+    and 8 (512-token context) and a 512-token prefill, tokens/s, and the bytes a
+    decode step reads."""
     import statistics
 
     from agentserve.llm import LLM
+    from agentserve.runner.loader import load_model
     from agentserve.runner.profiling import ModelTimer, median_time
 
-    llms = {name: LLM(model, dtype="bfloat16", kv_cache_tokens=max(BATCHES) * (CONTEXT + 16) + 4096,
-                      policy="vllm-fcfs", pack_weights=pack) for name, pack in (("packed", True), ("plain", False))}
-    points = [(f"decode b{b}", b, lambda t, b=b: t.decode(b, CONTEXT)) for b in (1, 8)] + \
+    loaded = load_model(model, keep_quantized=True)
+    (a, kw_a), (b, kw_b) = AB_VARIANTS[which]
+    llms = {name: LLM(loaded, dtype="bfloat16", kv_cache_tokens=max(BATCHES) * (CONTEXT + 16) + 4096,
+                      policy="vllm-fcfs", **kw) for name, kw in ((a, kw_a), (b, kw_b))}
+    points = [(f"decode b{n}", n, lambda t, n=n: t.decode(n, CONTEXT)) for n in (1, 8)] + \
         [("prefill 512", 512, lambda t: t.prefill(512))]
     got: dict = {name: {p[0]: [] for p in points} for name in llms}
     for _ in range(rounds):
@@ -93,9 +107,19 @@ def ab_packing(model: str | None, rounds: int = 3) -> list[dict]:
                 got[name][label].append(tokens / median_time(make(timer), llm.device, repeats=5))
     rows = []
     for label, _, _ in points:
-        packed, plain = (statistics.median(got[n][label]) for n in ("packed", "plain"))
-        rows.append({"point": label, "packed_tok_s": packed, "plain_tok_s": plain, "ratio": packed / plain})
+        ta, tb = (statistics.median(got[n][label]) for n in (a, b))
+        rows.append({"point": label, f"{a}_tok_s": ta, f"{b}_tok_s": tb, "ratio": ta / tb})
+    rows.append({"point": "MiB read a decode step", f"{a}_tok_s": llms[a].model.weight_bytes / 2**20,
+                 f"{b}_tok_s": llms[b].model.weight_bytes / 2**20, "ratio": None})
     return rows
+
+
+def print_ab(rows: list[dict]) -> None:
+    a, b = [k[:-len("_tok_s")] for k in rows[0] if k.endswith("_tok_s")]
+    print(f"{'point':>22}  {a + ' tok/s':>12}  {b + ' tok/s':>12}  {'ratio':>5}")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"{r['point']:>22}  {r[a + '_tok_s']:>12.1f}  {r[b + '_tok_s']:>12.1f}  {ratio:>5}")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -336,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="write the rows (with --sweep: everything measured) here")
     ap.add_argument("--ab-packing", action="store_true",
                     help="instead: packed against plain bfloat16 weights, side by side")
+    ap.add_argument("--ab-weights", action="store_true",
+                    help="instead: --weights native against bf16, side by side")
     sw = ap.add_argument_group("context-length sweep (--sweep)")
     sw.add_argument("--sweep", action="store_true",
                     help="instead: decode against context length with its roofline, a chunked long prefill, "
@@ -401,11 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.sweep:
         return main_sweep(args)
-    if args.ab_packing:
-        rows = ab_packing(args.model)
-        print(f"{'point':>12}  {'packed tok/s':>12}  {'plain tok/s':>11}  {'ratio':>5}")
-        for r in rows:
-            print(f"{r['point']:>12}  {r['packed_tok_s']:>12.1f}  {r['plain_tok_s']:>11.1f}  {r['ratio']:>5.2f}")
+    if args.ab_packing or args.ab_weights:
+        rows = ab_compare(args.model, "packing" if args.ab_packing else "weights")
+        print_ab(rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
