@@ -51,3 +51,12 @@ def test_p99_of_steps_with_decodes_ignores_a_lone_outlier():
     times = (0.05,) * 198 + (0.12, 0.9)
     b = replace(a, executed_steps=200, decode_steps=200, recent_decode_step_s=times)
     assert "longest step with decodes 900 ms, p99 120 ms" in stats_line(a, b, 10.0)
+
+
+def test_step_model_in_the_line_once_it_has_samples():
+    a = snap(executed_steps=1)
+    b = replace(a, executed_steps=5)
+    assert "step model" not in stats_line(a, b, 10.0)
+    b = replace(b, step_model=(0.004, 2e-4, 1e-8, 1e-3, 2e-6), step_margin=1.13)
+    assert ("step model 4.0 ms + 0.200 ms a prompt token + 10.00 ms per M attention pairs + 1.00 ms a decode "
+            "+ 2.000 ms per 1k context, x1.13") in stats_line(a, b, 10.0)

@@ -95,6 +95,9 @@ class EngineSnapshot:
     capped_steps: int = 0  # steps whose prefill the step-time target held back
     decode_steps: int = 0  # executed steps with decodes running
     recent_decode_step_s: tuple[float, ...] = ()  # the latest of those steps' times, oldest first
+    # the learned step-time model (engine/step_time.py): coefficients, margin; () until it has samples
+    step_model: tuple[float, ...] = ()
+    step_margin: float = 1.0
 
     @property
     def kv_usage(self) -> float:
@@ -529,4 +532,6 @@ class AsyncEngine:
             pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end,
             prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, execute_s=s.execute_s,
             executed_steps=s.executed_steps, capped_steps=s.capped_steps, decode_steps=s.decode_steps,
-            recent_decode_step_s=tuple(s.decode_step_history))
+            recent_decode_step_s=tuple(s.decode_step_history),
+            step_model=self.scheduler.step_model.coefficients if self.scheduler.step_model.ready else (),
+            step_margin=self.scheduler.step_model.margin)

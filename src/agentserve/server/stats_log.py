@@ -40,6 +40,11 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
         p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
         parts.append(f"longest step with decodes {1000 * times[-1]:.0f} ms, p99 {1000 * p99:.0f} ms "
                      f"(prefill capped in {cur.capped_steps - prev.capped_steps} steps)")
+    if cur.step_model:
+        a, b, c, d, e = cur.step_model
+        parts.append(f"step model {1e3 * a:.1f} ms + {1e3 * b:.3f} ms a prompt token + {1e9 * c:.2f} ms per M "
+                     f"attention pairs + {1e3 * d:.2f} ms a decode + {1e6 * e:.3f} ms per 1k context, "
+                     f"x{cur.step_margin:.2f}")
     if cur.preemptions > prev.preemptions:
         parts.append(f"preemptions {cur.preemptions - prev.preemptions}")
     return "; ".join(parts)
