@@ -49,8 +49,8 @@ def test_blocks_dequantize_exactly_like_gguf(qtype):
     assert both.qtype == "Q4_0+Q4_1" and torch.equal(both.dequantize(), torch.cat([back, other_back]))
 
 
-KERNELS = [pytest.param("auto", marks=pytest.mark.skipif(native.q4_kernel() is None,
-                                                         reason=f"{native.q4_unavailable_reason()}")),
+KERNELS = [pytest.param("auto", marks=pytest.mark.skipif(native.gguf_kernel() is None,
+                                                         reason=f"{native.gguf_unavailable_reason()}")),
            pytest.param("torch", marks=pytest.mark.skipif(linear._check_int4() is not None,
                                                           reason="torch has no CPU int4 kernel"))]
 
@@ -89,7 +89,7 @@ def test_int4_linear_matches_dequantized_weight(kernel, qtype, rows, bias):
     assert lin.nbytes == 96 * 160 // 2 + blocks * 4 + bias_bytes
 
 
-@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+@pytest.mark.skipif(native.gguf_kernel() is None, reason=f"{native.gguf_unavailable_reason()}")
 @pytest.mark.parametrize("rows", [1, 5, 8, 13])
 def test_native_q4_float32_activations(rows):
     """float32 in and out through the same kernel: two-level codes keep it near exact."""
@@ -101,7 +101,7 @@ def test_native_q4_float32_activations(rows):
     assert ((y.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 1e-4
 
 
-@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+@pytest.mark.skipif(native.gguf_kernel() is None, reason=f"{native.gguf_unavailable_reason()}")
 def test_native_q4_edge_activations():
     """A block of zeros, one huge outlier, and values at the int8 limits."""
     w, back = q4_weight(Q.Q4_0, 32, 128, seed=3)
@@ -197,7 +197,7 @@ def test_weights_plan_and_conflicts():
 
 def test_native_without_the_kernel_falls_back_with_one_line(monkeypatch, caplog):
     monkeypatch.setattr(linear, "_INT4_REASON", "this torch build (x) lacks aten._weight_int4pack_mm_for_cpu")
-    monkeypatch.setattr(native, "q4_kernel", lambda: None)
+    monkeypatch.setattr(native, "gguf_kernel", lambda: None)
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         assert devices.plan_weights("native", "auto", torch.device("cpu")) == (False, torch.bfloat16)
         assert devices.plan_weights("auto", "bfloat16", torch.device("cpu")) == (False, torch.bfloat16)
@@ -239,7 +239,7 @@ def test_q8_blocks_dequantize_exactly_like_gguf():
     assert w.nbytes == 32 * 3 * 34
 
 
-@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+@pytest.mark.skipif(native.gguf_kernel() is None, reason=f"{native.gguf_unavailable_reason()}")
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 9])
 @pytest.mark.parametrize("bias", [False, True])
 def test_q8_linear_matches_dequantized_weight(rows, bias):
@@ -263,7 +263,7 @@ def test_q8_linear_matches_dequantized_weight(rows, bias):
     assert lin.nbytes == 80 * 192 // 32 * 36 + (80 * 2 if bias else 0)  # codes, fp16 scale, int16 code sum
 
 
-@pytest.mark.skipif(native.q4_kernel() is None, reason=f"{native.q4_unavailable_reason()}")
+@pytest.mark.skipif(native.gguf_kernel() is None, reason=f"{native.gguf_unavailable_reason()}")
 def test_q8_model_runs_natively_where_the_kernel_is_built(tmp_path, monkeypatch, caplog):
     """Every projection Q8_0: on the Q8_0 kernel; without the native library, dequantized
     with one log line (there is no torch kernel for Q8_0)."""
@@ -278,7 +278,7 @@ def test_q8_model_runs_natively_where_the_kernel_is_built(tmp_path, monkeypatch,
     exact = teacher_forced_logits(LLM(str(q8.path), weights="fp32", **opts), ids, 24)
     rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
     assert rel(teacher_forced_logits(llm, ids, 4)) < 1.5 * rel(teacher_forced_logits(bf16, ids, 24))
-    monkeypatch.setattr(native, "q4_kernel", lambda: None)
+    monkeypatch.setattr(native, "gguf_kernel", lambda: None)
     monkeypatch.setattr(linear, "_INT4_REASON", None)
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         assert LLM(str(q8.path), weights="native", **opts).model.weight_format == "bf16"

@@ -74,54 +74,6 @@ def measure(dtype: str, model: str | None, repeats: int) -> dict:
     return row
 
 
-# A/B comparisons: two LLM configurations, bfloat16 compute, measured in alternation
-AB_VARIANTS = {
-    "packing": (("packed", {"pack_weights": True, "weights": "bf16"}),
-                ("plain", {"pack_weights": False, "weights": "bf16"})),
-    "weights": (("native", {"weights": "native"}), ("bf16", {"weights": "bf16"})),
-}
-
-
-def ab_compare(model: str | None, which: str, rounds: int = 3) -> list[dict]:
-    """Two configurations of AB_VARIANTS[which] measured in alternation in one
-    process (medians over rounds), so machine noise hits both: decode at batch 1
-    and 8 (512-token context) and a 512-token prefill, tokens/s, and the bytes a
-    decode step reads."""
-    import statistics
-
-    from agentserve.llm import LLM
-    from agentserve.runner.loader import load_model
-    from agentserve.runner.profiling import ModelTimer, median_time
-
-    loaded = load_model(model, keep_quantized=True)
-    (a, kw_a), (b, kw_b) = AB_VARIANTS[which]
-    llms = {name: LLM(loaded, dtype="bfloat16", kv_cache_tokens=max(BATCHES) * (CONTEXT + 16) + 4096,
-                      policy="vllm-fcfs", **kw) for name, kw in ((a, kw_a), (b, kw_b))}
-    points = [(f"decode b{n}", n, lambda t, n=n: t.decode(n, CONTEXT)) for n in (1, 8)] + \
-        [("prefill 512", 512, lambda t: t.prefill(512))]
-    got: dict = {name: {p[0]: [] for p in points} for name in llms}
-    for _ in range(rounds):
-        for name, llm in llms.items():
-            timer = ModelTimer(llm)
-            for label, tokens, make in points:
-                got[name][label].append(tokens / median_time(make(timer), llm.device, repeats=5))
-    rows = []
-    for label, _, _ in points:
-        ta, tb = (statistics.median(got[n][label]) for n in (a, b))
-        rows.append({"point": label, f"{a}_tok_s": ta, f"{b}_tok_s": tb, "ratio": ta / tb})
-    rows.append({"point": "MiB read a decode step", f"{a}_tok_s": llms[a].model.weight_bytes / 2**20,
-                 f"{b}_tok_s": llms[b].model.weight_bytes / 2**20, "ratio": None})
-    return rows
-
-
-def print_ab(rows: list[dict]) -> None:
-    a, b = [k[:-len("_tok_s")] for k in rows[0] if k.endswith("_tok_s")]
-    print(f"{'point':>22}  {a + ' tok/s':>12}  {b + ' tok/s':>12}  {'ratio':>5}")
-    for r in rows:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"{r['point']:>22}  {r[a + '_tok_s']:>12.1f}  {r[b + '_tok_s']:>12.1f}  {ratio:>5}")
-
-
 def format_table(rows: list[dict]) -> str:
     cols = [("dtype", "dtype", "{}")] + [(f"prefill {n}", f"prefill_{n}_tok_s", "{:.0f}") for n in PREFILL] \
         + [(f"decode b{b}", f"decode_b{b}_tok_s", "{:.1f}") for b in BATCHES] \
@@ -428,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         return main_sweep(args)
     if args.ab_packing or args.ab_weights:
+        from agentserve.bench.runner_ab import ab_compare, print_ab
+
         rows = ab_compare(args.model, "packing" if args.ab_packing else "weights")
         print_ab(rows)
         if args.json:

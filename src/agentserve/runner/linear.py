@@ -131,7 +131,7 @@ def int4_unavailable(device: torch.device) -> str | None:
     global _INT4_REASON
     if device.type != "cpu":
         return f"the int4 kernels here are CPU ones, the device is {device.type}"
-    if native.q4_kernel() is not None:
+    if native.gguf_kernel() is not None:
         return None
     if _INT4_REASON is False:
         _INT4_REASON = _check_int4()
@@ -263,7 +263,7 @@ class Q4Linear(_CodesLinear):
                  pack: bool = True, dense: Linear | None = None, kernel: str = "auto") -> None:
         if kernel not in ("auto", "torch"):
             raise ValueError(f"kernel {kernel!r} is not one of auto, torch")
-        lib = native.q4_kernel() if kernel == "auto" else None
+        lib = native.gguf_kernel() if kernel == "auto" else None
         if max_rows is None:
             max_rows = NATIVE_Q4_MAX_ROWS if lib is not None else INT4_MAX_ROWS
         super().__init__(weight, bias, max_rows, pack, dense, lib)
@@ -292,11 +292,11 @@ class Q8Linear(_CodesLinear):
 
     def __init__(self, weight: Q8Weight, bias: torch.Tensor | None = None, max_rows: int = NATIVE_Q8_MAX_ROWS,
                  pack: bool = True, dense: Linear | None = None) -> None:
-        lib = native.q4_kernel()
+        lib = native.gguf_kernel()
         if lib is None:
-            raise RuntimeError(f"no Q8_0 kernel: {native.q4_unavailable_reason()}")
+            raise RuntimeError(f"no Q8_0 kernel: {native.gguf_unavailable_reason()}")
         super().__init__(weight, bias, max_rows, pack, dense, lib)
 
 
 def q8_available(device: torch.device) -> bool:
-    return device.type == "cpu" and native.q4_kernel() is not None
+    return device.type == "cpu" and native.gguf_kernel() is not None

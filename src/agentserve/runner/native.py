@@ -11,7 +11,7 @@ team that would compete for the cores. No torch headers are needed.
 Anything that goes wrong (no compiler, a failed build, a library that does
 not load, AGENTSERVE_ATTENTION=torch) leaves `paged_attention_kernel()`
 returning None with one warning in the log; callers then use the portable
-torch path. `q4_kernel()` is None when the library is missing or was built
+torch path. `gguf_kernel()` is None when the library is missing or was built
 for a CPU without AVX512-VNNI; `linear.Q4Linear` then uses torch's int4
 kernel."""
 
@@ -162,7 +162,7 @@ def big_tiles() -> bool:
     return lib is not None and bool(lib.agentserve_paged_attention_big_tiles())
 
 
-def q4_kernel() -> ctypes.CDLL | None:
+def gguf_kernel() -> ctypes.CDLL | None:
     """The library when it has the GGUF (Q4_0/Q4_1/Q8_0) matrix products for this CPU
     (AVX512-VNNI), else None."""
     with _lock:
@@ -179,9 +179,9 @@ def layer_ops() -> ctypes.CDLL | None:
         return _library()
 
 
-def q4_unavailable_reason() -> str | None:
-    """Why `q4_kernel()` is None (a phrase for a log line), or None."""
-    if q4_kernel() is not None:
+def gguf_unavailable_reason() -> str | None:
+    """Why `gguf_kernel()` is None (a phrase for a log line), or None."""
+    if gguf_kernel() is not None:
         return None
     return _lib_why_not or "the kernels were built for a CPU without AVX512-VNNI"
 
