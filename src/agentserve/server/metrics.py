@@ -77,6 +77,9 @@ class _SnapshotCollector(Collector):
         yield counter("pins_released_early", "Pins the policy released before their TTL.", s.pins_released_early)
         yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
+        yield counter("engine_executed_steps", "Steps that ran the model.", s.executed_steps)
+        yield counter("engine_decode_steps", "Steps that ran the model with requests decoding (forward passes "
+                      "that decoded; a request's first token comes from its prefill step).", s.decode_steps)
 
 
 class ServerMetrics:
