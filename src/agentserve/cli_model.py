@@ -48,6 +48,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "long prompt is prefilled beside the decodes instead of stalling them for seconds; "
                         "at least 32 prompt tokens still run a step. Without decodes the whole "
                         "--max-num-batched-tokens budget is used. 0: no cap")
+    g.add_argument("--speculate", type=int, default=8, metavar="N",
+                   help="prompt-lookup speculation: each decode step may verify up to N draft tokens per "
+                        "request, copied from where the request's last tokens occurred before in its prompt "
+                        "or output (tool names, argument keys, paths); a draft token is verified only while "
+                        "its expected acceptance pays for its row at the step's current rate, so a busy "
+                        "batch or novel prose speculates little or not at all. The output is the same as "
+                        "without it (greedy; and token for token with a seed). 0: off")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--policy", default="continuum", help="scheduling/retention policy (see `agentserve sim --help`)")
@@ -70,7 +77,7 @@ def build_llm(args):
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                    policy=args.policy, profile=args.profile, threads=args.threads,
-                   weights=args.weights)
+                   weights=args.weights, speculate=args.speculate)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
 

@@ -17,6 +17,7 @@ from agentserve.clock import WallClock
 from agentserve.engine.llm_engine import LLMEngine, RequestOutput
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.engine.spec_decode import SpecConfig
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
 from agentserve.runner import device as devices
@@ -45,10 +46,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
-                 threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto") -> None:
+                 threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
+                 speculate: int = 8) -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
-        is native where the model and machine allow it, else `dtype` decides."""
+        is native where the model and machine allow it, else `dtype` decides.
+        `speculate`: draft tokens a decode step may verify per request (prompt
+        lookup, engine/spec_decode.py); 0 turns speculation off."""
+        if speculate < 0:
+            raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
             torch.set_num_threads(threads)
         self.device = devices.resolve_device(device)
@@ -79,7 +85,8 @@ class LLM:
         self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks)
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes)
+                                max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,
+                                speculation=SpecConfig(max_draft=speculate))
         self.reload_cost = reload_cost_for(profile, self, host_tier=host_blocks > 0)
         self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options)
         self.executor = ModelExecutor(self.model, self.kv_cache)

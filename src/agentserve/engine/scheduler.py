@@ -28,6 +28,7 @@ from agentserve.engine.executor import ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
+from agentserve.engine.spec_decode import Speculator
 from agentserve.engine.step_time import StepBudget, StepTimeModel, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext, make_policy
@@ -67,6 +68,7 @@ class Scheduler:
         self._order_dirty = True
         self._next_expiry = 0.0
         self.step_model = StepTimeModel()
+        self.speculator = Speculator(config.speculation)
 
     # --- requests in and out ---
 
@@ -221,13 +223,21 @@ class Scheduler:
         decoding, prefilling = [], []
         for req in self.running:
             (decoding if self._is_decoding(req) else prefilling).append(req)
+        drafts = self._plan_drafts(decoding)
         for req in decoding:
             if step.budget <= 0:
                 break
-            if req.status is RequestStatus.RUNNING and self._schedule_running(req, 1, step, now, out):
-                step.add(req, 1)
-                step.decode_rows += 1
-                step.decode_context += req.num_computed_tokens + 1
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            draft = drafts.get(req)
+            if draft and not self._draft_slots(req, draft, step):
+                del drafts[req]
+                draft = None
+            if self._schedule_running(req, 1, step, now, out):
+                n = 1 + len(draft) if draft else 1
+                step.add(req, n)
+                step.decode_rows += n
+                step.decode_context += (req.num_computed_tokens + 1) * n
         if prefilling or self.waiting:
             step.time_left = self._prefill_time_left(step)
         for req in prefilling:
@@ -263,7 +273,11 @@ class Scheduler:
             self.stats.capped_steps += 1
         for req, n in step.scheduled.items():
             start = req.num_computed_tokens
-            out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
+            draft = drafts.get(req)
+            if draft:
+                out.chunks.append(ScheduledChunk(req, start, n, True, tuple(draft)))
+            else:
+                out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
             req.num_computed_tokens = start + n
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
         return out
@@ -273,6 +287,47 @@ class Scheduler:
         """Its next chunk is one decode token (a preempted request recomputing its
         prompt and output is prefilling until it has caught up)."""
         return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
+
+    # --- speculation ---
+
+    def _plan_drafts(self, decoding: list[Request]) -> dict[Request, list[int]]:
+        """Draft tokens to verify this step, when speculation is on and the
+        cache has a block to spare for every running request."""
+        spec = self.speculator
+        if not spec.config.enabled or not decoding or self.kv.num_free_blocks <= len(self.running):
+            return {}
+        base = row = None
+        if self.step_model.ready:
+            rows = len(decoding)
+            ctx = sum(r.num_computed_tokens + 1 for r in decoding)
+            base = self.step_model.base_time(rows, ctx)
+            row = self.step_model.base_time(rows + 1, ctx + ctx // rows) - base
+        return spec.plan(decoding, base, row)
+
+    def _draft_slots(self, req: Request, draft: list[int], step: StepBudget) -> bool:
+        """Cut `draft` to the step's token budget and give it KV slots from free
+        blocks only: speculation never reclaims a pin or preempts a request."""
+        del draft[max(0, step.budget - 1):]
+        if not draft:
+            return False
+        if self.kv.blocks_for(req.num_computed_tokens + 1 + len(draft)) - self.kv.num_blocks_of(req.request_id) \
+                > self.kv.num_free_blocks - len(self.running):
+            return False
+        return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + 1 + len(draft))
+
+    def _verified(self, req: Request, ch: ScheduledChunk, sampled: list[int]) -> list[int]:
+        """The tokens a verified draft yields: the sampled token at each draft
+        position while the draft agrees, then the first disagreeing one. A
+        result of the wrong shape keeps only the first token (a plain decode)."""
+        draft = ch.draft
+        if len(sampled) != len(draft) + 1:
+            self.speculator.stats.fallbacks += 1
+            return list(sampled[:1])
+        a = 0
+        while a < len(draft) and sampled[a] == draft[a]:
+            a += 1
+        self.speculator.observe(req, len(draft), a)
+        return list(sampled[:a + 1])
 
     def _schedule_running(self, req: Request, n: int, step: StepBudget, now: float, out: SchedulerOutput) -> bool:
         """KV for `n` more tokens of running `req`: reclaim later programs' pins,
@@ -396,10 +451,16 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
             req.program.attained_service += result.elapsed
-            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
             if not ch.sample:
+                self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
                 continue
-            for tok in result.sampled.get(req.request_id, ()):
+            tokens = result.sampled.get(req.request_id, ())
+            if ch.draft:
+                tokens = self._verified(req, ch, tokens)
+            elif tokens and req.spec is not None:
+                self.speculator.observe_shadow(req, tokens[0])
+            status = None
+            for tok in tokens:
                 stats.decode_tokens += 1
                 req.append_output(tok)
                 if req.first_token_time is None:
@@ -411,9 +472,16 @@ class Scheduler:
                     elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
                         status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
-                    self._finish(req, status, now)
-                    finished.append(req)
                     break
+            if ch.draft:
+                # KV stands for every token but the last sampled one; blocks the
+                # rejected draft tokens took go back
+                req.num_computed_tokens = req.num_tokens - 1
+                self.kv.trim_slots(req.request_id, req.num_tokens, now)
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            if status is not None:
+                self._finish(req, status, now)
+                finished.append(req)
         stats.prefill_tokens += prefill
         if decodes:
             stats.decode_steps += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from agentserve.engine.spec_decode import SpecConfig
+
 
 @dataclass
 class SchedulerConfig:
@@ -16,6 +18,8 @@ class SchedulerConfig:
     # under this many ms (None or 0: no cap, the whole token budget as without decodes).
     max_step_ms_with_decodes: float | None = 200.0
     min_prefill_chunk: int = 32  # prefill tokens a capped step still computes
+    # prompt-lookup speculation (engine/spec_decode.py); off unless the executor verifies drafts
+    speculation: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

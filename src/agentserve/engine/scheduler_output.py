@@ -12,16 +12,28 @@ from agentserve.engine.request import Request
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at position `start`
     (the tokens before `start` already have KV). `sample` is true when the
-    chunk reaches the end of the request's tokens, so a token is sampled."""
+    chunk reaches the end of the request's tokens, so a token is sampled.
+    A decode with a `draft` computes its last token and the draft tokens
+    after it (num_tokens = 1 + len(draft)), and samples at every one of them
+    to verify the draft."""
 
     request: Request
     start: int
     num_tokens: int
     sample: bool
+    draft: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes."""
+        if self.draft:
+            return [self.request.token_ids[self.start], *self.draft]
+        return self.request.token_ids[self.start:self.start + self.num_tokens]
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        """A decode row (or, with a draft, a decode and its draft rows)."""
+        return (self.num_tokens == 1 or bool(self.draft)) and self.start >= self.request.num_prompt_tokens
 
 
 @dataclass
@@ -45,4 +57,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.is_decode)
+        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft) for c in self.chunks)

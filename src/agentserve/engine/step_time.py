@@ -7,8 +7,8 @@ A step's time is fitted as
 where P is the step's prefill tokens, A = sum over prefill chunks of
 n*start + n*(n+1)/2 (the query-key pairs a chunk of n tokens after `start`
 cached ones attends to, so a chunk late in a long prompt costs more than the
-same chunk at its start), D the decode rows and K the context those rows read
-(sum of start + 1). The fit is least squares over the last `window` steps with
+same chunk at its start), D the decode rows (a speculative draft's rows
+included) and K the context those rows read (sum of start + 1). The fit is least squares over the last `window` steps with
 prefill and, apart, the last `window` steps without, so a long run of decodes
 does not push the prefill samples out; coefficients are kept non-negative
 (a feature whose coefficient comes out negative is dropped and the rest
@@ -58,9 +58,9 @@ def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int]
     """(prefill tokens, attention pairs of the prefill chunks, decode rows, decode context)."""
     p = a = d = k = 0
     for ch in chunks:
-        if ch.is_decode:
-            d += 1
-            k += ch.start + 1
+        if ch.is_decode:  # a draft's rows cost like decode rows: small matrix products
+            d += ch.num_tokens
+            k += (ch.start + 1) * ch.num_tokens
         else:
             p += ch.num_tokens
             a += attention_pairs(ch.start, ch.num_tokens)

@@ -184,6 +184,17 @@ class KVCacheManager:
         st.blocks.extend(fresh)
         return True
 
+    def trim_slots(self, request_id: str, num_tokens_total: int, now: float = 0.0) -> int:
+        """Shrink a running request's table to `num_tokens_total` tokens (a
+        speculative draft's rejected tail). Returns the blocks freed."""
+        st = self._reqs[request_id]
+        keep = max(self.blocks_for(num_tokens_total), st.num_indexed)
+        extra = st.blocks[keep:]
+        if extra:
+            del st.blocks[keep:]
+            self.pool.release(extra, now)
+        return len(extra)
+
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Index the request's blocks that became full with computed KV, so
         later requests (this program's next turn, first of all) can hit them.

@@ -1,7 +1,9 @@
 """The real model behind the scheduler's Executor interface: one step = the
 host-tier copies the KV manager asked for, then one forward pass over the
 step's chunks, then sampling for the chunks that reach the end of their
-request's tokens."""
+request's tokens: one token each, or, for a decode with a speculative
+draft, one at each of its positions (the scheduler compares them with the
+draft)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class ModelExecutor(Executor):
             ids.append(c.request.token_ids[c.start])
             pos.append(c.start)
         for c in prefills:
-            ids.extend(c.request.token_ids[c.start:c.start + c.num_tokens])
+            ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
         bs = self.kv.block_size
         need = lambda c: -(-(c.start + c.num_tokens) // bs)  # noqa: E731
@@ -51,19 +53,27 @@ class ModelExecutor(Executor):
             [c.start + 1 for c in decodes],
             [(out.block_table(c.request.request_id)[:need(c)], c.start, c.num_tokens) for c in prefills],
             bs, self.device, dtype=self.model.dtype)
-        rows, sampled_chunks, row = [], [], 0
+        # rows to sample: the last of each chunk that reaches its request's end, and
+        # every row of a draft (each verifies the draft token before it)
+        rows: list[int] = []
+        params, rids, steps, owners = [], [], [], []
+        row = 0
         for c in decodes + prefills:
             row += c.num_tokens
-            if c.sample:
-                rows.append(row - 1)
-                sampled_chunks.append(c)
+            if not c.sample:
+                continue
+            n = len(c.draft) + 1
+            req = c.request
+            rows.extend(range(row - n, row))
+            params.extend([req.sampling or GREEDY] * n)
+            rids.extend([req.request_id] * n)
+            steps.extend(range(req.num_output_tokens, req.num_output_tokens + n))
+            owners.extend([req.request_id] * n)
         dev = self.device
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv,
                                     torch.tensor(rows, device=dev, dtype=torch.int64))
         sampled: dict[str, list[int]] = {}
-        if sampled_chunks:
-            params = [c.request.sampling or GREEDY for c in sampled_chunks]
-            rids = [c.request.request_id for c in sampled_chunks]
-            for rid, tok in zip(rids, self.sampler.sample(logits, params, rids)):
-                sampled[rid] = [tok]
+        if rows:
+            for rid, tok in zip(owners, self.sampler.sample(logits, params, rids, steps)):
+                sampled.setdefault(rid, []).append(tok)
         return ExecutorResult(sampled, time.perf_counter() - t0)

@@ -3,8 +3,14 @@ per-request seeds.
 
 Random rows are drawn with the exponential race (argmax of p / E, E ~ Exp(1)),
 which samples exactly from p and needs one noise draw per row: a seeded
-request draws its noise from its own generator, so its tokens depend on its
-seed and its logits only, never on what else shares the batch. A request
+request's noise for its j-th output token comes from a generator seeded
+with (seed, j), so its tokens depend on its seed and its logits only, never
+on what else shares the batch, nor on how many of its positions a step
+computes. That is what makes speculation exact at any temperature: each
+position of a verified draft is sampled as plain decoding would sample it,
+and a draft token stands only where it equals that sample (the accepted
+output is distributed exactly as without speculation, and with a seed it is
+the same output token for token). A request
 with a grammar constraint has the tokens its grammar forbids masked out first,
 and its matcher advanced with the token drawn. Only the sampled ids cross to
 the host."""
@@ -21,13 +27,12 @@ GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeded: torch.Generator | None = None  # re-seeded per (seed, output index)
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
         self._constraints = None  # ConstraintState, made on first use (needs xgrammar)
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
         if self._constraints is not None:
             self._constraints.release(request_id)
 
@@ -47,17 +52,19 @@ class Sampler:
                     self._constraints.accept(rid, tok)
         return tokens
 
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        g = self._generators.get(request_id)
+    def _generator(self, seed: int, step: int) -> torch.Generator:
+        g = self._seeded
         if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self._generators[request_id] = g
+            g = self._seeded = torch.Generator(device=self.device)
+        g.manual_seed(_mix(seed, step))
         return g
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
-        """logits [rows, vocab] float32 -> one token id per row."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+               steps: list[int] | None = None) -> list[int]:
+        """logits [rows, vocab] float32 -> one token id per row. steps: the
+        output index each row samples (seeded rows draw their noise by it;
+        None: 0 for every row)."""
         self._constrain(logits, params, request_ids)
         if all(p.greedy for p in params):
             return self._accept(logits.argmax(dim=-1).tolist(), params, request_ids)
@@ -75,7 +82,7 @@ class Sampler:
             if p.greedy:
                 noise[i].fill_(1.0)
             elif p.seed is not None:
-                noise[i].exponential_(generator=self._generator(rid, p.seed))
+                noise[i].exponential_(generator=self._generator(p.seed, steps[i] if steps is not None else 0))
             else:
                 shared_rows.append(i)
         if shared_rows:
@@ -88,6 +95,14 @@ class Sampler:
         out = torch.where(greedy, logits.argmax(dim=-1), drawn)
         assert out.shape[0] == rows
         return self._accept(out.tolist(), params, request_ids)
+
+
+def _mix(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (seed, output index): splitmix64 of both."""
+    x = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor]:

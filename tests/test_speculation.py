@@ -1,0 +1,296 @@
+"""Prompt-lookup speculation: the n-gram index, the step's draft plan, the
+scheduler's verification and KV trimming (over a fake model that checks the
+KV every chunk reads), and the real runner's output with and without drafts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agentserve.clock import SimClock
+from agentserve.engine.executor import Executor, ExecutorResult
+from agentserve.engine.request import Request, RequestStatus
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.engine.spec_decode import NgramIndex, SpecConfig, Speculator
+from agentserve.kv.manager import KVCacheManager
+
+BS = 4
+
+
+# --- the n-gram index ---
+
+def test_index_proposes_the_continuation_of_the_longest_latest_match():
+    idx = NgramIndex(2, 4)
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # suffix (2, 3) last occurred at 6..7 -> continuation from 8; the longer
+    # (5, 2, 3) never occurred before, so the 2-gram decides
+    assert idx.propose(tokens, 3) == [7, 8, 5]
+    tokens += [7]  # now (2, 3, 7) matches at 6..8 -> 8, 5, 2
+    assert idx.propose(tokens, 3) == [8, 5, 2]
+    assert idx.propose([4, 5, 6], 3) == []  # a fresh index, no repeat: nothing
+
+
+def test_index_never_matches_the_suffix_itself_and_stops_at_the_end():
+    idx = NgramIndex(1, 3)
+    assert idx.propose([5, 6], 4) == []
+    assert idx.propose([5, 6, 5], 4) == [6, 5]  # continuation runs up to the end of the tokens
+
+
+def test_incremental_index_equals_a_fresh_one():
+    rng = random.Random(1)
+    tokens = [rng.randrange(6) for _ in range(40)]
+    inc = NgramIndex(2, 4)
+    for n in range(2, len(tokens)):
+        fresh = NgramIndex(2, 4)
+        assert inc.propose(tokens[:n], 5) == fresh.propose(tokens[:n], 5)
+
+
+# --- the plan ---
+
+class _Req:
+    def __init__(self, tokens, max_tokens=100, constraint=None):
+        self.token_ids = list(tokens)
+        self.num_output_tokens = 0
+        self.max_tokens = max_tokens
+        self.sampling = SamplingParams(constraint=constraint)
+        self.spec = None
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+
+REPEAT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3 + [1, 2, 3]
+
+
+def test_plan_gives_a_lone_confident_decoder_its_whole_draft_and_a_busy_batch_less():
+    spec = Speculator(SpecConfig(max_draft=6, initial_acceptance=0.9))
+    one = _Req(REPEAT)
+    plan = spec.plan([one], base_time=0.010, row_cost=0.001)
+    assert plan[one] == [4, 5, 6, 7, 8, 9]
+    # 16 decoders at the same acceptance: a row costs more tokens at the batch's rate
+    many = [_Req(REPEAT) for _ in range(16)]
+    plan = spec.plan(many, base_time=0.030, row_cost=0.001)
+    assert sum(map(len, plan.values())) < 6 * 16
+    assert all(len(d) <= 6 for d in plan.values())
+
+
+def test_plan_skips_low_acceptance_constrained_and_finishing_requests():
+    spec = Speculator(SpecConfig(max_draft=6))
+    low = _Req(REPEAT)
+    spec.state(low).acceptance = 0.05
+    grammar = _Req(REPEAT, constraint=object())
+    last = _Req(REPEAT, max_tokens=1)  # its next token is its last: nothing to draft
+    assert spec.plan([low, grammar, last], base_time=0.010, row_cost=0.002) == {}
+    assert low.spec.shadow == 4  # the draft it did not verify is checked against its next token
+    spec.observe_shadow(low, 4)
+    assert low.spec.acceptance > 0.05
+
+
+def test_acceptance_estimate_follows_what_verification_finds():
+    spec = Speculator(SpecConfig(max_draft=4, initial_acceptance=0.5))
+    r = _Req(REPEAT)
+    for _ in range(10):
+        spec.observe(r, 4, 4)
+    assert r.spec.acceptance > 0.95
+    for _ in range(10):
+        spec.observe(r, 4, 0)
+    assert r.spec.acceptance < 0.1
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="max_draft"):
+        SpecConfig(max_draft=-1)
+    with pytest.raises(ValueError, match="ngram"):
+        SpecConfig(max_draft=2, min_ngram=3, max_ngram=2)
+
+
+# --- the scheduler, over a fake model that checks the KV it reads ---
+
+def model(ctx) -> int:
+    """Mostly repeats the token 5 back (prompt lookup predicts it), sometimes not."""
+    h = 0
+    for t in ctx[-6:]:
+        h = (h * 31 + t) % 1009
+    if len(ctx) % 7 == 3:
+        return 20 + h % 30
+    return ctx[-5]
+
+
+def plain(prompt, n, eos=None):
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        t = model(ctx)
+        out.append(t)
+        ctx.append(t)
+        if t == eos:
+            break
+    return out
+
+
+class VerifyingExecutor(Executor):
+    """Writes each chunk's tokens as its 'KV', checks that every position a
+    chunk reads holds the request's token, and samples every draft position."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self.dev: dict[int, list] = {}
+        self.rows = 0
+
+    def execute(self, out: SchedulerOutput) -> ExecutorResult:
+        sampled = {}
+        for ch in out.chunks:
+            req = ch.request
+            table = out.block_table(req.request_id)
+            toks = ch.token_ids
+            assert len(toks) == ch.num_tokens and len(table) * BS >= ch.start + ch.num_tokens
+            for pos in range(ch.start):
+                blk = self.dev.get(table[pos // BS])
+                assert blk is not None and blk[pos % BS] == req.token_ids[pos], f"stale KV at {pos}"
+            for i, pos in enumerate(range(ch.start, ch.start + ch.num_tokens)):
+                self.dev.setdefault(table[pos // BS], [None] * BS)[pos % BS] = toks[i]
+            self.rows += ch.num_tokens
+            if ch.sample:
+                ctx = req.token_ids[:ch.start] + toks
+                first = len(ctx) - len(ch.draft) - 1
+                sampled[req.request_id] = [model(ctx[:first + 1 + j]) for j in range(len(ch.draft) + 1)]
+        self.clock.advance(0.01)
+        return ExecutorResult(sampled, 0.01)
+
+
+def run(prompts, max_tokens, spec: int, num_blocks=64, policy="continuum", eos=None, budget=64, harness=None):
+    clock, s, ex = harness or _harness(spec, num_blocks, policy, budget)
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(f"r{len(s.kv._reqs)}-{i}-{clock.now()}", f"p{i}", list(p), max_tokens, arrival_time=clock.now(),
+                    eos_token_ids=frozenset() if eos is None else frozenset([eos]))
+        s.add_request(r)
+        reqs.append(r)
+    steps = 0
+    while s.has_work:
+        out = s.schedule()
+        s.check_integrity()
+        s.update(out, ex.execute(out))
+        s.check_integrity()
+        for r in s.running:
+            assert r.num_computed_tokens <= r.num_tokens - 1 or not r.output_token_ids
+        steps += 1
+        assert steps < 5000
+    return reqs, s, ex, steps
+
+
+def _harness(spec, num_blocks=64, policy="continuum", budget=64):
+    clock = SimClock()
+    kv = KVCacheManager(num_blocks, BS)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, speculation=SpecConfig(max_draft=spec)),
+                  kv, policy, clock)
+    return clock, s, VerifyingExecutor(clock)
+
+
+def prompts(n, length=24, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 9) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("n, blocks", [(1, 64), (6, 64), (6, 40)])
+def test_speculative_output_equals_plain_decoding_and_takes_fewer_steps(n, blocks):
+    ps = prompts(n)
+    reqs, s, ex, steps = run(ps, 40, spec=6, num_blocks=blocks)
+    for r, p in zip(reqs, ps):
+        assert r.output_token_ids == plain(p, 40)
+    st = s.speculator.stats
+    assert st.accepted_tokens > 0 and st.fallbacks == 0
+    _, _, _, plain_steps = run(ps, 40, spec=0, num_blocks=blocks)
+    assert steps < plain_steps
+    assert s.kv.num_free_blocks + s.kv.num_pinned_blocks <= s.kv.num_blocks
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_output_there():
+    p = [3, 1, 4, 1, 5] * 4
+    full = plain(p, 30)
+    eos = full[12]
+    want = plain(p, 30, eos=eos)
+    h = _harness(8)
+    reqs, s, _, _ = run([p], 30, spec=8, eos=eos, harness=h)
+    r = reqs[0]
+    assert r.output_token_ids == want and r.status is RequestStatus.FINISHED_STOPPED
+    # the next turn reuses the KV of exactly the tokens kept (the executor checks every position it reads)
+    nxt, *_ = run([r.token_ids + [2, 3]], 4, spec=8, harness=h)
+    assert nxt[0].num_cached_tokens == (r.num_tokens - 1) // BS * BS
+
+
+def test_drafts_respect_max_tokens():
+    reqs, _, _, _ = run(prompts(3), 9, spec=8)
+    assert all(r.num_output_tokens == 9 for r in reqs)
+
+
+def test_speculation_never_preempts_or_reclaims():
+    # a cache just big enough for the requests themselves: drafts must not take their blocks
+    ps = prompts(4, length=16)
+    _, s, _, _ = run(ps, 24, spec=8, num_blocks=4 * 11)
+    assert s.stats.preemptions == run(ps, 24, spec=0, num_blocks=4 * 11)[1].stats.preemptions
+
+
+def test_a_wrong_shaped_result_falls_back_to_plain_decoding():
+    class Short(VerifyingExecutor):
+        def execute(self, out):
+            res = super().execute(out)
+            for ch in out.chunks:
+                if ch.draft:
+                    res.sampled[ch.request.request_id] = res.sampled[ch.request.request_id][:1]
+            return res
+
+    clock = SimClock()
+    kv = KVCacheManager(64, BS)
+    s = Scheduler(SchedulerConfig(speculation=SpecConfig(max_draft=4)), kv, "continuum", clock)
+    ex = Short(clock)
+    p = [3, 1, 4, 1, 5] * 4
+    r = Request("r", "p", p, 20, arrival_time=0.0)
+    s.add_request(r)
+    while s.has_work:
+        out = s.schedule()
+        s.update(out, ex.execute(out))
+        s.check_integrity()
+    assert r.output_token_ids == plain(p, 20)
+    assert s.speculator.stats.fallbacks > 0
+
+
+# --- the real runner ---
+
+@pytest.fixture(scope="module")
+def hf():
+    from tiny_models import hf_llama
+    return hf_llama(seed=3)
+
+
+def _llm(hf, spec):
+    from agentserve.llm import LLM
+    from tiny_models import loaded
+    return LLM(loaded(hf), dtype="float32", device="cpu", kv_cache_tokens=4096, block_size=4,
+               speculate=spec)
+
+
+def test_runner_greedy_output_is_token_exact_with_speculation(hf):
+    ps = [[(7 * i) % 50 + 60 for i in range(30)] * 2, [97, 98, 99, 100] * 12, list(range(60, 120))]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    base = [o.token_ids for o in _llm(hf, 0).generate(ps, params)]
+    llm = _llm(hf, 8)
+    got = [o.token_ids for o in llm.generate(ps, params)]
+    assert got == base
+    st = llm.scheduler.speculator.stats
+    assert st.draft_tokens > 0 and st.accepted_tokens > 0
+    llm.check_integrity()
+
+
+def test_runner_seeded_sampling_is_the_same_token_for_token_with_speculation(hf):
+    ps = [[97, 98, 99, 100] * 12, list(range(60, 100)) * 2]
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)]
+    base = [o.token_ids for o in _llm(hf, 0).generate(ps, params)]
+    llm = _llm(hf, 8)
+    assert [o.token_ids for o in llm.generate(ps, params)] == base
+    assert llm.scheduler.speculator.stats.draft_tokens > 0
