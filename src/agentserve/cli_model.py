@@ -48,6 +48,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "long prompt is prefilled beside the decodes instead of stalling them for seconds; "
                         "at least 32 prompt tokens still run a step. Without decodes the whole "
                         "--max-num-batched-tokens budget is used. 0: no cap")
+    g.add_argument("--group-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="a waiting request whose next prompt block a running request is about to compute (a "
+                        "burst of agents sharing a system prompt or tool schemas) waits for it and reuses its "
+                        "KV instead of computing the same tokens a second time (default: on)")
     g.add_argument("--speculate", type=int, default=8, metavar="N",
                    help="prompt-lookup speculation: each decode step may verify up to N draft tokens per "
                         "request, copied from where the request's last tokens occurred before in its prompt "
@@ -77,7 +81,8 @@ def build_llm(args):
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                    policy=args.policy, profile=args.profile, threads=args.threads,
-                   weights=args.weights, speculate=args.speculate)
+                   weights=args.weights, speculate=args.speculate,
+                   group_prefill=args.group_prefill)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
 

@@ -47,12 +47,13 @@ class LLM:
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
-                 speculate: int = 8) -> None:
+                 speculate: int = 8, group_prefill: bool = True) -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
         is native where the model and machine allow it, else `dtype` decides.
         `speculate`: draft tokens a decode step may verify per request (prompt
-        lookup, engine/spec_decode.py); 0 turns speculation off."""
+        lookup, engine/spec_decode.py); 0 turns speculation off. `group_prefill`:
+        a request waits for a running one's prefill of their shared prefix."""
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
@@ -86,7 +87,7 @@ class LLM:
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,
-                                speculation=SpecConfig(max_draft=speculate))
+                                group_prefill=group_prefill, speculation=SpecConfig(max_draft=speculate))
         self.reload_cost = reload_cost_for(profile, self, host_tier=host_blocks > 0)
         self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options)
         self.executor = ModelExecutor(self.model, self.kv_cache)

@@ -62,6 +62,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     tool_name: str | None = None  # set by the policy's tool-call parser at finish
+    followed: bool = False  # waited for another request's prefill of a shared prefix (grouped prefill)
     spec: Any = field(default=None, repr=False)  # speculation state (engine/spec_decode.py), made on first draft
 
     def __post_init__(self) -> None:

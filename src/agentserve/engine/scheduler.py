@@ -257,17 +257,23 @@ class Scheduler:
             if self._order_dirty or self.policy.time_dependent:
                 self.waiting.sort(key=lambda r: self._key(r, now))
                 self._order_dirty = False
-            admitted = 0
+            admitted: set[Request] = set()
+            leaders = self._prefill_leaders() if self.config.group_prefill else None
             for req in self.waiting:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                if not self._admit(req, step, now):
+                match = self.kv.match(req.token_ids)
+                if leaders and self._follows(req, match.num_tokens, leaders):
+                    continue  # admitted once its leader has computed (and indexed) the shared blocks
+                if not self._admit(req, step, now, match):
                     break
-                admitted += 1
+                admitted.add(req)
+                if leaders is not None and req.num_tokens - req.num_computed_tokens > self.kv.block_size:
+                    leaders.append(req)
             if admitted:
-                for req in self.waiting[:admitted]:
+                for req in admitted:
                     self._drop_waiting_program(req.program_id)
-                del self.waiting[:admitted]
+                self.waiting = [r for r in self.waiting if r not in admitted]
 
         if step.capped:
             self.stats.capped_steps += 1
@@ -287,6 +293,31 @@ class Scheduler:
         """Its next chunk is one decode token (a preempted request recomputing its
         prompt and output is prefilling until it has caught up)."""
         return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
+
+    # --- grouped prefill ---
+
+    def _prefill_leaders(self) -> list[Request]:
+        """Running requests with at least one full block of prompt still to compute."""
+        bs = self.kv.block_size
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens > bs]
+
+    def _follows(self, req: Request, hit: int, leaders: list[Request]) -> bool:
+        """Whether a running request is about to compute `req`'s next block
+        past its prefix hit (a burst of agents sharing a preamble): then `req`
+        waits and takes those blocks from the prefix index once they are
+        committed, instead of computing the same KV a second time."""
+        bs = self.kv.block_size
+        if req.num_tokens - hit <= bs:
+            return False  # only the last, partial block is left: always its own
+        nxt = req.token_ids[hit:hit + bs]
+        for r in leaders:
+            if r is not req and r.num_computed_tokens <= hit and r.num_tokens >= hit + bs \
+                    and r.token_ids[hit:hit + bs] == nxt:
+                if not req.followed:
+                    req.followed = True
+                    self.stats.grouped_requests += 1
+                return True
+        return False
 
     # --- speculation ---
 
@@ -353,8 +384,7 @@ class Scheduler:
             return None
         return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context)
 
-    def _admit(self, req: Request, step: StepBudget, now: float) -> bool:
-        match = self.kv.match(req.token_ids)
+    def _admit(self, req: Request, step: StepBudget, now: float, match) -> bool:
         hit = match.num_tokens
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
         n = step.allow(hit, min(req.num_tokens - hit, step.budget))

@@ -18,6 +18,8 @@ class SchedulerConfig:
     # under this many ms (None or 0: no cap, the whole token budget as without decodes).
     max_step_ms_with_decodes: float | None = 200.0
     min_prefill_chunk: int = 32  # prefill tokens a capped step still computes
+    # a waiting request whose next prompt block a running request is about to compute waits for it
+    group_prefill: bool = True
     # prompt-lookup speculation (engine/spec_decode.py); off unless the executor verifies drafts
     speculation: SpecConfig = field(default_factory=SpecConfig)
 
@@ -43,6 +45,7 @@ class SchedulerStats:
     pins_reclaimed: int = 0
     pins_released_early: int = 0
     pins_released_at_end: int = 0
+    grouped_requests: int = 0  # requests that waited for another's prefill of their shared prefix
     superseded_blocks: int = 0  # cached blocks of a program's history that its next turn left, demoted
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0  # tokens sampled
