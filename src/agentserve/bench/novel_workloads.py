@@ -163,7 +163,8 @@ def _module_text(n: _Names, loop_line: str, rng: random.Random) -> str:
     ], 2)
     return (
         f'"""{n.pkg.capitalize()}: {n.noun} records and their running {field_}."""\n\n'
-        "from __future__ import annotations\n\nfrom dataclasses import dataclass, field\nfrom decimal import Decimal\n\n\n"
+        "from __future__ import annotations\n\nfrom dataclasses import dataclass, field\n"
+        "from decimal import Decimal\n\n\n"
         f"@dataclass\nclass {n.cls}:\n    {n.noun}_id: str\n    {field_}: Decimal\n"
         "    tags: list[str] = field(default_factory=list)\n    closed: bool = False\n\n\n"
         f"def load_{n.noun}s(rows: list[dict]) -> list[{n.cls}]:\n    out = []\n    for row in rows:\n"
@@ -252,17 +253,25 @@ def _wrote(path: str, rng: random.Random) -> str:
 def _coding_steps(app: str, e1: str, e2: str, e3: str, rng: random.Random) -> list[tuple]:
     """(user message, tool or None, call arguments, result) for the 35 turns."""
     t1, t2, t3 = f"tests/test_{e1}s.py", f"tests/test_{e2}s.py", f"tests/test_{e3}s.py"
-    pyt = lambda test, p, f=(): _pytest(test, p, list(f), rng.uniform(0.3, 2.5), app)  # noqa: E731
-    w = lambda path: _wrote(path, rng)  # noqa: E731
+
+    def pyt(test: str, passed: int, failed: tuple[str, ...] = ()) -> str:
+        return _pytest(test, passed, list(failed), rng.uniform(0.3, 2.5), app)
+
+    def w(path: str) -> str:
+        return _wrote(path, rng)
+
     init = (f'from flask import Flask\n\n\ndef create_app(test_config=None):\n    app = Flask("{app}")\n'
             f'    app.config.from_mapping(DATABASE="instance/{app}.sqlite")\n    if test_config:\n'
             "        app.config.update(test_config)\n    from . import db\n    db.init_app(app)\n    return app\n")
     conftest = ("import pytest\n\nfrom app import create_app\n\n\n@pytest.fixture\ndef client(tmp_path):\n"
                 f'    app = create_app({{"DATABASE": str(tmp_path / "{app}.sqlite")}})\n'
                 "    return app.test_client()\n")
-    diag = lambda path, k: (f"{path}:{rng.randint(5, 40)}:12 - error: Argument of type \"str | None\" cannot be "  # noqa: E731
-                            f"assigned to parameter \"{k}\" of type \"str\"\n{path}:{rng.randint(41, 70)}:5 - "
-                            "warning: Import \"jsonify\" is not accessed\n1 error, 1 warning, 0 informations")
+
+    def diag(path: str, k: str) -> str:
+        return (f"{path}:{rng.randint(5, 40)}:12 - error: Argument of type \"str | None\" cannot be assigned to "
+                f"parameter \"{k}\" of type \"str\"\n{path}:{rng.randint(41, 70)}:5 - warning: Import \"jsonify\" "
+                "is not accessed\n1 error, 1 warning, 0 informations")
+
     return [
         (f"Let's build {app}, a Flask app for {e1}s, {e2}s and {e3}s. Start with app/__init__.py holding an "
          "application factory.", "write_file", {"path": "app/__init__.py", "content": init}, w("app/__init__.py")),
@@ -275,7 +284,7 @@ def _coding_steps(app: str, e1: str, e2: str, e3: str, rng: random.Random) -> li
         (f"Add a blueprint app/{e1}s.py with GET /{e1}s returning every {e1} as JSON.", "write_file",
          {"path": f"app/{e1}s.py", "content": "from flask import Blueprint, jsonify\n..."}, w(f"app/{e1}s.py")),
         ("Run the tests.", "run_command", {"command": "python -m pytest -q"},
-         pyt(t1, 2, [f"test_list_{e1}s"]) + f"\nE   assert 404 == 200\nexit code 1"),
+         pyt(t1, 2, (f"test_list_{e1}s",)) + "\nE   assert 404 == 200\nexit code 1"),
         ("Show me app/__init__.py again.", "read_file", {"path": "app/__init__.py"}, init),
         (f"Register the {e1}s blueprint in the factory.", "write_file",
          {"path": "app/__init__.py", "content": init + "..."}, w("app/__init__.py")),
@@ -294,7 +303,7 @@ def _coding_steps(app: str, e1: str, e2: str, e3: str, rng: random.Random) -> li
          "\n".join(f"app/{m}.py:{rng.randint(5, 80)}:    db = get_db()" for m in ("db", f"{e1}s", f"{e1}s", f"{e2}s"))),
         (f"Write tests for the {e2} routes in {t2}.", "write_file", {"path": t2, "content": "..."}, w(t2)),
         ("Run them.", "run_command", {"command": f"python -m pytest -q {t2}"},
-         pyt(t2, 3, [f"test_create_{e2}", f"test_list_{e2}s"]) + "\nE   sqlite3.OperationalError: database is locked"),
+         pyt(t2, 3, (f"test_create_{e2}", f"test_list_{e2}s")) + "\nE   sqlite3.OperationalError: database is locked"),
         ("Read tests/conftest.py.", "read_file", {"path": "tests/conftest.py"}, conftest),
         ("Give every test a fresh database file.", "write_file",
          {"path": "tests/conftest.py", "content": conftest + "..."}, w("tests/conftest.py")),
