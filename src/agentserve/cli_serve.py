@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_model_options, build_llm
+from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
 from agentserve.server.stats_log import STATS_INTERVAL_S
 
 log = logging.getLogger("agentserve")
@@ -81,6 +82,19 @@ def add_serve(sub) -> None:
     g.add_argument("--log-stats-interval", type=float, default=STATS_INTERVAL_S, metavar="SECONDS",
                    help="seconds between the engine's stats log lines (throughput, prefix hits, queue, KV and "
                         "pin use, model busy time); 0: none")
+    c = p.add_argument_group("caches")
+    c.add_argument("--render-cache", type=_non_negative("--render-cache"), default=RENDER_CACHE_ENTRIES,
+                   metavar="N",
+                   help="chat prompts whose token ids are kept (LRU, at most 8M tokens in all) so that a "
+                        "conversation's next turn tokenizes only what it appended; the reuse is checked "
+                        "character by character and at the tokenizer's cut points, and any difference means "
+                        "a full tokenization; 0: off")
+    c.add_argument("--response-cache", type=_non_negative("--response-cache"), default=0, metavar="N",
+                   help="keep the N latest finished responses and answer an exact repeat (same prompt tokens, "
+                        "sampling parameters, API key and model) from the cache, a streamed one with the "
+                        "original's chunks. Changes sampling: a request without a seed is seeded from its "
+                        "prompt, so identical prompts give identical outputs at any temperature (send a seed, "
+                        "or 'Cache-Control: no-cache', for a fresh sample). 0: off")
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 
@@ -122,14 +136,17 @@ def cmd_serve(args) -> int:
     llm = thread.run(lambda: build_llm(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
     config = ServerConfig(names, api_key=args.api_key, max_queue=args.max_queue or None,
-                          max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None)
+                          max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None,
+                          render_cache=args.render_cache, response_cache=args.response_cache)
     app = create_app(llm, config, thread=thread)
     kv = llm.scheduler.kv
     log.info("serving %s (%s) on http://%s:%d/v1 - max_model_len %d; KV cache %d tokens (%.1f MiB, %d blocks "
-             "of %d); policy %s; max queue %s; API key %s", names[0], llm.model_source, args.host, args.port,
+             "of %d); policy %s; max queue %s; API key %s; render cache %s; response cache %s", names[0],
+             llm.model_source, args.host, args.port,
              llm.max_model_len, kv.num_blocks * kv.block_size, llm.kv_cache.bytes / 2**20, kv.num_blocks,
              kv.block_size, llm.scheduler.policy.name, config.max_queue or "unlimited",
-             "required" if args.api_key else "not required")
+             "required" if args.api_key else "not required", args.render_cache or "off",
+             args.response_cache or "off")
     # uvicorn's own limit is only a backstop: the engine ends late requests first.
     uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                              timeout_graceful_shutdown=args.graceful_shutdown_s + 5)

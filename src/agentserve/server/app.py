@@ -49,6 +49,9 @@ from agentserve.server.protocol import (AssistantMessage, ChatChoice, ChatComple
                                         ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                         CompletionRequest, Delta, ErrorBody, ErrorResponse, ModelCard, ModelList,
                                         NamedToolChoice, Usage, now_s)
+from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
+from agentserve.server.render_cache import RenderCache
+from agentserve.server.response_cache import ResponseCache, hit_hints
 from agentserve.server.tool_output import (OutputDelta, ToolChoice, ToolChoiceError, ToolCallStreamer,
                                            finish_reason, parse_tool_output, tool_choice_for)
 
@@ -62,6 +65,8 @@ class ServerConfig:
     max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
     max_body_bytes: int = 16 * 2**20  # beyond: 413
     stats_interval: float | None = None  # seconds between the engine's stats log lines (None: none)
+    render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
+    response_cache: int = 0  # finished responses kept for exact repeats (0: off); see response_cache.py
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -76,6 +81,8 @@ class ServerState:
     config: ServerConfig
     created: int = field(default_factory=now_s)
     warned_unconstrained: bool = False
+    render_cache: RenderCache | None = None
+    response_cache: ResponseCache | None = None
 
     @property
     def model_name(self) -> str:
@@ -108,6 +115,10 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
         engine = AsyncEngine(llm, max_queue=config.max_queue, listener=metrics, thread=thread,
                              stats_interval=config.stats_interval)
     state = ServerState(llm, engine, metrics, config)
+    if config.render_cache > 0:
+        state.render_cache = engine.render_cache = RenderCache(llm.chat_template, llm.tokenizer, config.render_cache)
+    if config.response_cache > 0:
+        state.response_cache = engine.response_cache = ResponseCache(config.response_cache)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -272,6 +283,18 @@ def _sampling(st: ServerState, req: Any, num_prompt: int, max_tokens: int | None
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop")  # named in SamplingParams' errors
+
+
+async def _open(st: ServerState, request: Request, ids: list[int], params: SamplingParams, rid: str,
+                ident: ProgramIdentity, prompt_param: str, choice: ToolChoice | None = None) -> RequestStream:
+    """The request's outputs: from the response cache when it holds them, else from the engine."""
+    rc = st.response_cache
+    if rc is None:
+        return await _submit(st, ids, params, rid, ident, prompt_param)
+    variant = "" if choice is None else repr((choice.mode, sorted(choice.allowed), choice.parallel))
+    return await rc.open(ids, params, request_id=rid, model=f"{st.model_name}\0{st.llm.model_source}",
+                         headers=request.headers, submit=lambda p: _submit(st, ids, p, rid, ident, prompt_param),
+                         on_hit=lambda: hit_hints(st.engine, ident), variant=variant)
 
 
 async def _submit(st: ServerState, ids: list[int], params: SamplingParams, rid: str, ident: ProgramIdentity,
@@ -462,6 +485,8 @@ def _render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
         messages.append(d)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
+        if st.render_cache is not None:
+            return st.render_cache.encode_chat(messages, tools)
         prompt = st.llm.chat_template.render(messages, tools=tools)
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -492,7 +517,7 @@ async def chat_completions(request: Request) -> Response:
     if choice is not None and choice.forced:
         params = await run_in_threadpool(_constrain_call, st, req, choice, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await _submit(st, ids, params, rid, ident, "messages")
+    stream = await _open(st, request, ids, params, rid, ident, "messages", choice)
     created = now_s()
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -574,7 +599,7 @@ async def completions(request: Request) -> Response:
     ids = await run_in_threadpool(_completion_ids, st, req)
     params = _sampling(st, req, len(ids), req.max_tokens, "prompt", "max_tokens")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    stream = await _submit(st, ids, params, rid, ident, "prompt")
+    stream = await _open(st, request, ids, params, rid, ident, "prompt")
     created = now_s()
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)

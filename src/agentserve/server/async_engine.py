@@ -98,6 +98,9 @@ class EngineSnapshot:
     # the learned step-time model (engine/step_time.py): coefficients, margin; () until it has samples
     step_model: tuple[float, ...] = ()
     step_margin: float = 1.0
+    # the server's caches: render_cache.RenderCacheStats, response_cache.ResponseCacheStats (None: off)
+    render_cache: Any = None
+    response_cache: Any = None
 
     @property
     def kv_usage(self) -> float:
@@ -199,6 +202,9 @@ class AsyncEngine:
         self.stats_interval = stats_interval
         self._last_stats: tuple[float, EngineSnapshot] | None = None
         self.crashed: BaseException | None = None
+        # the server's caches (objects with stats()), set by the app; snapshots read them (None: off)
+        self.render_cache: Any = None
+        self.response_cache: Any = None
 
     # --- lifecycle (event loop side) ---
 
@@ -534,4 +540,6 @@ class AsyncEngine:
             executed_steps=s.executed_steps, capped_steps=s.capped_steps, decode_steps=s.decode_steps,
             recent_decode_step_s=tuple(s.decode_step_history),
             step_model=self.scheduler.step_model.coefficients if self.scheduler.step_model.ready else (),
-            step_margin=self.scheduler.step_model.margin)
+            step_margin=self.scheduler.step_model.margin,
+            render_cache=None if self.render_cache is None else self.render_cache.stats(),
+            response_cache=None if self.response_cache is None else self.response_cache.stats())

@@ -77,6 +77,28 @@ class _SnapshotCollector(Collector):
         yield counter("pins_released_early", "Pins the policy released before their TTL.", s.pins_released_early)
         yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
+        r = s.render_cache
+        if r is not None:
+            yield counter("render_cache_hits", "Chat prompts tokenized only past a cached earlier prompt.", r.hits)
+            yield counter("render_cache_misses", "Chat prompts with no cached earlier prompt: tokenized in full.",
+                          r.misses)
+            yield counter("render_cache_fallbacks", "Chat prompts whose cached earlier prompt could not be reused "
+                          "safely: tokenized in full.", r.fallbacks)
+            yield counter("render_cache_reused_tokens", "Chat prompt tokens taken from the render cache.",
+                          r.reused_tokens)
+            yield counter("render_cache_tokenized_tokens", "Chat prompt tokens the tokenizer produced.",
+                          r.tokenized_tokens)
+            yield gauge("render_cache_entries", "Prompts held by the render cache.", r.entries)
+            yield gauge("render_cache_tokens", "Tokens held by the render cache's entries.", r.tokens)
+        c = s.response_cache
+        if c is not None:
+            yield counter("response_cache_hits", "Requests answered from the response cache.", c.hits)
+            yield counter("response_cache_misses", "Requests looked up in the response cache and sent to the "
+                          "engine.", c.misses)
+            yield counter("response_cache_stores", "Finished outputs stored in the response cache.", c.stores)
+            yield counter("response_cache_bypassed", "Requests that skipped the response cache (Cache-Control).",
+                          c.bypassed)
+            yield gauge("response_cache_entries", "Responses held by the response cache.", c.entries)
         yield counter("engine_executed_steps", "Steps that ran the model.", s.executed_steps)
         yield counter("engine_decode_steps", "Steps that ran the model with requests decoding (forward passes "
                       "that decoded; a request's first token comes from its prefill step).", s.decode_steps)

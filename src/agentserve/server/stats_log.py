@@ -16,6 +16,9 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
     """One line for the interval from `prev` to `cur`, or None if the model did
     not run (an idle server that only reviews its pins stays quiet)."""
     steps = cur.executed_steps - prev.executed_steps
+    caches = cache_parts(prev, cur)
+    if seconds > 0 and steps <= 0 and caches:  # only cache hits: the model had nothing to do
+        return f"{seconds:.0f} s: no model steps; " + "; ".join(caches)
     if steps <= 0 or seconds <= 0:
         return None
     prefill = cur.prefill_tokens - prev.prefill_tokens
@@ -47,4 +50,23 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
                      f"x{cur.step_margin:.2f}")
     if cur.preemptions > prev.preemptions:
         parts.append(f"preemptions {cur.preemptions - prev.preemptions}")
-    return "; ".join(parts)
+    return "; ".join(parts + caches)
+
+
+def cache_parts(prev: EngineSnapshot, cur: EngineSnapshot) -> list[str]:
+    """The render/tokenize cache and the response cache over the interval (nothing if idle or off)."""
+    parts = []
+    r, r0 = cur.render_cache, prev.render_cache
+    if r is not None:
+        hits, misses, falls = (getattr(r, f) - (getattr(r0, f) if r0 else 0) for f in ("hits", "misses", "fallbacks"))
+        reused = r.reused_tokens - (r0.reused_tokens if r0 else 0)
+        tokenized = r.tokenized_tokens - (r0.tokenized_tokens if r0 else 0)
+        if hits + misses + falls:
+            parts.append(f"render cache {hits} hits {misses} misses {falls} fallbacks, "
+                         f"{100 * reused / max(reused + tokenized, 1):.0f}% of chat prompt tokens reused")
+    c, c0 = cur.response_cache, prev.response_cache
+    if c is not None:
+        hits, misses = c.hits - (c0.hits if c0 else 0), c.misses - (c0.misses if c0 else 0)
+        if hits + misses:
+            parts.append(f"response cache {hits} hits {misses} misses, {c.entries} entries")
+    return parts
