@@ -55,3 +55,16 @@ def test_a_preempted_leader_frees_its_followers():
     reqs = [h.req(f"r{i}", f"p{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
     h.run()
     assert all(r.output_token_ids == expected(p, 12) for r, p in zip(reqs, prompts))
+
+
+def test_burst_benchmark_on_a_tiny_model(capsys):
+    from agentserve.bench.burst_prefill import print_table, run_burst
+    from tiny_models import hf_llama, loaded
+
+    res = run_burst(loaded(hf_llama()), agents=4, preamble=96, own=8, max_tokens=2, budgets=[512], seed=1,
+                    dtype="float32", block_size=4)
+    off, on = res
+    assert not off.grouped and on.grouped and off.prompt_tokens == on.prompt_tokens == 4 * 104
+    assert on.computed_tokens < off.computed_tokens and on.grouped_requests == 3
+    print_table(res)
+    assert "TTFT p99" in capsys.readouterr().out

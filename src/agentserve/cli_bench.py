@@ -3,7 +3,8 @@ workload against any OpenAI-compatible URL; `compare` runs it against
 agentserve and its peers in turn; `report` compares result files;
 `apc` replays a workload through the KV manager alone and compares eviction
 strategies' prefix-cache hit ratios; `agentic` runs the stateful-inference paper's
-agent workloads (6-turn bug fix, 35-turn coding, repeated prompts)."""
+agent workloads (6-turn bug fix, 35-turn coding, repeated prompts); `burst` runs a
+burst of agents sharing a preamble with grouped prefill on and off."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 def add_bench(sub) -> None:
     from agentserve.bench.agentic import add_agentic_parser
     from agentserve.bench.apc import add_apc_parser
+    from agentserve.bench.burst_prefill import add_burst_parser
     from agentserve.bench.compare import add_compare_parser
     from agentserve.bench.replay import add_run_parser
     from agentserve.bench.replay_report import add_report_parser
@@ -23,4 +25,5 @@ def add_bench(sub) -> None:
     add_compare_parser(bsub)
     add_apc_parser(bsub)
     add_agentic_parser(bsub)
+    add_burst_parser(bsub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
