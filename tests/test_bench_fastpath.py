@@ -173,6 +173,12 @@ def test_prometheus_deltas_and_fastpath_ratios():
     # no counters at all (a server without /metrics): the client's token count, NaN ratios
     empty = fr.fastpath_metrics({}, 50)
     assert empty["output_tokens_counted"] == 50 and math.isnan(empty["passes_per_output_token"])
+    # agentserve's early-stop counters: the max_tokens left is an upper bound of the tokens saved
+    es = fr.fastpath_metrics({"agentserve:generation_tokens": 300.0, "agentserve:tool_call_early_stops": 4.0,
+                              "agentserve:tool_call_early_stop_budget_tokens": 100.0,
+                              "agentserve:tool_call_grace_tokens": 2.0}, 0)
+    assert (es["early_stops"], es["early_stop_saved_tokens"], es["early_stop_saved_is_bound"]) == (4, 100, True)
+    assert es["early_stop_saved_share"] == pytest.approx(0.25)
     # vLLM's names are found too
     v = fr.fastpath_metrics({"vllm:generation_tokens": 40.0, "vllm:spec_decode_num_draft_tokens": 20.0,
                              "vllm:spec_decode_num_accepted_tokens": 5.0}, 0)
@@ -208,6 +214,7 @@ def test_novel_summary_and_tables():
     assert ag["mean_output_tokens"] == 40 and ag["passes_per_output_token"] == pytest.approx(0.5)
     text = fr.novel_table(rows)
     assert "agentserve-continuum" in text and "2.00x" in text and "0.500" in text
+    assert "-" in text.splitlines()[1]  # no early-stop counters: a dash
     by_turn = fr.per_turn_index(_fake_result("a", 1.0))
     assert [b["turns"] for b in by_turn] == ["1", "2", "3"] and by_turn[2]["median_latency"] == pytest.approx(3.0)
     assert fr.per_turn_index(_fake_result("a", 1.0), 5)[0]["turns"] == "1-5"
@@ -285,7 +292,7 @@ def test_bugfix6_live(server):
     runs = nw.novel_runs("bugfix6", 2, seed=3, salt="live")
     scripted.script(runs[0].run_id, CALL)  # this run's every reply is one read_file call
     cfg = fp.AgenticConfig(srv.url + "/v1", api_key=KEY, label="tiny", max_tokens=len(CALL) + 2, concurrency=2,
-                           progress=False, request_timeout=60)
+                           tool_choice="auto", progress=False, request_timeout=60)
     res = fp.run_novel(runs, cfg, nw.novel_runs("bugfix6", 1, seed=3, salt="live-warmup"))
     assert res["model"] == "tiny" and res["config"]["max_context"] == 16384
     assert len(res["warmup_turns"]) == 6 and all(t["warmup"] for t in res["warmup_turns"])

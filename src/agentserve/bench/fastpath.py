@@ -5,10 +5,13 @@ before and after.
 
 Novel workloads (bugfix6, deepcoding35). `concurrency` agent runs at a time
 (default 1: the paper measures one agent's per-turn latency), each a loop of
-streamed POST /v1/chat/completions with the run's `tools`, `tool_choice`
-(default auto), temperature 0, `max_tokens` (default 128, as in the paper;
-natural stops, so early stop and speculation can show), header X-Program-Id =
-the run id and `end_program` on its last turn. The model's reply joins the
+streamed POST /v1/chat/completions with the run's `tools`, temperature 0,
+`max_tokens` (default 128, as in the paper; stops are natural, so early stop
+and speculation can show), header X-Program-Id = the run id and `end_program`
+on its last turn. `tool_choice` is "required" on the turns the script expects a
+call (default; SmolLM2-135M left to "auto" mostly writes prose that repeats the
+prompt until max_tokens, no call) and "auto" on its prose turns;
+`tool_choice="auto"` leaves every turn free, as the paper's servers were. The model's reply joins the
 conversation as it came back (content and parsed `tool_calls`); the script's
 tool result answers the reply's call as a `tool` message, or follows as a
 `user` message naming the tool when the reply made no call, so a model that
@@ -43,6 +46,7 @@ from .replay import ReplayError, StreamAccumulator, _server_info, base_url
 # ---------------------------------------------------------------------------
 # Prometheus counters
 
+REPLY_CHARS = 300  # of the reply's text kept in a turn's record
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -164,7 +168,7 @@ class AgenticConfig:
     api_key: str | None = None
     label: str | None = None
     max_tokens: int = 128
-    tool_choice: str = "auto"
+    tool_choice: str = "required"  # on turns the script expects a call; "auto" elsewhere
     concurrency: int = 1
     tool_time: float = 0.0  # seconds slept after a turn whose reply is followed by a tool result
     request_timeout: float = 600.0
@@ -204,9 +208,9 @@ class AgenticClient:
 
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        if tools:
+        if tools:  # a turn the script answers in prose stays free
             body["tools"] = list(tools)
-            body["tool_choice"] = self.cfg.tool_choice
+            body["tool_choice"] = self.cfg.tool_choice if rec.get("expected_tool") else "auto"
         if end:
             body["end_program"] = True
         rec.update(t_send=self.now(), max_tokens=max_tokens, error=None)
@@ -226,7 +230,7 @@ class AgenticClient:
         rec.update(ttft=(acc.t_first if acc.t_first is not None else rec["t_end"]) - rec["t_send"],
                    prompt_tokens=acc.prompt_tokens, cached_tokens=acc.cached_tokens,
                    completion_tokens=acc.completion_tokens, finish_reason=acc.finish_reason,
-                   calls=[c["name"] for c in calls],
+                   calls=[c["name"] for c in calls], reply=acc.text[:REPLY_CHARS],
                    call_ok=bool(calls) and call_ok(calls[0], rec.get("expected_tool")))
         return acc
 

@@ -14,7 +14,10 @@ wall time per run, prefix-cache hits, and from the server's counters:
   requests share steps and the figure is per batch, not per sequence. Every
   turn of bugfix6 is a tool-call turn, so its figure is the tool-call figure.
 * tokens saved by early stop: the delta of a counter named *early_stop* with
-  *saved* (or *tokens*) in its name, also as a share of generated + saved.
+  *saved* (or *tokens*) in its name, also as a share of generated + saved;
+  agentserve counts the max_tokens left when early stops ended requests
+  (`tool_call_early_stop_budget_tokens`), an upper bound, shown as "<=".
+  Beside it the number of early stops (*early_stop* without *token*).
 * speculation acceptance: accepted / drafted, from counters named *accept*
   and *draft* (or *propos*).
 * response-cache hits: *response_cache*...*hit*.
@@ -66,6 +69,7 @@ def fastpath_metrics(deltas: dict[str, float], client_output_tokens: int) -> dic
     tokens = deltas[gen] if gen else float(client_output_tokens)
     steps = find_counter(deltas, "decode_steps")
     saved = find_counter(deltas, "early_stop", "saved") or find_counter(deltas, "early_stop", "token")
+    stops = find_counter(deltas, "early_stop", exclude=("token", "grace", "saved"))
     accepted = find_counter(deltas, "accept", "token") or find_counter(deltas, "accept", exclude=("rate",))
     drafted = (find_counter(deltas, "draft", "token", exclude=("accept",)) or
                find_counter(deltas, "draft", exclude=("accept", "rate")) or
@@ -78,10 +82,13 @@ def fastpath_metrics(deltas: dict[str, float], client_output_tokens: int) -> dic
         "passes_per_output_token": _div(deltas[steps] if steps else None, tokens),
         "early_stop_saved_tokens": saved_n,
         "early_stop_saved_share": _div(saved_n, (tokens + saved_n) if saved_n is not None else None),
+        "early_stop_saved_is_bound": bool(saved and "budget" in saved.lower()),
+        "early_stops": deltas[stops] if stops else None,
         "spec_accepted": deltas[accepted] if accepted else None, "spec_drafted": deltas[drafted] if drafted else None,
         "spec_acceptance": _div(deltas[accepted] if accepted else None, deltas[drafted] if drafted else None),
         "response_cache_hits": deltas[hits] if hits else None,
-        "counter_names": {"decode_steps": steps, "early_stop_saved": saved, "spec_accepted": accepted,
+        "counter_names": {"decode_steps": steps, "early_stop_saved": saved, "early_stops": stops,
+                          "spec_accepted": accepted,
                           "spec_drafted": drafted, "response_cache_hits": hits},
         "counters_of_interest": {k: v for k, v in deltas.items() if any(w in k.lower() for w in KEYWORDS)},
     }
@@ -194,13 +201,15 @@ NOVEL_HEAD = ["server", "runs", "turns", "median ms/turn", "p90 ms", "median TTF
 def novel_table(rows: list[dict]) -> str:
     out = []
     for r in rows:
-        saved = r["early_stop_saved_tokens"]
+        saved, stops = r["early_stop_saved_tokens"], r["early_stops"]
+        bound = "<=" if r["early_stop_saved_is_bound"] else ""
         out.append([r["server"], f"{r['runs_completed']}/{r['runs']}", f"{r['turns_ok']}/{r['turns']}",
                     _ms(r["median_latency"]), _ms(r["p90_latency"]), _ms(r["median_ttft"]),
                     _f(r["mean_output_tokens"], "{:.1f}"), _pct(r["call_rate"]), _pct(r["call_ok_rate"]),
                     _f(r["median_run_wall_s"], "{:.1f}"), _pct(r["cached_ratio"]),
                     _f(r["passes_per_output_token"], "{:.3f}"),
-                    "-" if saved is None else f"{saved:.0f} ({_pct(r['early_stop_saved_share'])})",
+                    "-" if saved is None else f"{bound}{saved:.0f} ({_pct(r['early_stop_saved_share'])})"
+                    + ("" if stops is None else f", {stops:.0f} stops"),
                     _pct(r["spec_acceptance"]), _f(r["vs_reference"], "{:.2f}x")])
     return text_table(NOVEL_HEAD, out)
 
