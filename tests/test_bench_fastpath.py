@@ -343,9 +343,10 @@ def test_repeat_live_and_cli(server, tmp_path, capsys):
 
     out = tmp_path / "a.json"
     assert main(["bench", "agentic", "--url", srv.url, "--api-key", KEY, "--label", "tiny-as", "--runs", "1",
-                 "--warmup", "0", "--max-tokens", "3", "--json", str(out), "--no-progress"]) == 0
+                 "--warmup", "0", "--max-tokens", "3", "--tool-choice", "required", "--json", str(out),
+                 "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "tiny-as" in printed and "median ms/turn" in printed and "by turn" in printed
     saved = json.loads(out.read_text())
     assert saved["workload"] == "bugfix6" and saved["rows"][0]["turns_ok"] == 6
-    assert len(saved["results"][0]["turns"]) == 6
+    assert len(saved["results"][0]["turns"]) == 6 and saved["results"][0]["config"]["tool_choice"] == "required"

@@ -27,12 +27,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.request import Request
 from agentserve.engine.sampling_params import SamplingParams
+from agentserve.engine.spec_decode import SpecStats
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.stats_log import stats_line
 
@@ -98,6 +99,8 @@ class EngineSnapshot:
     # the learned step-time model (engine/step_time.py): coefficients, margin; () until it has samples
     step_model: tuple[float, ...] = ()
     step_margin: float = 1.0
+    speculation: SpecStats = field(default_factory=SpecStats)  # prompt-lookup speculation's counters (engine/spec_decode.py)
+    grouped_requests: int = 0  # requests that waited for another's prefill of a shared prefix
     # the server's caches: render_cache.RenderCacheStats, response_cache.ResponseCacheStats (None: off)
     render_cache: Any = None
     response_cache: Any = None
@@ -541,5 +544,6 @@ class AsyncEngine:
             recent_decode_step_s=tuple(s.decode_step_history),
             step_model=self.scheduler.step_model.coefficients if self.scheduler.step_model.ready else (),
             step_margin=self.scheduler.step_model.margin,
+            speculation=replace(self.scheduler.speculator.stats), grouped_requests=s.grouped_requests,
             render_cache=None if self.render_cache is None else self.render_cache.stats(),
             response_cache=None if self.response_cache is None else self.response_cache.stats())

@@ -77,6 +77,14 @@ class _SnapshotCollector(Collector):
         yield counter("pins_released_early", "Pins the policy released before their TTL.", s.pins_released_early)
         yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
+        sp = s.speculation
+        yield counter("spec_steps", "Steps that verified speculative draft tokens.", sp.steps)
+        yield counter("spec_draft_tokens", "Prompt-lookup draft tokens verified.", sp.draft_tokens)
+        yield counter("spec_accepted_tokens", "Verified draft tokens that were accepted (tokens gained without a "
+                      "forward pass of their own).", sp.accepted_tokens)
+        yield counter("spec_fallbacks", "Verifications found inconsistent, decoded plainly instead.", sp.fallbacks)
+        yield counter("grouped_prefill_requests", "Requests that waited for another request's prefill of their "
+                      "shared prefix instead of computing it too.", s.grouped_requests)
         r = s.render_cache
         if r is not None:
             yield counter("render_cache_hits", "Chat prompts tokenized only past a cached earlier prompt.", r.hits)

@@ -48,6 +48,14 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
         parts.append(f"step model {1e3 * a:.1f} ms + {1e3 * b:.3f} ms a prompt token + {1e9 * c:.2f} ms per M "
                      f"attention pairs + {1e3 * d:.2f} ms a decode + {1e6 * e:.3f} ms per 1k context, "
                      f"x{cur.step_margin:.2f}")
+    drafted = cur.speculation.draft_tokens - prev.speculation.draft_tokens
+    if drafted > 0:
+        accepted = cur.speculation.accepted_tokens - prev.speculation.accepted_tokens
+        parts.append(f"speculation {accepted}/{drafted} draft tokens accepted ({100 * accepted / drafted:.0f}%), "
+                     f"{decode / steps:.2f} tokens a step")
+    grouped = cur.grouped_requests - prev.grouped_requests
+    if grouped > 0:
+        parts.append(f"{grouped} requests waited for a shared prefix's prefill")
     if cur.preemptions > prev.preemptions:
         parts.append(f"preemptions {cur.preemptions - prev.preemptions}")
     return "; ".join(parts + caches)
