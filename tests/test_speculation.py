@@ -294,3 +294,26 @@ def test_runner_seeded_sampling_is_the_same_token_for_token_with_speculation(hf)
     llm = _llm(hf, 8)
     assert [o.token_ids for o in llm.generate(ps, params)] == base
     assert llm.scheduler.speculator.stats.draft_tokens > 0
+
+
+# --- counted where operators look ---
+
+def test_speculation_and_grouped_prefill_in_the_stats_line_and_metrics():
+    from dataclasses import replace
+
+    from agentserve.engine.spec_decode import SpecStats
+    from agentserve.server.metrics import ServerMetrics
+    from agentserve.server.stats_log import stats_line
+    from test_stats_log import snap
+
+    a = snap(steps=10, executed_steps=10, decode_tokens=0, execute_s=1.0)
+    b = replace(a, steps=60, executed_steps=60, decode_tokens=120, execute_s=6.0,
+                speculation=SpecStats(steps=40, draft_tokens=100, accepted_tokens=70), grouped_requests=3)
+    line = stats_line(a, b, 10.0)
+    assert "speculation 70/100 draft tokens accepted (70%), 2.40 tokens a step" in line
+    assert "3 requests waited for a shared prefix's prefill" in line
+    assert "speculation" not in stats_line(a, replace(b, speculation=SpecStats()), 10.0)
+    text = ServerMetrics("m").render(b).decode()
+    assert 'agentserve:spec_accepted_tokens_total{model_name="m"} 70.0' in text
+    assert 'agentserve:spec_draft_tokens_total{model_name="m"} 100.0' in text
+    assert 'agentserve:grouped_prefill_requests_total{model_name="m"} 3.0' in text

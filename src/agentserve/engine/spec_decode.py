@@ -102,7 +102,6 @@ class SpecStats:
     steps: int = 0  # steps that verified at least one draft token
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of those, accepted
-    rows: int = 0  # rows the steps ran (one per decode token and one per draft token)
     fallbacks: int = 0  # verifications found inconsistent and decoded plainly instead
 
 
