@@ -10,11 +10,12 @@ streamed POST /v1/chat/completions with the run's `tools`, temperature 0,
 and speculation can show), header X-Program-Id = the run id and `end_program`
 on its last turn. `tool_choice` is "auto" by default, as the paper's servers
 ran: the model may answer without a call, and agentserve's early stop and
-speculation apply. SmolLM2-135M under "auto" mostly writes prose that repeats
+speculation apply. SmolLM2-135M under "auto" often writes prose that repeats
 the prompt up to max_tokens instead of a call; `tool_choice="required"` makes
 the turns the script expects a call one valid call each (constrained decoding,
-under which agentserve does not speculate); prose turns stay "auto". The model's reply joins the
-conversation as it came back (content and parsed `tool_calls`); the script's
+under which agentserve does not speculate); prose turns stay "auto". The
+model's reply joins the conversation as it came back (content and parsed
+`tool_calls`); the script's
 tool result answers the reply's call as a `tool` message, or follows as a
 `user` message naming the tool when the reply made no call, so a model that
 writes no call still walks the whole workflow. max_tokens is lowered near the
