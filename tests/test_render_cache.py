@@ -327,3 +327,12 @@ def test_server_multi_turn_counts_and_ids(entries):
             assert "render_cache" not in text
     finally:
         srv.stop()
+
+
+def test_render_cost_benchmark_runs(tmp_path):
+    from agentserve.bench.render_cost import measure
+
+    r = measure(byte_tokenizer(), ChatTemplate(CHATML), 12000, repeats=2)  # a byte a token
+    assert r["prompt_tokens"] >= 12000 and 0 < r["tokenized_on_next_turn"] < r["prompt_tokens"] / 2
+    assert set(r["median_cpu_ms"]) == {"parse", "off", "on", "retry", "render"}
+    json.dumps(r)

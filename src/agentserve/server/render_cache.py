@@ -37,6 +37,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from agentserve.runner.tokenizer import Tokenizer
 from agentserve.server.chat_template import ChatTemplate
 
@@ -110,6 +112,7 @@ class RenderCache:
         self.capacity = capacity
         self.max_tokens = max_tokens
         self._split_ids = splitting_token_ids(tokenizer)
+        self._split_array = np.array(sorted(self._split_ids), dtype=np.int32)
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
@@ -171,9 +174,9 @@ class RenderCache:
                 kept = found.ids[:w_tok]
                 ids = kept.tolist()
                 ids += window
-                toks, chars = self._splits(enc, window, w_tok, w_char)
-                entry = _Entry(text, kept + array("i", window), found.split_tokens[:b] + toks,
-                               found.split_chars[:b] + chars)
+                new = array("i", window)
+                toks, chars = self._splits(enc, new, w_tok, w_char)
+                entry = _Entry(text, kept + new, found.split_tokens[:b] + toks, found.split_chars[:b] + chars)
                 return ids, entry, w_tok, "hit"
         ids, entry = self._full(text)
         return ids, entry, 0, "fallback"
@@ -181,16 +184,15 @@ class RenderCache:
     def _full(self, text: str) -> tuple[list[int], _Entry]:
         enc = self.tokenizer.backend.encode(text, add_special_tokens=False)
         ids = enc.ids
-        toks, chars = self._splits(enc, ids, 0, 0)
-        return ids, _Entry(text, array("i", ids), toks, chars)
+        arr = array("i", ids)
+        toks, chars = self._splits(enc, arr, 0, 0)
+        return ids, _Entry(text, arr, toks, chars)
 
-    def _splits(self, enc: Any, ids: list[int], tok0: int, char0: int) -> tuple[array, array]:
-        split = self._split_ids
-        toks, chars = array("q"), array("q")
-        for j, t in enumerate(ids):
-            if t in split:
-                toks.append(tok0 + j + 1)
-                chars.append(char0 + enc.token_to_chars(j)[1])
+    def _splits(self, enc: Any, ids: array, tok0: int, char0: int) -> tuple[array, array]:
+        """The split points among `ids` (tokenized from character `char0`, token `tok0` on)."""
+        at = np.flatnonzero(np.isin(np.frombuffer(ids, dtype=np.int32), self._split_array)).tolist()
+        toks = array("q", [tok0 + j + 1 for j in at])
+        chars = array("q", [char0 + enc.token_to_chars(j)[1] for j in at])
         return toks, chars
 
     def _put(self, key: bytes, entry: _Entry) -> None:
@@ -207,10 +209,15 @@ class RenderCache:
 
 
 def prefix_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[bytes]:
-    """A digest per prefix of `messages` (1..n messages), each covering the tools too."""
+    """A digest per prefix of `messages` (1..n messages), each covering the tools too.
+    String fields are hashed as they are (escaping them to JSON costs more than the digest)."""
     h = hashlib.blake2b(json.dumps(tools, ensure_ascii=False, default=str).encode(), digest_size=16)
     keys = []
     for m in messages:
-        h.update(b"\x00" + json.dumps(m, ensure_ascii=False, default=str).encode())
+        h.update(b"\x00%d" % len(m))
+        for k, v in m.items():
+            data = (v if isinstance(v, str) else repr(v)).encode("utf-8", "surrogatepass")
+            h.update(b"%s\x00%d\x00" % (str(k).encode("utf-8", "surrogatepass"), len(data)))
+            h.update(data)
         keys.append(h.copy().digest())
     return keys
