@@ -52,11 +52,11 @@ def test_incremental_index_equals_a_fresh_one():
 # --- the plan ---
 
 class _Req:
-    def __init__(self, tokens, max_tokens=100, constraint=None):
+    def __init__(self, tokens, max_tokens=100):
         self.token_ids = list(tokens)
         self.num_output_tokens = 0
         self.max_tokens = max_tokens
-        self.sampling = SamplingParams(constraint=constraint)
+        self.sampling = SamplingParams()
         self.spec = None
 
     @property
@@ -79,13 +79,12 @@ def test_plan_gives_a_lone_confident_decoder_its_whole_draft_and_a_busy_batch_le
     assert all(len(d) <= 6 for d in plan.values())
 
 
-def test_plan_skips_low_acceptance_constrained_and_finishing_requests():
+def test_plan_skips_low_acceptance_and_finishing_requests():
     spec = Speculator(SpecConfig(max_draft=6))
     low = _Req(REPEAT)
     spec.state(low).acceptance = 0.05
-    grammar = _Req(REPEAT, constraint=object())
     last = _Req(REPEAT, max_tokens=1)  # its next token is its last: nothing to draft
-    assert spec.plan([low, grammar, last], base_time=0.010, row_cost=0.002) == {}
+    assert spec.plan([low, last], base_time=0.010, row_cost=0.002) == {}
     assert low.spec.shadow == 4  # the draft it did not verify is checked against its next token
     spec.observe_shadow(low, 4)
     assert low.spec.acceptance > 0.05
@@ -317,3 +316,22 @@ def test_speculation_and_grouped_prefill_in_the_stats_line_and_metrics():
     assert 'agentserve:spec_accepted_tokens_total{model_name="m"} 70.0' in text
     assert 'agentserve:spec_draft_tokens_total{model_name="m"} 100.0' in text
     assert 'agentserve:grouped_prefill_requests_total{model_name="m"} 3.0' in text
+
+
+def test_runner_speculates_under_a_tool_grammar_with_the_same_call(hf):
+    pytest.importorskip("xgrammar")
+    from test_runner_engine import WEATHER_TOOLS
+
+    msgs = [{"role": "user", "content": 'weather? call get_weather {"city": "Oslo", "unit": "c"}'}]
+    outs = []
+    for spec in (0, 8):
+        llm = _llm(hf, spec)
+        for choice in ("required", "get_weather"):
+            out = llm.chat(msgs, SamplingParams(max_tokens=200, temperature=0.0), tools=WEATHER_TOOLS,
+                           tool_choice=choice)
+            assert len(out.tool_calls) == 1, out.output.text
+            outs.append(out.output.token_ids)
+        llm.check_integrity()
+    assert outs[:2] == outs[2:]
+    st = llm.scheduler.speculator.stats
+    assert st.draft_tokens > 0 and st.accepted_tokens > 0

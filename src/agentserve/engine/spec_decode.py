@@ -137,8 +137,6 @@ class Speculator:
             return {}
         cands = []
         for req in decoding:
-            if getattr(req.sampling, "constraint", None) is not None:
-                continue  # a grammar matcher cannot take tokens back
             room = req.max_tokens - req.num_output_tokens - 1
             if room <= 0:
                 continue

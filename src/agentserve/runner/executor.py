@@ -56,7 +56,7 @@ class ModelExecutor(Executor):
         # rows to sample: the last of each chunk that reaches its request's end, and
         # every row of a draft (each verifies the draft token before it)
         rows: list[int] = []
-        params, rids, steps, owners = [], [], [], []
+        params, rids, steps, verifies = [], [], [], []
         row = 0
         for c in decodes + prefills:
             row += c.num_tokens
@@ -68,12 +68,12 @@ class ModelExecutor(Executor):
             params.extend([req.sampling or GREEDY] * n)
             rids.extend([req.request_id] * n)
             steps.extend(range(req.num_output_tokens, req.num_output_tokens + n))
-            owners.extend([req.request_id] * n)
+            verifies.extend([*c.draft, None])
         dev = self.device
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv,
                                     torch.tensor(rows, device=dev, dtype=torch.int64))
         sampled: dict[str, list[int]] = {}
         if rows:
-            for rid, tok in zip(owners, self.sampler.sample(logits, params, rids, steps)):
+            for rid, tok in zip(rids, self.sampler.sample(logits, params, rids, steps, verifies)):
                 sampled.setdefault(rid, []).append(tok)
         return ExecutorResult(sampled, time.perf_counter() - t0)

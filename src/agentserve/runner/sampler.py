@@ -12,7 +12,9 @@ and a draft token stands only where it equals that sample (the accepted
 output is distributed exactly as without speculation, and with a seed it is
 the same output token for token). A request
 with a grammar constraint has the tokens its grammar forbids masked out first,
-and its matcher advanced with the token drawn. Only the sampled ids cross to
+and its matcher advanced with the token drawn (with a draft: each row masked
+as if the draft tokens before it stood, the matcher advanced with the tokens
+that do). Only the sampled ids cross to
 the host."""
 
 from __future__ import annotations
@@ -36,20 +38,30 @@ class Sampler:
         if self._constraints is not None:
             self._constraints.release(request_id)
 
-    def _constrain(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> None:
+    def _constrain(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+                   drafts: list[int | None]) -> None:
         rows = [i for i, p in enumerate(params) if p.constraint is not None]
         if not rows:
             return
         if self._constraints is None:
             from agentserve.runner.structured import ConstraintState
             self._constraints = ConstraintState(logits.shape[1])
-        self._constraints.mask(logits, rows, [params[i].constraint for i in rows], [request_ids[i] for i in rows])
+        self._constraints.mask(logits, rows, [params[i].constraint for i in rows], [request_ids[i] for i in rows],
+                               [drafts[i] for i in rows])
 
-    def _accept(self, tokens: list[int], params: list[SamplingParams], request_ids: list[str]) -> list[int]:
+    def _accept(self, tokens: list[int], params: list[SamplingParams], request_ids: list[str],
+                drafts: list[int | None]) -> list[int]:
+        """Advance the grammar matchers with the tokens that stand: a request's
+        rows in order, up to the first whose token differs from the draft token
+        it verifies (the scheduler keeps exactly those)."""
         if self._constraints is not None:
-            for tok, p, rid in zip(tokens, params, request_ids):
-                if p.constraint is not None:
-                    self._constraints.accept(rid, tok)
+            done: set[str] = set()
+            for tok, p, rid, d in zip(tokens, params, request_ids, drafts):
+                if p.constraint is None or rid in done:
+                    continue
+                self._constraints.accept(rid, tok)
+                if d is None or tok != d:
+                    done.add(rid)
         return tokens
 
     def _generator(self, seed: int, step: int) -> torch.Generator:
@@ -61,13 +73,17 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-               steps: list[int] | None = None) -> list[int]:
+               steps: list[int] | None = None, drafts: list[int | None] | None = None) -> list[int]:
         """logits [rows, vocab] float32 -> one token id per row. steps: the
         output index each row samples (seeded rows draw their noise by it;
-        None: 0 for every row)."""
-        self._constrain(logits, params, request_ids)
+        None: 0 for every row). drafts: the draft token each row verifies
+        (None: the row ends its request's rows); a request's rows are
+        consecutive, and a grammar masks each of them as if the draft tokens
+        before it had been accepted."""
+        drafts = drafts if drafts is not None else [None] * len(params)
+        self._constrain(logits, params, request_ids, drafts)
         if all(p.greedy for p in params):
-            return self._accept(logits.argmax(dim=-1).tolist(), params, request_ids)
+            return self._accept(logits.argmax(dim=-1).tolist(), params, request_ids, drafts)
         rows = logits.shape[0]
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
         temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
@@ -94,7 +110,7 @@ class Sampler:
             drawn = order.gather(1, drawn[:, None]).squeeze(1)
         out = torch.where(greedy, logits.argmax(dim=-1), drawn)
         assert out.shape[0] == rows
-        return self._accept(out.tolist(), params, request_ids)
+        return self._accept(out.tolist(), params, request_ids, drafts)
 
 
 def _mix(seed: int, step: int) -> int:

@@ -111,17 +111,34 @@ class ConstraintState:
         self._matchers.pop(request_id, None)
 
     def mask(self, logits: torch.Tensor, rows: list[int], constraints: list[ToolCallConstraint],
-             request_ids: list[str]) -> None:
-        """Forbid, in place, every token the grammar does not allow next on the given rows."""
+             request_ids: list[str], drafts: list[int | None] | None = None) -> None:
+        """Forbid, in place, every token the grammar does not allow next on the
+        given rows. A request's consecutive rows verify a draft (drafts[i]: the
+        draft token row i's sample is compared with): row i is masked for the
+        state after the draft tokens before it, which the matcher takes
+        tentatively and gives back. Rows after a draft token the grammar
+        refuses stay unmasked: the row before cannot sample that token, so
+        they are never kept."""
         xgr = _xgr()
+        drafts = drafts if drafts is not None else [None] * len(rows)
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        taken: dict[str, int] = {}  # draft tokens a request's matcher took so far this call
+        blocked: set[str] = set()
         for i, (c, rid) in enumerate(zip(constraints, request_ids)):
             m = self._matchers.get(rid)
             if m is None:
                 m = self._matchers[rid] = xgr.GrammarMatcher(c.compiled)
-            if m.is_terminated():
-                continue  # the call is complete and ended; the row stays unmasked (all ones)
+            if rid in blocked or m.is_terminated():
+                continue  # the row stays unmasked (all ones)
             m.fill_next_token_bitmask(bitmask, i)
+            d = drafts[i]
+            if d is not None:
+                if m.accept_token(d):
+                    taken[rid] = taken.get(rid, 0) + 1
+                else:
+                    blocked.add(rid)
+        for rid, n in taken.items():
+            self._matchers[rid].rollback(n)
         sub = logits[rows, :self.vocab_size].float().cpu().contiguous()
         xgr.apply_token_bitmask_inplace(sub, bitmask)
         logits[rows, :self.vocab_size] = sub.to(logits.device, logits.dtype)
