@@ -16,7 +16,12 @@ While decodes run, the step's prefill tokens are capped so that the step's
 predicted time (engine/step_time.py, learned from the steps that ran) stays
 under `max_step_ms_with_decodes`: a long prompt is cut into chunks that share
 the steps with the decodes instead of stalling them. The first prefill chunk
-of a step always gets `min_prefill_chunk` tokens, so prefills progress."""
+of a step always gets `min_prefill_chunk` tokens, so prefills progress.
+
+A decode may carry a speculative draft that the step verifies
+(engine/spec_decode.py: which drafts, and what stands of them); a waiting
+request whose next prompt block a running prefill is about to compute waits
+for it (engine/grouped_prefill.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from collections.abc import Callable
 
 from agentserve.clock import Clock
 from agentserve.engine.executor import ExecutorResult
+from agentserve.engine.grouped_prefill import follows, prefill_leaders
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
@@ -223,7 +229,7 @@ class Scheduler:
         decoding, prefilling = [], []
         for req in self.running:
             (decoding if self._is_decoding(req) else prefilling).append(req)
-        drafts = self._plan_drafts(decoding)
+        drafts = self.speculator.plan_step(decoding, self.step_model, self.kv.num_free_blocks - len(self.running))
         for req in decoding:
             if step.budget <= 0:
                 break
@@ -258,12 +264,15 @@ class Scheduler:
                 self.waiting.sort(key=lambda r: self._key(r, now))
                 self._order_dirty = False
             admitted: set[Request] = set()
-            leaders = self._prefill_leaders() if self.config.group_prefill else None
+            leaders = prefill_leaders(self.running, self.kv.block_size) if self.config.group_prefill else None
             for req in self.waiting:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 match = self.kv.match(req.token_ids)
-                if leaders and self._follows(req, match.num_tokens, leaders):
+                if leaders and follows(req, match.num_tokens, leaders, self.kv.block_size):
+                    if not req.followed:
+                        req.followed = True
+                        self.stats.grouped_requests += 1
                     continue  # admitted once its leader has computed (and indexed) the shared blocks
                 if not self._admit(req, step, now, match):
                     break
@@ -294,46 +303,7 @@ class Scheduler:
         prompt and output is prefilling until it has caught up)."""
         return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
 
-    # --- grouped prefill ---
-
-    def _prefill_leaders(self) -> list[Request]:
-        """Running requests with at least one full block of prompt still to compute."""
-        bs = self.kv.block_size
-        return [r for r in self.running if r.num_tokens - r.num_computed_tokens > bs]
-
-    def _follows(self, req: Request, hit: int, leaders: list[Request]) -> bool:
-        """Whether a running request is about to compute `req`'s next block
-        past its prefix hit (a burst of agents sharing a preamble): then `req`
-        waits and takes those blocks from the prefix index once they are
-        committed, instead of computing the same KV a second time."""
-        bs = self.kv.block_size
-        if req.num_tokens - hit <= bs:
-            return False  # only the last, partial block is left: always its own
-        nxt = req.token_ids[hit:hit + bs]
-        for r in leaders:
-            if r is not req and r.num_computed_tokens <= hit and r.num_tokens >= hit + bs \
-                    and r.token_ids[hit:hit + bs] == nxt:
-                if not req.followed:
-                    req.followed = True
-                    self.stats.grouped_requests += 1
-                return True
-        return False
-
     # --- speculation ---
-
-    def _plan_drafts(self, decoding: list[Request]) -> dict[Request, list[int]]:
-        """Draft tokens to verify this step, when speculation is on and the
-        cache has a block to spare for every running request."""
-        spec = self.speculator
-        if not spec.config.enabled or not decoding or self.kv.num_free_blocks <= len(self.running):
-            return {}
-        base = row = None
-        if self.step_model.ready:
-            rows = len(decoding)
-            ctx = sum(r.num_computed_tokens + 1 for r in decoding)
-            base = self.step_model.base_time(rows, ctx)
-            row = self.step_model.base_time(rows + 1, ctx + ctx // rows) - base
-        return spec.plan(decoding, base, row)
 
     def _draft_slots(self, req: Request, draft: list[int], step: StepBudget) -> bool:
         """Cut `draft` to the step's token budget and give it KV slots from free
@@ -345,20 +315,6 @@ class Scheduler:
                 > self.kv.num_free_blocks - len(self.running):
             return False
         return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + 1 + len(draft))
-
-    def _verified(self, req: Request, ch: ScheduledChunk, sampled: list[int]) -> list[int]:
-        """The tokens a verified draft yields: the sampled token at each draft
-        position while the draft agrees, then the first disagreeing one. A
-        result of the wrong shape keeps only the first token (a plain decode)."""
-        draft = ch.draft
-        if len(sampled) != len(draft) + 1:
-            self.speculator.stats.fallbacks += 1
-            return list(sampled[:1])
-        a = 0
-        while a < len(draft) and sampled[a] == draft[a]:
-            a += 1
-        self.speculator.observe(req, len(draft), a)
-        return list(sampled[:a + 1])
 
     def _schedule_running(self, req: Request, n: int, step: StepBudget, now: float, out: SchedulerOutput) -> bool:
         """KV for `n` more tokens of running `req`: reclaim later programs' pins,
@@ -486,7 +442,7 @@ class Scheduler:
                 continue
             tokens = result.sampled.get(req.request_id, ())
             if ch.draft:
-                tokens = self._verified(req, ch, tokens)
+                tokens = self.speculator.verify(req, ch.draft, tokens)
             elif tokens and req.spec is not None:
                 self.speculator.observe_shadow(req, tokens[0])
             status = None

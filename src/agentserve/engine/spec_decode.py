@@ -176,6 +176,32 @@ class Speculator:
         self.stats.steps += bool(plan)
         return plan
 
+    def plan_step(self, decoding: list, step_model, spare_blocks: int) -> dict:
+        """plan() for a scheduler step: costs from the step-time model once it
+        is fitted; nothing when the cache has no block to spare per request."""
+        if not self.config.enabled or not decoding or spare_blocks <= 0:
+            return {}
+        base = row = None
+        if step_model.ready:
+            rows = len(decoding)
+            ctx = sum(r.num_computed_tokens + 1 for r in decoding)
+            base = step_model.base_time(rows, ctx)
+            row = step_model.base_time(rows + 1, ctx + ctx // rows) - base
+        return self.plan(decoding, base, row)
+
+    def verify(self, req, draft, sampled) -> list[int]:
+        """The tokens a verified draft yields: the sampled token at each draft
+        position while the draft agrees, then the first disagreeing one. A
+        result of the wrong shape keeps only the first token (a plain decode)."""
+        if len(sampled) != len(draft) + 1:
+            self.stats.fallbacks += 1
+            return list(sampled[:1])
+        a = 0
+        while a < len(draft) and sampled[a] == draft[a]:
+            a += 1
+        self.observe(req, len(draft), a)
+        return list(sampled[:a + 1])
+
     def observe(self, req, draft_len: int, accepted: int) -> None:
         """After a verified step: `accepted` of `draft_len` draft tokens matched."""
         st = self.state(req)
