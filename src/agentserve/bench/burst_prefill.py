@@ -78,7 +78,8 @@ def run_burst(model, agents: int, preamble: int, own: int, max_tokens: int, budg
     return results
 
 
-def print_table(results: list[BurstResult], out=sys.stdout) -> None:
+def print_table(results: list[BurstResult], out=None) -> None:
+    out = sys.stdout if out is None else out  # read at call time: a default bound at import goes stale
     print(f"{'budget':>7} {'grouped':>7} {'prompt tok':>10} {'computed':>9} {'hits':>7} {'waited':>6} "
           f"{'TTFT p50 s':>10} {'TTFT p99 s':>10} {'wall s':>7}", file=out)
     for r in results:
