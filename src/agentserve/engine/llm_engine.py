@@ -1,5 +1,7 @@
 """The step loop over a scheduler and an executor, with output processing:
-incremental detokenization, stop strings, stop tokens and finish reasons.
+incremental detokenization, stop strings, stop tokens and finish reasons, and
+a request's streaming tool-call validator (SamplingParams.tool_validator), fed
+every token's text, which may end the request at the close of a tool call.
 
 Text that might be the start of a stop string is held back from the stream
 until it is known not to be one, so a streaming client never sees a stop
@@ -9,16 +11,20 @@ tool-call parser learns which tool the turn calls."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from agentserve.clock import Clock
 from agentserve.engine.executor import Executor
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.engine.scheduler import Scheduler
+
+log = logging.getLogger("agentserve.engine")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -60,9 +66,11 @@ class _Tracked:
     emitted_tokens: int = 0
     stop_reason: str | int | None = None
     max_stop: int = field(init=False)
+    validator: Any = field(init=False)  # params.tool_validator until it proves inconsistent
 
     def __post_init__(self) -> None:
         self.max_stop = max((len(s) for s in self.params.stop), default=0)
+        self.validator = self.params.tool_validator
 
 
 class LLMEngine:
@@ -144,8 +152,31 @@ class LLMEngine:
                 if hit is not None:
                     req.output_text = t.text
                     return RequestStatus.FINISHED_STOPPED
+        if t.validator is not None and self._validate(t, piece):
+            req.output_text = t.text
+            return RequestStatus.FINISHED_STOPPED
         req.output_text = t.text
         return None
+
+    def _validate(self, t: _Tracked, piece: str) -> bool:
+        """Feed the tool-call validator; True: it ended the request at a call's close, and the
+        text is cut there (the tokens stay, as for a stop string). A validator that fails, or
+        asks for a cut in text already streamed, is dropped: the request decodes plainly."""
+        v = t.validator
+        try:
+            if not v.feed(piece):
+                return False
+            keep = v.keep
+            if not t.emitted_chars <= keep <= len(t.text):
+                raise ValueError(f"a cut at {keep} outside the unstreamed text {t.emitted_chars}..{len(t.text)}")
+        except Exception as e:
+            t.validator = None
+            log.warning("request %s: tool-call validator dropped (%s); it decodes plainly", t.request.request_id, e)
+            with contextlib.suppress(Exception):
+                v.fail(str(e))
+            return False
+        t.text = t.text[:keep]
+        return True
 
     def _find_stop(self, t: _Tracked, added: int) -> str | None:
         window_start = max(0, len(t.text) - added - t.max_stop + 1)
@@ -167,7 +198,13 @@ class LLMEngine:
         if not new_tokens and not finished:
             return None
         t.emitted_tokens = req.num_output_tokens
-        visible = len(t.text) if finished else len(t.text) - _held_back(t.text, t.params.stop)
+        if finished:
+            visible = len(t.text)
+        else:
+            held = _held_back(t.text, t.params.stop)
+            if t.validator is not None:  # text a validator stop may still cut
+                held = max(held, _validator_hold(t.validator))
+            visible = len(t.text) - held
         visible = max(visible, t.emitted_chars)
         new_text = t.text[t.emitted_chars:visible]
         t.emitted_chars = visible
@@ -182,6 +219,13 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,
             finish_time=req.finish_time, queue_time=req.queue_time)
+
+
+def _validator_hold(v: Any) -> int:
+    try:
+        return max(int(v.hold), 0)
+    except Exception:  # a broken validator holds nothing back; its next feed drops it
+        return 0
 
 
 def _held_back(text: str, stops: list[str]) -> int:

@@ -18,6 +18,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # a grammar the runner holds the output to (tool_choice "required"/named); opaque here
     constraint: Any = None
+    # one request's streaming tool-call validator (policy/toolcall_stream.py), opaque here: the
+    # engine feeds it every output token's text and ends the request when it says so; it keeps
+    # state, so it serves one request only
+    tool_validator: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
