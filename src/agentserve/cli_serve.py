@@ -96,6 +96,7 @@ def add_serve(sub) -> None:
                         "prompt, so identical prompts give identical outputs at any temperature (send a seed, "
                         "or 'Cache-Control: no-cache', for a fresh sample). 0: off")
     add_model_options(p)
+    _add_tool_call_options(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -117,6 +118,44 @@ def _graceful_server(config, engine, grace: float):
     return GracefulServer(config)
 
 
+def _add_tool_call_options(p) -> None:
+    from agentserve.policy.toolcall_stream import GRACE_TOKENS
+    from agentserve.server.tool_validation import UNDECLARED_MODES
+
+    t = p.add_argument_group(
+        "tool calls", "A streaming validator follows the tool calls of chat requests that declare tools "
+        "(Hermes <tool_call> blocks, Llama 3 JSON) as they are decoded.")
+    t.add_argument("--tool-call-early-stop", action=argparse.BooleanOptionalAction, default=True,
+                   help="end a request at the structural close of its tool call(s) instead of decoding the "
+                        "prose a model may write after a call; only a call of a declared tool whose text the "
+                        "output parser accepts ends it, and the reply is what it would have been up to that "
+                        "point (finish_reason tool_calls)")
+    t.add_argument("--tool-call-grace-tokens", type=_non_negative("--tool-call-grace-tokens"), default=GRACE_TOKENS,
+                   metavar="N",
+                   help="after a call's close, wait up to N tokens of blank text for a parallel call to begin "
+                        "(a next call that has begun is always followed); 0: stop right at the close")
+    t.add_argument("--undeclared-tool-calls", choices=UNDECLARED_MODES, default="text",
+                   help="a call naming a tool the request did not declare never reaches the client as a call: "
+                        "'text' returns it as content (finish_reason stop); 'regenerate' ends the request where "
+                        "the call began and decodes a call in its place under the tools' grammar, in the same "
+                        "program (needs xgrammar)")
+    t.add_argument("--bash-block-early-stop", action="store_true",
+                   help="also end chat requests without tools after their first complete ```bash block "
+                        "(mini-swe-agent's one-command-a-turn format); off by default, since an ordinary "
+                        "answer may hold several blocks")
+
+
+def _tool_call_config(args):
+    import importlib.util
+
+    from agentserve.server.tool_validation import ValidatorConfig
+
+    if args.undeclared_tool_calls == "regenerate" and importlib.util.find_spec("xgrammar") is None:
+        raise CliError("--undeclared-tool-calls regenerate needs xgrammar: pip install 'agentserve[structured]'")
+    return ValidatorConfig(early_stop=args.tool_call_early_stop, grace_tokens=args.tool_call_grace_tokens,
+                           undeclared=args.undeclared_tool_calls, bash_blocks=args.bash_block_early_stop)
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -128,6 +167,7 @@ def cmd_serve(args) -> int:
         raise CliError(f"--log-stats-interval must be 0 or more, got {args.log_stats_interval}")
     if args.max_body_bytes < 1:
         raise CliError("--max-body-bytes must be at least 1")
+    tool_calls = _tool_call_config(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("agentserve").setLevel(args.log_level.upper())
     from agentserve.server.engine_thread import EngineThread
@@ -135,7 +175,7 @@ def cmd_serve(args) -> int:
     thread = EngineThread()
     llm = thread.run(lambda: build_llm(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
-    config = ServerConfig(names, api_key=args.api_key, max_queue=args.max_queue or None,
+    config = ServerConfig(names, tool_calls=tool_calls, api_key=args.api_key, max_queue=args.max_queue or None,
                           max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None,
                           render_cache=args.render_cache, response_cache=args.response_cache)
     app = create_app(llm, config, thread=thread)

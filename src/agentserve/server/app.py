@@ -54,6 +54,7 @@ from agentserve.server.render_cache import RenderCache
 from agentserve.server.response_cache import ResponseCache, hit_hints
 from agentserve.server.tool_output import (OutputDelta, ToolChoice, ToolChoiceError, ToolCallStreamer,
                                            finish_reason, parse_tool_output, tool_choice_for)
+from agentserve.server.tool_validation import RegeneratingStream, ValidatorConfig, with_validator
 
 log = logging.getLogger("agentserve.server")
 
@@ -65,6 +66,7 @@ class ServerConfig:
     max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
     max_body_bytes: int = 16 * 2**20  # beyond: 413
     stats_interval: float | None = None  # seconds between the engine's stats log lines (None: none)
+    tool_calls: ValidatorConfig = field(default_factory=ValidatorConfig)  # the streaming tool-call validator
     render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
     response_cache: int = 0  # finished responses kept for exact repeats (0: off); see response_cache.py
 
@@ -516,8 +518,13 @@ async def chat_completions(request: Request) -> Response:
     params = _sampling(st, req, len(ids), max_tokens, "messages", max_param)
     if choice is not None and choice.forced:
         params = await run_in_threadpool(_constrain_call, st, req, choice, params)
+    params = with_validator(st.config.tool_calls, st.engine.tool_stats, choice, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = await _open(st, request, ids, params, rid, ident, "messages", choice)
+    if choice is not None and params.tool_validator is not None and st.config.tool_calls.undeclared == "regenerate":
+        stream = RegeneratingStream(  # an undeclared call is re-generated under the tools' grammar
+            stream, ids, params, lambda ids2, p2: _submit(st, ids2, p2, rid + "-regen", ident, "messages"),
+            lambda p2: run_in_threadpool(_constrain_call, st, req, choice, p2), st.engine.tool_stats)
     created = now_s()
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -34,6 +34,7 @@ from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.request import Request
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.engine.spec_decode import SpecStats
+from agentserve.policy.toolcall_stream import ValidatorCounts, ValidatorStats
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.stats_log import stats_line
 
@@ -101,6 +102,7 @@ class EngineSnapshot:
     step_margin: float = 1.0
     speculation: SpecStats = field(default_factory=SpecStats)  # prompt-lookup speculation's counters (engine/spec_decode.py)
     grouped_requests: int = 0  # requests that waited for another's prefill of a shared prefix
+    tool_calls: ValidatorCounts = ValidatorCounts()  # the streaming tool-call validators' counters
     # the server's caches: render_cache.RenderCacheStats, response_cache.ResponseCacheStats (None: off)
     render_cache: Any = None
     response_cache: Any = None
@@ -205,6 +207,7 @@ class AsyncEngine:
         self.stats_interval = stats_interval
         self._last_stats: tuple[float, EngineSnapshot] | None = None
         self.crashed: BaseException | None = None
+        self.tool_stats = ValidatorStats()  # counted by the requests' tool-call validators
         # the server's caches (objects with stats()), set by the app; snapshots read them (None: off)
         self.render_cache: Any = None
         self.response_cache: Any = None
@@ -543,7 +546,7 @@ class AsyncEngine:
             executed_steps=s.executed_steps, capped_steps=s.capped_steps, decode_steps=s.decode_steps,
             recent_decode_step_s=tuple(s.decode_step_history),
             step_model=self.scheduler.step_model.coefficients if self.scheduler.step_model.ready else (),
-            step_margin=self.scheduler.step_model.margin,
+            step_margin=self.scheduler.step_model.margin, tool_calls=self.tool_stats.counts(),
             speculation=replace(self.scheduler.speculator.stats), grouped_requests=s.grouped_requests,
             render_cache=None if self.render_cache is None else self.render_cache.stats(),
             response_cache=None if self.response_cache is None else self.response_cache.stats())

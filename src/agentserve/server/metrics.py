@@ -76,6 +76,24 @@ class _SnapshotCollector(Collector):
                       s.pins_reclaimed)
         yield counter("pins_released_early", "Pins the policy released before their TTL.", s.pins_released_early)
         yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
+        t = s.tool_calls
+        yield counter("tool_call_validated_requests", "Chat requests a streaming tool-call validator followed.",
+                      t.requests)
+        yield counter("tool_call_valid_calls", "Tool calls the validators saw close, naming a declared tool.", t.calls)
+        yield counter("tool_call_early_stops", "Requests ended at the structural close of their tool call(s).",
+                      t.early_stops)
+        yield counter("tool_call_early_stop_budget_left", "max_tokens left when early stops ended requests: an "
+                      "upper bound of the decode tokens they saved.", t.budget_left)
+        yield counter("tool_call_grace_tokens", "Tokens decoded after the last call's close (waiting for a parallel "
+                      "call) by requests that early stops then ended.", t.grace_tokens)
+        yield counter("tool_call_undeclared", "Tool calls naming a tool the request did not declare (never returned "
+                      "as calls).", t.undeclared)
+        yield counter("tool_call_malformed", "Tool-call blocks that did not parse as a call (returned as text).",
+                      t.malformed)
+        yield counter("tool_call_regenerations", "Undeclared tool calls re-generated under the tools' grammar.",
+                      t.regenerations)
+        yield counter("tool_call_validator_fallbacks", "Requests whose validator turned off on an inconsistency "
+                      "(they decoded plainly).", t.fallbacks)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
         sp = s.speculation
         yield counter("spec_steps", "Steps that verified speculative draft tokens.", sp.steps)
@@ -85,6 +103,9 @@ class _SnapshotCollector(Collector):
         yield counter("spec_fallbacks", "Verifications found inconsistent, decoded plainly instead.", sp.fallbacks)
         yield counter("grouped_prefill_requests", "Requests that waited for another request's prefill of their "
                       "shared prefix instead of computing it too.", s.grouped_requests)
+        yield counter("engine_executed_steps", "Steps that ran the model.", s.executed_steps)
+        yield counter("engine_decode_steps", "Steps that ran the model with requests decoding (forward passes "
+                      "that decoded; a request's first token comes from its prefill step).", s.decode_steps)
         r = s.render_cache
         if r is not None:
             yield counter("render_cache_hits", "Chat prompts tokenized only past a cached earlier prompt.", r.hits)
@@ -107,9 +128,6 @@ class _SnapshotCollector(Collector):
             yield counter("response_cache_bypassed", "Requests that skipped the response cache (Cache-Control).",
                           c.bypassed)
             yield gauge("response_cache_entries", "Responses held by the response cache.", c.entries)
-        yield counter("engine_executed_steps", "Steps that ran the model.", s.executed_steps)
-        yield counter("engine_decode_steps", "Steps that ran the model with requests decoding (forward passes "
-                      "that decoded; a request's first token comes from its prefill step).", s.decode_steps)
 
 
 class ServerMetrics:

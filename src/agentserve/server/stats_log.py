@@ -12,6 +12,21 @@ if TYPE_CHECKING:
 STATS_INTERVAL_S = 10.0
 
 
+def tool_call_part(prev: EngineSnapshot, cur: EngineSnapshot) -> str | None:
+    """The streaming tool-call validators over the interval (None when they did nothing)."""
+    a, b = prev.tool_calls, cur.tool_calls
+    stops = b.early_stops - a.early_stops
+    other = [(n, getattr(b, f) - getattr(a, f)) for n, f in (
+        ("undeclared", "undeclared"), ("malformed", "malformed"), ("regenerated", "regenerations"),
+        ("fallbacks", "fallbacks"))]
+    if not stops and not any(v for _, v in other):
+        return None
+    grace = b.grace_tokens - a.grace_tokens
+    left = b.budget_left - a.budget_left
+    text = f"tool calls: {stops} early stops ({grace} grace tokens, {left} max_tokens left)"
+    return ", ".join([text] + [f"{v} {n}" for n, v in other if v])
+
+
 def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str | None:
     """One line for the interval from `prev` to `cur`, or None if the model did
     not run (an idle server that only reviews its pins stays quiet)."""
@@ -48,6 +63,9 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
         parts.append(f"step model {1e3 * a:.1f} ms + {1e3 * b:.3f} ms a prompt token + {1e9 * c:.2f} ms per M "
                      f"attention pairs + {1e3 * d:.2f} ms a decode + {1e6 * e:.3f} ms per 1k context, "
                      f"x{cur.step_margin:.2f}")
+    tool = tool_call_part(prev, cur)
+    if tool:
+        parts.append(tool)
     drafted = cur.speculation.draft_tokens - prev.speculation.draft_tokens
     if drafted > 0:
         accepted = cur.speculation.accepted_tokens - prev.speculation.accepted_tokens
