@@ -174,11 +174,11 @@ def test_prometheus_deltas_and_fastpath_ratios():
     empty = fr.fastpath_metrics({}, 50)
     assert empty["output_tokens_counted"] == 50 and math.isnan(empty["passes_per_output_token"])
     # agentserve's early-stop counters: the max_tokens left is an upper bound of the tokens saved
-    es = fr.fastpath_metrics({"agentserve:generation_tokens": 300.0, "agentserve:tool_call_early_stops": 4.0,
-                              "agentserve:tool_call_early_stop_budget_tokens": 100.0,
-                              "agentserve:tool_call_grace_tokens": 2.0}, 0)
-    assert (es["early_stops"], es["early_stop_saved_tokens"], es["early_stop_saved_is_bound"]) == (4, 100, True)
-    assert es["early_stop_saved_share"] == pytest.approx(0.25)
+    for bound in ("tool_call_early_stop_budget_left", "tool_call_early_stop_budget_tokens"):
+        es = fr.fastpath_metrics({"agentserve:generation_tokens": 300.0, "agentserve:tool_call_early_stops": 4.0,
+                                  f"agentserve:{bound}": 100.0, "agentserve:tool_call_grace_tokens": 2.0}, 0)
+        assert (es["early_stops"], es["early_stop_saved_tokens"], es["early_stop_saved_is_bound"]) == (4, 100, True)
+        assert es["early_stop_saved_share"] == pytest.approx(0.25)
     # vLLM's names are found too
     v = fr.fastpath_metrics({"vllm:generation_tokens": 40.0, "vllm:spec_decode_num_draft_tokens": 20.0,
                              "vllm:spec_decode_num_accepted_tokens": 5.0}, 0)

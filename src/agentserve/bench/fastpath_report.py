@@ -16,7 +16,7 @@ wall time per run, prefix-cache hits, and from the server's counters:
 * tokens saved by early stop: the delta of a counter named *early_stop* with
   *saved* (or *tokens*) in its name, also as a share of generated + saved;
   agentserve counts the max_tokens left when early stops ended requests
-  (`tool_call_early_stop_budget_tokens`), an upper bound, shown as "<=".
+  (`tool_call_early_stop_budget_left`), an upper bound, shown as "<=".
   Beside it the number of early stops (*early_stop* without *token*).
 * speculation acceptance: accepted / drafted, from counters named *accept*
   and *draft* (or *propos*).
@@ -68,8 +68,10 @@ def fastpath_metrics(deltas: dict[str, float], client_output_tokens: int) -> dic
     gen = find_counter(deltas, "generation_tokens")
     tokens = deltas[gen] if gen else float(client_output_tokens)
     steps = find_counter(deltas, "decode_steps")
-    saved = find_counter(deltas, "early_stop", "saved") or find_counter(deltas, "early_stop", "token")
-    stops = find_counter(deltas, "early_stop", exclude=("token", "grace", "saved"))
+    saved = (find_counter(deltas, "early_stop", "saved") or find_counter(deltas, "early_stop", "budget") or
+             find_counter(deltas, "early_stop", "token", exclude=("grace",)))
+    stops = find_counter(deltas, "early_stops") or find_counter(
+        deltas, "early_stop", exclude=("token", "grace", "saved", "budget", "left"))
     accepted = find_counter(deltas, "accept", "token") or find_counter(deltas, "accept", exclude=("rate",))
     drafted = (find_counter(deltas, "draft", "token", exclude=("accept",)) or
                find_counter(deltas, "draft", exclude=("accept", "rate")) or
