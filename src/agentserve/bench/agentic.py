@@ -65,10 +65,10 @@ def add_agentic_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=1, help="agent runs in flight at once (default 1)")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="max_tokens of every turn; stops are natural (default 128, the paper's)")
-    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
-                   help="on the turns the script expects a call: auto (default, as in the paper: the model may answer "
-                        "without a call; SmolLM2-135M mostly does) or required (the server constrains the reply to "
-                        "one valid call; agentserve does not speculate under a grammar); prose turns are always auto")
+    p.add_argument("--tool-choice", choices=("auto", "required"), default="required",
+                   help="on the turns the script expects a call: required (default: the server constrains the reply "
+                        "to one valid call, ending where the call does) or auto (as in the paper: the model may answer "
+                        "without a call, which SmolLM2-135M mostly does; early stop can show); prose turns are auto")
     p.add_argument("--tool-time", type=float, default=0.0,
                    help="seconds a tool takes, slept before its result (default 0)")
     p.add_argument("--iterations", type=int, default=3, help="repeat: passes after the cold one (default 3)")

@@ -8,14 +8,13 @@ Novel workloads (bugfix6, deepcoding35). `concurrency` agent runs at a time
 streamed POST /v1/chat/completions with the run's `tools`, temperature 0,
 `max_tokens` (default 128, as in the paper; stops are natural, so early stop
 and speculation can show), header X-Program-Id = the run id and `end_program`
-on its last turn. `tool_choice` is "auto" by default, as the paper's servers
-ran: the model may answer without a call, and agentserve's early stop and
-speculation apply. SmolLM2-135M under "auto" often writes prose that repeats
-the prompt up to max_tokens instead of a call; `tool_choice="required"` makes
-the turns the script expects a call one valid call each (constrained decoding,
-under which agentserve does not speculate); prose turns stay "auto". The
-model's reply joins the conversation as it came back (content and parsed
-`tool_calls`); the script's
+on its last turn. `tool_choice` is "required" on the turns the script expects
+a call (default: one valid call each, ending where the call does; agentserve
+speculates under the grammar too) and "auto" on its prose turns;
+`tool_choice="auto"` leaves every turn free, as the paper's servers ran, and
+lets early stop show, but SmolLM2-135M then rarely calls a tool (it writes
+prose that repeats the prompt up to max_tokens). The model's reply joins the
+conversation as it came back (content and parsed `tool_calls`); the script's
 tool result answers the reply's call as a `tool` message, or follows as a
 `user` message naming the tool when the reply made no call, so a model that
 writes no call still walks the whole workflow. max_tokens is lowered near the
@@ -171,7 +170,7 @@ class AgenticConfig:
     api_key: str | None = None
     label: str | None = None
     max_tokens: int = 128
-    tool_choice: str = "auto"  # on turns the script expects a call ("required" there); prose turns: "auto"
+    tool_choice: str = "required"  # on the turns the script expects a call; prose turns: "auto"
     concurrency: int = 1
     tool_time: float = 0.0  # seconds slept after a turn whose reply is followed by a tool result
     request_timeout: float = 600.0
