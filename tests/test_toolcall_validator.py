@@ -178,6 +178,13 @@ def test_undeclared_call_to_regenerate_stops_where_it_began(step):
     assert char == len("Sure.\n") and tok == char // step  # the token whose piece holds the '<'
 
 
+def test_cache_key_names_what_decides_the_stop():
+    a, b = ToolCallValidator(DECLARED), ToolCallValidator(reversed(DECLARED))
+    assert a.cache_key == b.cache_key
+    assert a.cache_key != ToolCallValidator(DECLARED, grace_tokens=0).cache_key
+    assert a.cache_key != ToolCallValidator(["calc"]).cache_key
+
+
 def test_hold_covers_what_a_stop_may_cut():
     v = ToolCallValidator(DECLARED, verify=server_verify)
     v.feed("Hello <tool")

@@ -131,8 +131,7 @@ class ToolCallValidator(OtherForms):
         self._open_m = 0  # WHOLE: characters of <tool_call> matched
         self._info: list[str] = []
         self._body_start = 0
-        if stats is not None:
-            stats.add(requests=1)
+        self._formats = formats
 
     # --- the engine's side ---
 
@@ -162,6 +161,14 @@ class ToolCallValidator(OtherForms):
             return self._end
         return self._end - self._call_start  # inside a call: a stop may cut where it began
 
+    @property
+    def cache_key(self) -> str:
+        """Everything besides the text that decides where this validator stops (for a cache of
+        responses keyed by what decides the output)."""
+        names = None if self.declared is None else sorted(self.declared)
+        return repr((names, self._formats, self.parallel, self.grace_tokens, self.early_stop,
+                     self.stop_on_undeclared))
+
     def fail(self, reason: str) -> None:
         """The engine found the validator's answer inconsistent: stop validating, count it."""
         if not self.disabled:
@@ -172,6 +179,8 @@ class ToolCallValidator(OtherForms):
     def _feed(self, piece: str) -> bool:
         tok = self.tokens
         self.tokens += 1
+        if tok == 0 and self._stats is not None:
+            self._stats.add(requests=1)  # counted when it first sees output (not for a cached reply)
         self._base = self._end
         if piece:
             self._starts.append(self._end)
