@@ -335,3 +335,24 @@ def test_runner_speculates_under_a_tool_grammar_with_the_same_call(hf):
     assert outs[:2] == outs[2:]
     st = llm.scheduler.speculator.stats
     assert st.draft_tokens > 0 and st.accepted_tokens > 0
+
+
+def test_step_time_model_learns_what_a_draft_row_costs():
+    from agentserve.engine.step_time import StepTimeModel, attention_pairs
+
+    rng = random.Random(4)
+    m = StepTimeModel(window=256)
+    a, b, c, d, e, f, g = 0.004, 2e-4, 3e-7, 1e-3, 5e-7, 1.2e-3, 4.5e-7
+    for _ in range(300):
+        ctx = rng.randrange(100, 6000)
+        if rng.random() < 0.3:
+            p = rng.randrange(16, 512)
+            m.observe(p, attention_pairs(ctx, p), 1, ctx + 1, a + b * p + c * attention_pairs(ctx, p) + d + e * ctx)
+        else:
+            r = rng.randrange(0, 9)
+            rk = r * (ctx + 1) + r * (r + 1) // 2
+            rows = rng.randrange(1, 4)
+            m.observe(0, 0, rows, rows * ctx, a + d * rows + e * rows * ctx + f * r + g * rk, r, rk)
+    assert m.draft_coefficients == pytest.approx((f, g), rel=0.05)
+    assert m.draft_row_time(6000) == pytest.approx(m.margin * (f + g * 6000), rel=0.05)
+    assert m.draft_row_time(6000) > 2 * m.draft_row_time(100)

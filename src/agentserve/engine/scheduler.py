@@ -35,7 +35,7 @@ from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.spec_decode import Speculator
-from agentserve.engine.step_time import StepBudget, StepTimeModel, step_features
+from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_features, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext, make_policy
 from agentserve.policy.program import ProgramTable
@@ -240,10 +240,13 @@ class Scheduler:
                 del drafts[req]
                 draft = None
             if self._schedule_running(req, 1, step, now, out):
-                n = 1 + len(draft) if draft else 1
-                step.add(req, n)
-                step.decode_rows += n
-                step.decode_context += (req.num_computed_tokens + 1) * n
+                step.add(req, 1 + len(draft) if draft else 1)
+                step.decode_rows += 1
+                step.decode_context += req.num_computed_tokens + 1
+                if draft:
+                    step.draft_rows += len(draft)
+                    step.draft_context += draft_features([ScheduledChunk(req, req.num_computed_tokens, 1, True,
+                                                                        tuple(draft))])[1]
         if prefilling or self.waiting:
             step.time_left = self._prefill_time_left(step)
         for req in prefilling:
@@ -338,7 +341,8 @@ class Scheduler:
         target = self.config.max_step_ms_with_decodes
         if not step.decode_rows or not target or not self.step_model.ready:
             return None
-        return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context)
+        return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context, step.draft_rows,
+                                                           step.draft_context)
 
     def _admit(self, req: Request, step: StepBudget, now: float, match) -> bool:
         hit = match.num_tokens
@@ -432,6 +436,7 @@ class Scheduler:
         stats.execute_s += result.elapsed
         stats.executed_steps += 1
         prefill, attention, decodes, context = step_features(out.chunks)
+        drafts, draft_context = draft_features(out.chunks)
         for ch in out.chunks:
             req = ch.request
             if req.status is not RequestStatus.RUNNING:
@@ -475,7 +480,7 @@ class Scheduler:
             stats.decode_step_history.append(result.elapsed)
         # Steps with host copies are left out of the fit: their time is not the forward pass's.
         if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
-            self.step_model.observe(prefill, attention, decodes, context, result.elapsed)
+            self.step_model.observe(prefill, attention, decodes, context, result.elapsed, drafts, draft_context)
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

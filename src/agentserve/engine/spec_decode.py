@@ -186,7 +186,7 @@ class Speculator:
             rows = len(decoding)
             ctx = sum(r.num_computed_tokens + 1 for r in decoding)
             base = step_model.base_time(rows, ctx)
-            row = step_model.base_time(rows + 1, ctx + ctx // rows) - base
+            row = step_model.draft_row_time(ctx // rows)
         return self.plan(decoding, base, row)
 
     def verify(self, req, draft, sampled) -> list[int]:
