@@ -100,7 +100,7 @@ class EngineSnapshot:
     # the learned step-time model (engine/step_time.py): coefficients, margin; () until it has samples
     step_model: tuple[float, ...] = ()
     step_margin: float = 1.0
-    speculation: SpecStats = field(default_factory=SpecStats)  # prompt-lookup speculation's counters (engine/spec_decode.py)
+    speculation: SpecStats = field(default_factory=SpecStats)  # prompt-lookup speculation's counters
     grouped_requests: int = 0  # requests that waited for another's prefill of a shared prefix
     tool_calls: ValidatorCounts = ValidatorCounts()  # the streaming tool-call validators' counters
     # the server's caches: render_cache.RenderCacheStats, response_cache.ResponseCacheStats (None: off)
