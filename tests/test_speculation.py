@@ -138,9 +138,14 @@ class VerifyingExecutor(Executor):
     def __init__(self, clock: SimClock) -> None:
         self.clock = clock
         self.dev: dict[int, list] = {}
+        self.host: dict[int, list] = {}
         self.rows = 0
 
     def execute(self, out: SchedulerOutput) -> ExecutorResult:
+        for d, h in out.blocks_to_offload:
+            self.host[h] = list(self.dev.get(d, [None] * BS))
+        for h, d in out.blocks_to_load:
+            self.dev[d] = list(self.host[h])
         sampled = {}
         for ch in out.chunks:
             req = ch.request
@@ -182,9 +187,9 @@ def run(prompts, max_tokens, spec: int, num_blocks=64, policy="continuum", eos=N
     return reqs, s, ex, steps
 
 
-def _harness(spec, num_blocks=64, policy="continuum", budget=64):
+def _harness(spec, num_blocks=64, policy="continuum", budget=64, host_blocks=0):
     clock = SimClock()
-    kv = KVCacheManager(num_blocks, BS)
+    kv = KVCacheManager(num_blocks, BS, host_blocks=host_blocks)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, speculation=SpecConfig(max_draft=spec)),
                   kv, policy, clock)
     return clock, s, VerifyingExecutor(clock)
@@ -356,3 +361,16 @@ def test_step_time_model_learns_what_a_draft_row_costs():
     assert m.draft_coefficients == pytest.approx((f, g), rel=0.05)
     assert m.draft_row_time(6000) == pytest.approx(m.margin * (f + g * 6000), rel=0.05)
     assert m.draft_row_time(6000) > 2 * m.draft_row_time(100)
+
+
+def test_speculation_with_the_host_tier_across_turns():
+    # a small device cache and a host tier: programs' KV is evicted to host and reloaded
+    # between turns while their decodes verify drafts; every position read is checked
+    h = _harness(8, num_blocks=30, policy="vllm-fcfs", host_blocks=200)
+    convs = prompts(4, length=20, seed=5)
+    for turn in range(3):
+        reqs, s, ex, _ = run(convs, 16, spec=8, harness=h)
+        for r, p in zip(reqs, convs):
+            assert r.output_token_ids == plain(p, 16)
+        convs = [r.token_ids + [1 + turn, 2] for r in reqs]
+    assert s.stats.loaded_tokens > 0 and s.speculator.stats.accepted_tokens > 0
