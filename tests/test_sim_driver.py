@@ -99,6 +99,36 @@ def test_cli_sim_writes_table_json_and_plot(tmp_path, capsys):
     assert "continuum" in text and "mean JCT" in text
 
 
+def test_cli_sim_without_end_program_shows_what_was_learned_beside_the_truth(capsys):
+    rc = main(["sim", "--workload", "swebench", "--programs", "60", "--rates", "1", "--policies", "continuum",
+               "--no-end-program", "--show-state", "--jobs", "1"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "per-program state left: 0 programs, 0 pins, 0 pending tool calls" in text
+    line = next(ln for ln in text.splitlines() if "eta learned" in ln)
+    learned, true = float(line.split()[2].rstrip(",")), float(line.split()[4])
+    assert learned == pytest.approx(true, abs=1e-9)  # every program ended idle and counted
+    assert "tool mean seconds, learned / true" in text
+
+
+def test_true_values_follow_the_estimators_definitions():
+    from agentserve.bench.trace import Program, TraceCall
+    from agentserve.sim.learned import true_values
+
+    def prog(pid, tools):
+        calls = [TraceCall(pid, i, 0.0, 10, 10, 1, t, d) for i, (t, d) in enumerate(tools)]
+        return Program(pid, calls)
+    progs = [prog("a", [("ls", 1.0), ("cat", 3.0), (None, 0.0)]), prog("b", [("ls", 2.0), ("human", 9.0), (None, 0.0)]),
+             prog("c", [("ls", 3.0), (None, 0.0)])]
+    t = true_values(progs)
+    assert t["tool_means"] == {"ls": 2.0, "cat": 3.0}
+    from agentserve.policy.ttl import EtaEstimator
+    e = EtaEstimator(window=3)
+    for n in (3, 3, 2):
+        e.add_program(n)
+    assert t["eta"] == e.value()
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["sim", "--policies", "nope"], "unknown policy"),
     (["sim", "--workload", "nope"], "unknown workload"),

@@ -56,6 +56,13 @@ def _add_sim(sub) -> None:
     p.add_argument("--json", default=None, help="write the result rows here")
     p.add_argument("--plot", default=None, help="write a PNG of JCT against rate per policy here")
     p.add_argument("--check-integrity-every", type=int, default=0, help="check KV accounting every N steps (slow)")
+    p.add_argument("--no-end-program", action="store_true",
+                   help="clients never say a program ended (no is_last_turn), as most real clients: programs end "
+                        "when the scheduler finds them idle, and the run waits out the idle timeout at the end")
+    p.add_argument("--show-state", action="store_true",
+                   help="after the table, print per run what the policy learned (eta, each tool's mean duration) "
+                        "beside the workload's true values, the per-program state left and the peak running "
+                        "requests and pins")
     p.set_defaults(func=cmd_sim)
 
 
@@ -120,7 +127,8 @@ def cmd_sim(args) -> int:
                             host_tier=args.host_tier, kv_tokens=args.kv_tokens,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_step_ms_with_decodes=args.max_step_ms_with_decodes,
-                            seed=args.seed, check_integrity_every=args.check_integrity_every)
+                            seed=args.seed, check_integrity_every=args.check_integrity_every,
+                            end_programs=not args.no_end_program)
             jobs.append((args.workload, args.profile, rate, programs, cfg))
     print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates, "
           f"{args.programs} programs each) on {args.profile}...", file=sys.stderr)
@@ -133,6 +141,12 @@ def cmd_sim(args) -> int:
     print(format_table(rows))
     for line in ratio_lines(rows):
         print(line)
+    if args.show_state:
+        from agentserve.sim.learned import format_learned, true_values
+
+        truths = {rate: true_values(build_workload(args, rate)) for rate in args.rates}
+        for r in rows:
+            print(format_learned(r["state"], truths[r["rate"]], f"{r['policy']} at {r['rate']:g}/s"))
     if args.json:
         write_json(rows, args.json)
         print(f"wrote {args.json}", file=sys.stderr)

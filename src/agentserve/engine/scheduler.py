@@ -267,6 +267,9 @@ class Scheduler:
                 self.waiting.sort(key=lambda r: self._key(r, now))
                 self._order_dirty = False
             admitted: set[Request] = set()
+            # blocks the running requests may still take: admissions add their own, nothing else
+            # changes it during the loop (computed once: it is a sum over every running request)
+            held = self._reserved_for_running()
             leaders = prefill_leaders(self.running, self.kv.block_size) if self.config.group_prefill else None
             for req in self.waiting:
                 if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -277,9 +280,10 @@ class Scheduler:
                         req.followed = True
                         self.stats.grouped_requests += 1
                     continue  # admitted once its leader has computed (and indexed) the shared blocks
-                if not self._admit(req, step, now, match):
+                if not self._admit(req, step, now, match, held):
                     break
                 admitted.add(req)
+                held = self._reserved_for_running() if held is None else held + self._reserve_of(req)
                 if leaders is not None and req.num_tokens - req.num_computed_tokens > self.kv.block_size:
                     leaders.append(req)
             if admitted:
@@ -344,14 +348,13 @@ class Scheduler:
         return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context, step.draft_rows,
                                                            step.draft_context)
 
-    def _admit(self, req: Request, step: StepBudget, now: float, match) -> bool:
+    def _admit(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
         hit = match.num_tokens
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
         n = step.allow(hit, min(req.num_tokens - hit, step.budget))
         if n <= 0:
             return False  # the step-time target is spent
         own_pin_released = False
-        held = self._reserved_for_running()  # reclaiming pins below does not change it
         while not (self._has_headroom(req, match, held) and self.kv.admit(req.request_id, match, n, now)):
             nothing_runs = not self.running
             if self._reclaim_pin(req, any_program=nothing_runs, now=now):
@@ -400,8 +403,10 @@ class Scheduler:
         so a request that fits the cache at all is never held back)."""
         if self.policy.decode_reserve_tokens <= 0 or not self.running:
             return None
-        kv = self.kv
-        return sum(max(0, kv.blocks_for(self._ahead(r)) - kv.num_blocks_of(r.request_id)) for r in self.running)
+        return sum(self._reserve_of(r) for r in self.running)
+
+    def _reserve_of(self, req: Request) -> int:
+        return max(0, self.kv.blocks_for(self._ahead(req)) - self.kv.num_blocks_of(req.request_id))
 
     def _has_headroom(self, req: Request, match, held: int | None) -> bool:
         """`req`'s whole prompt and reserved output fit in the free blocks that

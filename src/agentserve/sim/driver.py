@@ -111,6 +111,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     rejected = 0
     overhead = 0.0
     steps = 0
+    peak_running = peak_pins = 0
     last_finish = 0.0
     by_rid: dict[str, tuple[int, int]] = {}
     wall0 = time.perf_counter()
@@ -165,6 +166,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         finished = sched.update(out, result)
         overhead += (t1 - t0) + (time.perf_counter() - t2)
         steps += 1
+        peak_running = max(peak_running, sched.num_running + len(finished))
+        peak_pins = max(peak_pins, len(kv.pins))
         if cfg.check_integrity_every and steps % cfg.check_integrity_every == 0:
             sched.check_integrity()
         for req in finished:
@@ -200,7 +203,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
               "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
         capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
         decode_step_p99_s=st.decode_step_p99_s(),
-        state=_state(sched),
+        state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins),
     )
 
 
