@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .novel_workloads import AgentRun, dispatch_order, repeat_agents, scripted_prompt
-from .replay import ReplayError, StreamAccumulator, _server_info, base_url
+from .replay import ReplayError, StreamAccumulator, _server_info, base_url, stream_chat
 
 # ---------------------------------------------------------------------------
 # Prometheus counters
@@ -190,18 +190,7 @@ class AgenticClient:
         return time.perf_counter() - self.t0
 
     async def _stream(self, body: dict, pid: str, t_send: float) -> ToolStream:
-        acc = ToolStream(t_send)
-        async with self.client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Program-Id": pid}) as r:
-            if r.status_code >= 400:
-                detail = (await r.aread()).decode("utf-8", "replace")
-                try:
-                    detail = json.loads(detail)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    pass
-                raise ReplayError(f"HTTP {r.status_code}: {str(detail)[:300]}")
-            async for line in r.aiter_lines():
-                acc.feed(line, self.now())
-        return acc
+        return await stream_chat(self.client, body, pid, ToolStream(t_send), self.now)
 
     async def request(self, messages: list[dict], tools, pid: str, max_tokens: int, end: bool,
                       rec: dict) -> ToolStream | None:

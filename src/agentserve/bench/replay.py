@@ -80,6 +80,23 @@ class ReplayError(Exception):
     """A failed request (its message goes into the results)."""
 
 
+async def stream_chat(client, body: dict, pid: str, acc, now):
+    """POST a streamed chat request for program `pid` and feed each SSE line to
+    `acc` (with `now()`); an HTTP error becomes a ReplayError with the
+    server's message. Returns `acc`."""
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Program-Id": pid}) as r:
+        if r.status_code >= 400:
+            detail = (await r.aread()).decode("utf-8", "replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise ReplayError(f"HTTP {r.status_code}: {str(detail)[:300]}")
+        async for line in r.aiter_lines():
+            acc.feed(line, now())
+    return acc
+
+
 # ---------------------------------------------------------------------------
 # filler text and its calibration
 
@@ -524,19 +541,7 @@ class Replayer:
             body["ignore_eos"] = True
         if end:
             body["end_program"] = True
-        acc = StreamAccumulator(t_send)
-        async with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                      headers={"X-Program-Id": pid}) as r:
-            if r.status_code >= 400:
-                detail = (await r.aread()).decode("utf-8", "replace")
-                try:
-                    detail = json.loads(detail)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    pass
-                raise ReplayError(f"HTTP {r.status_code}: {str(detail)[:300]}")
-            async for line in r.aiter_lines():
-                acc.feed(line, self.now())
-        return acc
+        return await stream_chat(self.client, body, pid, StreamAccumulator(t_send), self.now)
 
     async def turn(self, messages: list[dict], pid: str, max_tokens: int, end: bool,
                    t_send: float) -> StreamAccumulator:
