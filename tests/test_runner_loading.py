@@ -18,8 +18,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from agentserve.runner import loader
+from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.gguf_loader import llama3_scaling_from_freq_factors, load_gguf, unpermute_qk
-from agentserve.runner.loader import LoadedModel, load_model
+from agentserve.runner.loader import load_model
 from agentserve.runner.safetensors_loader import load_safetensors_dir
 from agentserve.runner.tokenizer import IncrementalDetokenizer, Tokenizer
 from gguf_fixtures import (CHAT_TEMPLATE, SPECIAL_TOKENS, byte_level_vocab, llama3_freq_factors,

@@ -14,7 +14,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.config import ModelConfig
-from agentserve.runner.loader import LoadedModel
+from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.tokenizer import Tokenizer
 
 VOCAB = 320

@@ -21,9 +21,10 @@ from agentserve.engine.spec_decode import SpecConfig
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
 from agentserve.runner import device as devices
+from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache
-from agentserve.runner.loader import LoadedModel, load_model
+from agentserve.runner.loader import load_model
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.profiling import reload_cost_for
 from agentserve.runner.tokenizer import IncrementalDetokenizer

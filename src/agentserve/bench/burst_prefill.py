@@ -52,7 +52,8 @@ def run_burst(model, agents: int, preamble: int, own: int, max_tokens: int, budg
     """`model`: a path, None (the default model) or a LoadedModel; `llm_options` go to LLM."""
     from agentserve.engine.sampling_params import SamplingParams
     from agentserve.llm import LLM
-    from agentserve.runner.loader import LoadedModel, load_model
+    from agentserve.runner.checkpoint import LoadedModel
+    from agentserve.runner.loader import load_model
 
     loaded = model if isinstance(model, LoadedModel) else load_model(model, keep_quantized=True)
     results = []

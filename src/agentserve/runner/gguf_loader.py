@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from agentserve.runner.config import ModelConfig
-from agentserve.runner.loader import LoadedModel, check_weights
+from agentserve.runner.checkpoint import LoadedModel, check_weights
 from agentserve.runner.quant import Q4_TYPES, Q8_TYPES, QuantWeight, from_blocks
 from agentserve.runner.tokenizer import Tokenizer
 

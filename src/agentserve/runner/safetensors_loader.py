@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from agentserve.runner.config import ModelConfig
-from agentserve.runner.loader import LoadedModel, check_weights
+from agentserve.runner.checkpoint import LoadedModel, check_weights
 from agentserve.runner.tokenizer import Tokenizer
 
 # Buffers some older checkpoints saved alongside the weights; recomputed by the runner.
