@@ -23,7 +23,7 @@ from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.engine import step_time
 from agentserve.engine.step_time import StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
-from agentserve.policy.base import policy_names
+from agentserve.policy.registry import policy_names
 from agentserve.policy.program import ProgramState
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 

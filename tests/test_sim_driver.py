@@ -10,7 +10,7 @@ import pytest
 from agentserve.bench.generators import generate_swebench
 from agentserve.cli import main
 from agentserve.bench.trace import NON_TOOL_NAMES
-from agentserve.policy.base import policy_names
+from agentserve.policy.registry import policy_names
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 from agentserve.policy.ttl import EtaEstimator
 from agentserve.sim.driver import SimConfig, percentile, simulate

@@ -19,7 +19,7 @@ WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
 
 
 def _add_sim(sub) -> None:
-    from agentserve.policy.base import policy_names
+    from agentserve.policy.registry import policy_names
     from agentserve.sim.profile import list_profiles
 
     p = sub.add_parser(
@@ -96,7 +96,7 @@ def _run_one(job):
 
 
 def cmd_sim(args) -> int:
-    from agentserve.policy.base import policy_names
+    from agentserve.policy.registry import policy_names
     from agentserve.sim.driver import SimConfig
     from agentserve.sim.profile import ProfileError, load_profile
     from agentserve.sim.report import format_table, plot, ratio_lines, write_json

@@ -70,7 +70,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args):
     from agentserve.llm import LLM
-    from agentserve.policy.base import policy_names
+    from agentserve.policy.registry import policy_names
 
     if args.policy not in policy_names():
         raise CliError(f"unknown policy {args.policy!r}; choose from {', '.join(policy_names())}")

@@ -37,7 +37,8 @@ from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.spec_decode import Speculator
 from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_features, step_features
 from agentserve.kv.manager import KVCacheManager
-from agentserve.policy.base import Policy, PolicyContext, make_policy
+from agentserve.policy.base import Policy, PolicyContext
+from agentserve.policy.registry import make_policy
 from agentserve.policy.program import ProgramTable
 
 # Idle programs are looked for this many times per idle timeout (not every

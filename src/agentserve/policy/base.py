@@ -8,15 +8,29 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from agentserve.policy.program import ProgramState, ProgramTable
 from agentserve.policy.tool_stats import NO_TOOL_CALL, ToolDurationStats
 from agentserve.policy.toolcalls import first_tool_name
 
 if TYPE_CHECKING:
-    from agentserve.engine.request import Request
     from agentserve.kv.manager import Pin
+
+
+class Request(Protocol):
+    """What a policy reads of a request, and the one field it sets (`tool_name`).
+    The engine's `engine.request.Request` is the record that has them; it is
+    declared here so that `policy/` stays below `engine/` (no import of it)."""
+
+    program_id: str
+    arrival_time: float
+    waiting_since: float  # when it last started to wait (arrival, or its preemption)
+    preempted: bool
+    num_computed_tokens: int
+    output_text: str | None
+    tool_name: str | None
+    ttl_hint: float | None
 
 
 @dataclass
@@ -104,23 +118,9 @@ class Policy(abc.ABC):
         return False
 
 
-POLICIES: dict[str, type[Policy]] = {}
+POLICIES: dict[str, type[Policy]] = {}  # filled by @register; read through policy/registry.py
 
 
 def register(cls: type[Policy]) -> type[Policy]:
     POLICIES[cls.name] = cls
     return cls
-
-
-def make_policy(name: str, ctx: PolicyContext, **options) -> Policy:
-    from agentserve.policy import policies  # noqa: F401  (fills the registry)
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
-    return cls(ctx, **options)
-
-
-def policy_names() -> list[str]:
-    from agentserve.policy.policies import ORDER
-    return [n for n in ORDER if n in POLICIES] + [n for n in POLICIES if n not in ORDER]
