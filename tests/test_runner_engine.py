@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from agentserve.cli import main as cli_main
+from agentserve.cost.cost_model import CostModel
+from agentserve.cost.profile import load_profile
 from agentserve.engine.llm_engine import _held_back
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
 from agentserve.runner.profiling import fit_quadratic, measure_profile, reload_cost_for
 from agentserve.runner.sampler import Sampler
 from agentserve.server.chat_template import ChatTemplate, TemplateError
-from agentserve.sim.cost_model import CostModel
-from agentserve.sim.profile import load_profile
 from tiny_models import byte_tokenizer, hf_llama, loaded, prompt
 
 

@@ -18,12 +18,12 @@ import json
 import pytest
 
 from agentserve.clock import SimClock
+from agentserve.cost.cost_model import CostModel
+from agentserve.cost.profile import Profile, ProfileError, list_profiles, load_profile
 from agentserve.engine.executor import Executor
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from agentserve.sim.cost_model import CostModel
 from agentserve.sim.executor import FILLER_TOKEN_ID, SimExecutor
-from agentserve.sim.profile import Profile, ProfileError, list_profiles, load_profile
 
 H100 = "llama3.1-8b-h100"
 A100 = "llama3.1-8b-a100"

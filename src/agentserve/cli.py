@@ -19,8 +19,8 @@ WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
 
 
 def _add_sim(sub) -> None:
+    from agentserve.cost.profile import list_profiles
     from agentserve.policy.registry import policy_names
-    from agentserve.sim.profile import list_profiles
 
     p = sub.add_parser(
         "sim", help="simulate scheduling policies on an agent workload",
@@ -96,9 +96,9 @@ def _run_one(job):
 
 
 def cmd_sim(args) -> int:
+    from agentserve.cost.profile import ProfileError, load_profile
     from agentserve.policy.registry import policy_names
     from agentserve.sim.driver import SimConfig
-    from agentserve.sim.profile import ProfileError, load_profile
     from agentserve.sim.report import format_table, plot, ratio_lines, write_json
 
     unknown = [p for p in args.policies if p not in policy_names()]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -53,7 +54,7 @@ KV_TOKENS_MULTIPLE = 256  # so that every peer holds exactly that many (bench/pe
 
 def measure(dtype: str, model: str | None, repeats: int) -> dict:
     from agentserve.llm import LLM
-    from agentserve.runner.profiling import ModelTimer, engine_decode_rate, median_time, read_bandwidth
+    from agentserve.runner.profiling import ModelTimer, median_time, read_bandwidth
 
     llm = LLM(model, dtype=dtype, kv_cache_tokens=max(BATCHES) * (CONTEXT + 16) + 4096,
               max_num_batched_tokens=2048, max_num_seqs=max(BATCHES), policy="vllm-fcfs")
@@ -72,6 +73,21 @@ def measure(dtype: str, model: str | None, repeats: int) -> dict:
     row["read_bandwidth_gb_s"] = bw / 1e9
     row["roofline_b1_tok_s"] = bw / row["weight_bytes"]
     return row
+
+
+def engine_decode_rate(llm, batch: int, prompt_len: int = 64, new_tokens: int = 64) -> float:
+    """Aggregate tokens/s of `batch` greedy requests through the whole engine
+    of `llm` (an agentserve.llm.LLM: scheduler, KV manager, sampling), decode
+    phase only."""
+    from agentserve.engine.sampling_params import SamplingParams
+
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    start = max(o.first_token_time for o in outs)
+    end = max(o.finish_time for o in outs)
+    return batch * (new_tokens - 1) / max(end - start, 1e-9)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -18,19 +18,35 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from agentserve.cost.cost_model import CostModel
+from agentserve.cost.profile import ModelSpec, Profile, load_profile
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.device import dtype_name
-from agentserve.sim.cost_model import CostModel
-from agentserve.sim.profile import ModelSpec, Profile, load_profile
 
 if TYPE_CHECKING:
-    from agentserve.llm import LLM
+    from agentserve.engine.scheduler import Scheduler
+    from agentserve.runner.config import ModelConfig
+    from agentserve.runner.kv_cache import PagedKVCache
+    from agentserve.runner.model import LlamaModel
 
 log = logging.getLogger("agentserve")
+
+
+class ModelHost(Protocol):
+    """What profiling reads of a built model: `agentserve.llm.LLM` is one. Declared
+    here so the runner does not import the offline API built on top of it."""
+
+    model: LlamaModel
+    kv_cache: PagedKVCache
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_source: str  # the file or folder the model came from
+    scheduler: Scheduler  # its config: the batch limits a profile records
 
 
 def _sync(device: torch.device) -> None:
@@ -55,7 +71,7 @@ class ModelTimer:
     """Runs bare forward passes of an LLM's model on its own KV tensors. The
     blocks it writes are scratch: use it on an LLM that serves nothing else."""
 
-    def __init__(self, llm: "LLM") -> None:
+    def __init__(self, llm: ModelHost) -> None:
         self.llm = llm
         self.model = llm.model
         self.kv = llm.kv_cache
@@ -173,7 +189,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return slope, icpt
 
 
-def measure_profile(llm: "LLM", prefill_lengths: list[int], batch_sizes: list[int],
+def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: list[int],
                     contexts: tuple[int, int] = (128, 1024), copy_blocks: int = 256,
                     progress: Callable[[str], None] = lambda s: None) -> tuple[Profile, dict]:
     timer = ModelTimer(llm)
@@ -227,12 +243,12 @@ def measure_profile(llm: "LLM", prefill_lengths: list[int], batch_sizes: list[in
     return prof, raw
 
 
-def default_profile_path(llm: "LLM") -> Path:
+def default_profile_path(llm: ModelHost) -> Path:
     base = Path(os.environ.get("AGENTSERVE_CACHE", Path.home() / ".cache" / "agentserve"))
     return base / "profiles" / f"{Path(llm.model_source).stem}-{llm.device.type}-{dtype_name(llm.dtype)}.json"
 
 
-def reload_cost_for(profile: str | None, llm: "LLM", host_tier: bool) -> Callable[[int], float]:
+def reload_cost_for(profile: str | None, llm: ModelHost, host_tier: bool) -> Callable[[int], float]:
     """Prefill-Reload(r) in seconds for r tokens: from the given profile, else the
     one `agentserve profile` saved for this model, device and dtype, else a
     rough FLOP estimate (logged, so the user knows to profile)."""
@@ -262,20 +278,6 @@ def read_bandwidth(device: torch.device, gib: float = 1.0) -> float:
     return x.numel() * 4 / t
 
 
-def engine_decode_rate(llm: "LLM", batch: int, prompt_len: int = 64, new_tokens: int = 64) -> float:
-    """Aggregate tokens/s of `batch` greedy requests through the whole engine
-    (scheduler, KV manager, sampling), decode phase only."""
-    from agentserve.engine.sampling_params import SamplingParams
-
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(0, llm.config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    start = max(o.first_token_time for o in outs)
-    end = max(o.finish_time for o in outs)
-    return batch * (new_tokens - 1) / max(end - start, 1e-9)
-
-
-def kv_element_size(llm: "LLM") -> int:
+def kv_element_size(llm: ModelHost) -> int:
     """Bytes of one element of the KV cache (2 for bfloat16)."""
     return llm.kv_cache.device_kv.element_size()

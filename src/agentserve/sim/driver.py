@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from agentserve.bench.tokens import program_token_plan, shared_token_pool
 from agentserve.bench.trace import NON_TOOL_NAMES, Program, percentile  # noqa: F401  (re-exported)
 from agentserve.clock import SimClock
+from agentserve.cost.cost_model import CostModel
+from agentserve.cost.profile import load_profile
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.kv.manager import KVCacheManager
-from agentserve.sim.cost_model import CostModel
 from agentserve.sim.executor import SimExecutor
-from agentserve.sim.profile import load_profile
 
 
 @dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentserve.clock import SimClock
+from agentserve.cost.cost_model import CostModel
 from agentserve.engine.executor import Executor, ExecutorResult
 from agentserve.engine.scheduler_output import SchedulerOutput
-from agentserve.sim.cost_model import CostModel
 
 __all__ = ["FILLER_TOKEN_ID", "SimExecutor", "SimStats"]
 

@@ -1,4 +1,6 @@
-"""Step-time cost model for the simulator (pure Python, no torch).
+"""Step-time cost model (pure Python, no torch): what the simulator's executor
+charges a step, and the Prefill-Reload(r) the policies price a pin with on a
+real server (runner/profiling.py reads it from a measured profile).
 
 Prefill follows the CacheTTL paper's offline profile (Sec 5.2): the time to
 prefill a context of L tokens is fitted as t(L) = a*L^2 + b*L + c. The same
@@ -30,7 +32,7 @@ from __future__ import annotations
 import os
 
 from agentserve.engine.scheduler_output import SchedulerOutput
-from agentserve.sim.profile import Profile, load_profile
+from agentserve.cost.profile import Profile, load_profile
 
 __all__ = ["CostModel"]
 

@@ -38,7 +38,7 @@ from typing import Any
 
 __all__ = ["ModelSpec", "Profile", "ProfileError", "load_profile", "list_profiles", "profile_from_dict"]
 
-_PROFILES_PACKAGE = "agentserve.sim"
+_PROFILES_PACKAGE = "agentserve.cost"
 _PROFILES_DIR = "profiles"
 
 
