@@ -11,8 +11,8 @@ import pytest
 from agentserve.bench.apc import (
     INFINITE, ROW_KEYS, STRATEGIES, add_apc_parser, apc_table, call_order, format_table, reuse_profile,
 )
-from agentserve.bench.trace import Program, TraceCall
-from agentserve.bench.workloads import load_workload
+from agentserve.workload.load import load_workload
+from agentserve.workload.trace import Program, TraceCall
 
 
 def _call(pid, turn, arrival, prompt, new, out=1, shared=0, dur=0.0):

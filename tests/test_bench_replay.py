@@ -11,8 +11,8 @@ import pytest
 
 from agentserve.bench import replay as rp
 from agentserve.bench import replay_report as rr
-from agentserve.bench.generators import generate_swebench
-from agentserve.bench.trace import Program, TraceCall, save_jsonl
+from agentserve.workload.generators import generate_swebench
+from agentserve.workload.trace import Program, TraceCall, save_jsonl
 
 KEY = "replay-key"
 SLEEP = 0.05

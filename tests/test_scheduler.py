@@ -16,15 +16,15 @@ import zlib
 import pytest
 
 from agentserve.clock import SimClock
+from agentserve.engine import step_time
 from agentserve.engine.executor import Executor, ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.engine.scheduler_output import SchedulerOutput
-from agentserve.engine import step_time
 from agentserve.engine.step_time import StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
-from agentserve.policy.registry import policy_names
 from agentserve.policy.program import ProgramState
+from agentserve.policy.registry import policy_names
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 BS = 4

@@ -7,15 +7,15 @@ from collections import defaultdict
 
 import pytest
 
-from agentserve.bench.generators import generate_swebench
 from agentserve.cli import main
-from agentserve.bench.trace import NON_TOOL_NAMES
 from agentserve.policy.registry import policy_names
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 from agentserve.policy.ttl import EtaEstimator
 from agentserve.sim.driver import SimConfig, percentile, simulate
 from agentserve.sim.report import ROW_KEYS
 from agentserve.sim.robustness import split_hanging
+from agentserve.workload.generators import generate_swebench
+from agentserve.workload.trace import NON_TOOL_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_cli_sim_without_end_program_shows_what_was_learned_beside_the_truth(cap
 
 
 def test_true_values_follow_the_estimators_definitions():
-    from agentserve.bench.trace import Program, TraceCall
+    from agentserve.workload.trace import Program, TraceCall
     from agentserve.sim.learned import true_values
 
     def prog(pid, tools):
@@ -147,7 +147,7 @@ def test_step_time_target_in_the_simulator():
     2048-token chunks late in the prompt make steps of ~140 ms on the H100
     profile; with a 50 ms target the simulated scheduler learns the cost and
     cuts the chunks (the first few run at the full budget while it learns)."""
-    from agentserve.bench.trace import Program, TraceCall
+    from agentserve.workload.trace import Program, TraceCall
 
     def program(pid, arrival, prompt, output):
         return Program(pid, [TraceCall(pid, 0, arrival, prompt, prompt, output, None, 0.0)])

@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import pytest
 
-from agentserve.bench.claude_code import load_claude_code
-from agentserve.bench.generators import (
+from agentserve.workload.claude_code import load_claude_code
+from agentserve.workload.generators import (
     assign_poisson_arrivals,
     generate_bfcl,
     generate_swebench,
     workload_spec,
 )
-from agentserve.bench.swe_smith import load_swe_smith
-from agentserve.bench.tokens import program_token_plan, shared_token_pool
-from agentserve.bench.trace import (
+from agentserve.workload.swe_smith import load_swe_smith
+from agentserve.workload.tokens import program_token_plan, shared_token_pool
+from agentserve.workload.trace import (
     Program,
     TraceCall,
     TraceError,
@@ -29,7 +29,7 @@ from agentserve.bench.trace import (
     save_jsonl,
     workload_stats,
 )
-from agentserve.bench.workloads import load_workload
+from agentserve.workload.load import load_workload
 
 
 def _close(got: float, want: float, rel: float) -> bool:

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from agentserve.runner.attention import build_metadata
-from agentserve.runner.config import ModelConfig
 from agentserve.runner.checkpoint import LoadedModel
+from agentserve.runner.config import ModelConfig
 from agentserve.runner.tokenizer import Tokenizer
 
 VOCAB = 320

@@ -67,7 +67,7 @@ def _add_sim(sub) -> None:
 
 
 def build_workload(args, rate: float):
-    from agentserve.bench.generators import load_workload
+    from agentserve.workload.load import load_workload
 
     spec = args.workload
     if spec not in WORKLOADS and not os.path.exists(spec):

@@ -27,7 +27,7 @@ device cache is prefix cache; only interleaving and the strategy decide what
 survives. A call longer than the cache keeps only its first `num_blocks`
 blocks (counted in `truncated_calls`).
 
-Token ids come from `bench.tokens.program_token_plan` (as the simulator
+Token ids come from `workload.tokens.program_token_plan` (as the simulator
 builds them), so prefix reuse is exact. "First computed by" is recorded once
 per block content, in an unbounded prefix index: that index is the infinite
 cache."""
@@ -46,8 +46,8 @@ from agentserve.argtypes import csv_list
 from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.prefix_index import Node, PrefixIndex
 
-from .tokens import program_token_plan, shared_token_pool
-from .trace import Program, percentile
+from agentserve.workload.tokens import program_token_plan, shared_token_pool
+from agentserve.workload.trace import Program, percentile
 
 STRATEGIES = ("lru", "leaf-lru", "lfu", "arc")
 DEFAULT_KV_BLOCKS = (2000, 8000)
@@ -358,7 +358,7 @@ def add_apc_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_apc(args) -> int:
     from agentserve.kv.eviction import STRATEGIES as KNOWN
 
-    from .workloads import load_workload
+    from agentserve.workload.load import load_workload
 
     bad = [s for s in args.strategies if s not in KNOWN]
     if bad:

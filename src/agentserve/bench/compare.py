@@ -71,8 +71,8 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_compare(a) -> int:
     from agentserve.bench import replay_report as rr
     from agentserve.bench.replay import ReplayConfig, ReplayError, replay, write_json
-    from agentserve.bench.workloads import load_workload
     from agentserve.cli_errors import CliError
+    from agentserve.workload.load import load_workload
 
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:

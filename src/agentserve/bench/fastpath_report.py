@@ -32,7 +32,7 @@ import math
 import statistics
 from typing import Any
 
-from .trace import percentile
+from agentserve.workload.trace import percentile
 
 REFERENCE = "agentserve-continuum"
 KEYWORDS = ("spec", "draft", "accept", "early_stop", "response_cache", "generation_tokens", "steps",

@@ -70,7 +70,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from .trace import Program, percentile
+from agentserve.workload.trace import Program, percentile
 
 SUMMARY_KEYS = ("server", "workload", "rate", "programs", "mean_jct", "p50_jct", "p90_jct", "p95_jct",
                 "mean_ttft", "throughput_jobs_s", "cached_ratio")
@@ -291,7 +291,7 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
                  max_context: int | None = None, seed: int | str = 0, tool_role: str = "user",
                  arrival: float | None = None) -> ProgramPlan:
     """The messages and lengths program `p` sends (see the module doc)."""
-    from .swe_smith import message_text
+    from agentserve.workload.swe_smith import message_text
 
     t = _targets(p, token_scale)
     f = fit_factor(t, max_context, tm.message_overhead)
@@ -852,7 +852,7 @@ def cmd_run(a) -> int:
     from agentserve.cli_errors import CliError
 
     from . import replay_report as rr
-    from .workloads import load_workload
+    from agentserve.workload.load import load_workload
 
     _check_args(a)
     compare = []

@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .trace import percentile
+from agentserve.workload.trace import percentile
 
 
 def load_result(path: str | os.PathLike) -> dict:

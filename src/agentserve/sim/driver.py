@@ -20,8 +20,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from agentserve.bench.tokens import program_token_plan, shared_token_pool
-from agentserve.bench.trace import NON_TOOL_NAMES, Program, percentile  # noqa: F401  (re-exported)
+from agentserve.workload.tokens import program_token_plan, shared_token_pool
+from agentserve.workload.trace import NON_TOOL_NAMES, Program, percentile  # noqa: F401  (re-exported)
 from agentserve.clock import SimClock
 from agentserve.cost.cost_model import CostModel
 from agentserve.cost.profile import load_profile

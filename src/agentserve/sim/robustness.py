@@ -15,8 +15,8 @@ import random
 import sys
 from dataclasses import replace
 
-from agentserve.bench.workloads import load_workload
 from agentserve.sim.driver import SimConfig, mean, simulate
+from agentserve.workload.load import load_workload
 
 
 def split_hanging(programs, fraction: float, seed: int):

@@ -28,7 +28,7 @@ Token semantics a consumer (simulator, replay client) relies on:
 * `hash_ids`, when present, describe the prompt exactly: block i of
   `hash_block_size` tokens has id hash_ids[i] (same id = same tokens within one
   program group: a program and its subagents); the `prompt_tokens mod
-  hash_block_size` tail has no id. See `bench/tokens.py`.
+  hash_block_size` tail has no id. See `tokens.py`.
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def find_shared_traces(path: str | os.PathLike | None = None) -> Path | None:
     candidates = []
     if env:
         candidates.append(Path(env))
-    repo_root = Path(__file__).resolve().parents[3]  # src/agentserve/bench/trace.py -> repo
+    repo_root = Path(__file__).resolve().parents[3]  # src/agentserve/workload/trace.py -> repo
     cwd = Path.cwd()
     candidates += [cwd.parent / "shared" / "traces", repo_root.parent / "shared" / "traces",
                    cwd / "shared" / "traces", repo_root / "shared" / "traces"]

@@ -1,6 +1,6 @@
 """One entry point for every workload: `load_workload(spec, num_programs, rate, seed)`.
 
-    python -m agentserve.bench.workloads SPEC [-n N] [--rate R] [--seed S] [--out F.jsonl]
+    python -m agentserve.workload.load SPEC [-n N] [--rate R] [--seed S] [--out F.jsonl]
 
 prints `workload_stats` of the workload (and writes it as JSONL with --out).
 """
@@ -95,7 +95,7 @@ def load_workload(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.workloads", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m agentserve.workload.load", description=__doc__)
     ap.add_argument("spec", help=f"one of {', '.join(CHOICES)}")
     ap.add_argument("-n", "--num-programs", type=int, default=None)
     ap.add_argument("--rate", type=float, default=1.0, help="programs per second")

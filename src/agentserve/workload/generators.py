@@ -345,10 +345,3 @@ def assign_poisson_arrivals(programs: list[Program], rate: float, seed: int) -> 
             out.append(replace(p, calls=calls))
     out.sort(key=lambda p: p.arrival)
     return out
-
-
-def load_workload(spec: str, num_programs: int | None, rate: float, seed: int, **opts) -> list[Program]:
-    """See `agentserve.bench.workloads.load_workload`."""
-    from .workloads import load_workload as _load
-
-    return _load(spec, num_programs, rate, seed, **opts)
