@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from agentserve.server.async_engine import EngineSnapshot
+from agentserve.server.engine_snapshot import EngineSnapshot
 from agentserve.server.stats_log import stats_line
 
 

@@ -40,11 +40,12 @@ from starlette.routing import Route
 
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.sampling_params import SamplingParams
-from agentserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, QueueFullError, RequestStream
-from agentserve.server.engine_thread import EngineThread
+from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.chat_template import TemplateError
+from agentserve.server.engine_thread import EngineThread
 from agentserve.server.identity import IdentityError, ProgramIdentity, resolve_identity
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from agentserve.server.request_stream import EngineError, EngineStopped, QueueFullError, RequestStream
 from agentserve.server.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                         ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                         CompletionRequest, Delta, ErrorBody, ErrorResponse, ModelCard, ModelList,

@@ -17,136 +17,39 @@ KV at the next command.
 
 When nothing runs but pins exist, the thread still steps the scheduler at the
 next pin expiry (and at least every second), so expired pins are released on
-an idle server too."""
+an idle server too.
+
+Each time the engine runs out of work, the thread checks the block accounting
+once (`Scheduler.check_integrity`: a walk over blocks, pins and the prefix
+index). A failure is a bug: it is logged with its traceback and the KV state,
+and counted (`EngineSnapshot.kv_integrity_failures`, the metric
+`agentserve:kv_integrity_failures`); the server goes on serving."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.request import Request
 from agentserve.engine.sampling_params import SamplingParams
-from agentserve.engine.spec_decode import SpecStats
-from agentserve.policy.toolcall_stream import ValidatorCounts, ValidatorStats
+from agentserve.policy.toolcall_stream import ValidatorStats
+from agentserve.server.engine_commands import CommandQueue
+from agentserve.server.engine_snapshot import EngineListener, EngineSnapshot, take_snapshot
 from agentserve.server.engine_thread import EngineThread
+from agentserve.server.program_times import ProgramTimes
+from agentserve.server.request_stream import EngineError, EngineStopped, QueueFullError, RequestStream
 from agentserve.server.stats_log import stats_line
 
 log = logging.getLogger("agentserve.server")
 
 IDLE_WAKE_S = 1.0  # the longest the idle thread sleeps (pin review, program-table pruning)
 NO_PROGRESS_WAIT_S = 0.005  # backoff when requests wait but nothing could be scheduled
-
-
-class EngineError(RuntimeError):
-    """The engine failed while the request was in it (the request is aborted)."""
-
-
-class EngineStopped(RuntimeError):
-    """The engine thread is not running (not started, shut down, or crashed)."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting for admission."""
-
-
-class EngineListener(Protocol):
-    """Told about progress, on the engine thread (metrics implement it)."""
-
-    def on_request_output(self, out: RequestOutput, now: float, last_token_time: float | None) -> None: ...
-
-    def on_request_aborted(self) -> None: ...
-
-    def on_program_end(self, jct: float) -> None: ...
-
-    def on_ttl_decisions(self, ttls: list[float]) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Scheduler and KV state at one instant, taken on the engine thread."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    num_pinned_blocks: int
-    num_pinned_programs: int
-    block_size: int
-    steps: int
-    preemptions: int
-    admitted_prompt_tokens: int
-    hit_tokens: int
-    loaded_tokens: int
-    pins_created: int
-    pins_hit: int
-    pins_expired: int
-    pins_reclaimed: int
-    pins_released_early: int
-    pins_released_at_end: int
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    execute_s: float = 0.0
-    executed_steps: int = 0
-    capped_steps: int = 0  # steps whose prefill the step-time target held back
-    decode_steps: int = 0  # executed steps with decodes running
-    recent_decode_step_s: tuple[float, ...] = ()  # the latest of those steps' times, oldest first
-    # the learned step-time model (engine/step_time.py): coefficients, margin; () until it has samples
-    step_model: tuple[float, ...] = ()
-    step_margin: float = 1.0
-    speculation: SpecStats = field(default_factory=SpecStats)  # prompt-lookup speculation's counters
-    grouped_requests: int = 0  # requests that waited for another's prefill of a shared prefix
-    tool_calls: ValidatorCounts = ValidatorCounts()  # the streaming tool-call validators' counters
-    # the server's caches: render_cache.RenderCacheStats, response_cache.ResponseCacheStats (None: off)
-    render_cache: Any = None
-    response_cache: Any = None
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-class RequestStream:
-    """The incremental outputs of one request, as an async iterator.
-
-    Iteration ends after the finished output; an engine failure is raised from
-    `__anext__`. `close()` aborts the request if it has not finished."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-        self.request: Request | None = None  # set on the engine thread when added
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it finished; safe to call more than once, from a finally."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
 
 
 @dataclass
@@ -158,22 +61,6 @@ class _Live:
     explicit_program: bool
     release_after: bool
     last_token_time: float | None = None
-
-
-@dataclass
-class _ProgramTimes:
-    first_arrival: float
-    last_activity: float
-    in_flight: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Command:
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future | None
-
-
-_STOP = object()
 
 
 class AsyncEngine:
@@ -193,13 +80,13 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.listener = listener
         self.program_idle_timeout = program_idle_timeout
-        self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
+        self._commands = CommandQueue()
         self._home = thread
         self._owns_home = False
         self._running: concurrent.futures.Future | None = None  # the loop on its thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _Live] = {}  # engine thread only
-        self._programs: dict[str, _ProgramTimes] = {}  # engine thread only
+        self._programs = ProgramTimes()  # engine thread only
         self._ttl_seen = self.scheduler.stats.pins_created
         self._stopping = False
         self._lock = threading.Lock()  # orders posting a command against the thread's final drain
@@ -207,6 +94,9 @@ class AsyncEngine:
         self.stats_interval = stats_interval
         self._last_stats: tuple[float, EngineSnapshot] | None = None
         self.crashed: BaseException | None = None
+        self._had_work = False  # requests ran since the last integrity check
+        self.integrity_checks = 0  # block-accounting checks run when the engine went idle
+        self.integrity_failures = 0  # ... and those that failed
         self.tool_stats = ValidatorStats()  # counted by the requests' tool-call validators
         # the server's caches (objects with stats()), set by the app; snapshots read them (None: off)
         self.render_cache: Any = None
@@ -228,7 +118,7 @@ class AsyncEngine:
         running = self._running
         if running is None or running.done():
             return
-        self._commands.put(_STOP)
+        self._commands.put_stop()
         try:
             running.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -269,7 +159,7 @@ class AsyncEngine:
             if not self.alive:
                 raise EngineStopped("the engine is not running" + (f" (it crashed: {self.crashed})"
                                                                    if self.crashed else ""))
-            self._commands.put(_Command(fn, fut))
+            self._commands.put(fn, fut)
         return fut
 
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -293,7 +183,7 @@ class AsyncEngine:
         """Abort a request; returns at once (the engine thread frees its KV)."""
         with self._lock:
             if self.alive:
-                self._commands.put(_Command(lambda: self._abort(request_id), None))
+                self._commands.put(lambda: self._abort(request_id))
 
     async def release_program(self, program_id: str) -> bool:
         """Drop the program's pin now (and after any turn of it still in flight)."""
@@ -316,10 +206,14 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 busy = self.engine.has_unfinished
+                if not busy and self._had_work:  # the work just ran out
+                    self._had_work = False
+                    self._check_integrity_when_idle()
                 self._run_commands(None if busy else self._idle_wait())
                 if self._stopping:
                     break
                 if self.engine.has_unfinished:
+                    self._had_work = True
                     if not self._step():
                         self._run_commands(NO_PROGRESS_WAIT_S)
                 elif self.kv.pins:
@@ -333,7 +227,21 @@ class AsyncEngine:
                 self._stopping = True
             self._fail_all(EngineStopped("the server is shutting down" if self.crashed is None
                                          else f"the engine crashed: {self.crashed}"))
-            self._drain_after_stop()
+            self._commands.fail_pending(lambda: EngineStopped("the server is shutting down"))
+
+    def _check_integrity_when_idle(self) -> None:
+        self.integrity_checks += 1
+        try:
+            self.scheduler.check_integrity()
+        except Exception as e:
+            self.integrity_failures += 1
+            kv = self.kv
+            log.exception("KV BLOCK ACCOUNTING IS BROKEN (integrity check %d failed on an idle engine, %d "
+                          "failure(s) so far): %s: %s; blocks %d, free %d, pinned %d in %d pins, requests "
+                          "running %d, waiting %d. Serving goes on; please report this with the log.",
+                          self.integrity_checks, self.integrity_failures, type(e).__name__, e, kv.num_blocks,
+                          kv.num_free_blocks, kv.num_pinned_blocks, len(kv.pins), self.scheduler.num_running,
+                          self.scheduler.num_waiting)
 
     def _idle_wait(self) -> float:
         pins = self.kv.pins
@@ -344,41 +252,8 @@ class AsyncEngine:
 
     def _run_commands(self, timeout: float | None) -> None:
         """Run queued commands; with a timeout, wait up to that long for the first."""
-        try:
-            cmd = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if cmd is _STOP:
-                self._stopping = True
-                return
-            self._execute(cmd)  # type: ignore[arg-type]
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    @staticmethod
-    def _execute(cmd: _Command) -> None:
-        try:
-            result = cmd.fn()
-        except BaseException as e:
-            if cmd.future is not None:
-                cmd.future.set_exception(e)
-            else:
-                log.exception("engine command failed")
-            return
-        if cmd.future is not None:
-            cmd.future.set_result(result)
-
-    def _drain_after_stop(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Command) and cmd.future is not None:
-                cmd.future.set_exception(EngineStopped("the server is shutting down"))
+        if self._commands.run(timeout):
+            self._stopping = True
 
     def _step(self) -> bool:
         """One engine step; False when it made no progress."""
@@ -447,12 +322,7 @@ class AsyncEngine:
         stream.request = req
         self._live[req.request_id] = _Live(stream, req, program_id is not None, release_after)
         if program_id is not None:
-            now = self.clock.now()
-            prog = self._programs.get(program_id)
-            if prog is None:
-                prog = self._programs[program_id] = _ProgramTimes(req.arrival_time, now)
-            prog.last_activity = now
-            prog.in_flight.add(req.request_id)
+            self._programs.add(program_id, req.request_id, req.arrival_time, self.clock.now())
 
     def _abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -464,9 +334,7 @@ class AsyncEngine:
         if not live.explicit_program:
             self.scheduler.end_program(req.program_id)  # a one-request program: nothing comes back
             return
-        prog = self._programs.get(req.program_id)
-        if prog is not None:
-            prog.in_flight.discard(request_id)
+        self._programs.aborted(req.program_id, request_id)
         if req.is_last_turn:
             self._end_program(req.program_id)
 
@@ -476,14 +344,10 @@ class AsyncEngine:
             self.scheduler.release_program(req.program_id)
         if not live.explicit_program:
             return
-        prog = self._programs.get(req.program_id)
-        if prog is None:
-            return
-        prog.in_flight.discard(req.request_id)
-        prog.last_activity = now
-        if req.is_last_turn:  # the scheduler already ended it
-            del self._programs[req.program_id]
-            self._notify("on_program_end", now - prog.first_arrival)
+        # on the last turn the scheduler already ended the program
+        jct = self._programs.finished(req.program_id, req.request_id, now, req.is_last_turn)
+        if jct is not None:
+            self._notify("on_program_end", jct)
 
     def _release_program(self, program_id: str) -> bool:
         for live in self._live.values():
@@ -495,13 +359,12 @@ class AsyncEngine:
         in_flight = [live for live in self._live.values() if live.request.program_id == program_id]
         for live in in_flight:
             live.request.is_last_turn = True  # the scheduler ends the program when it finishes
-        prog = self._programs.get(program_id)
-        known = prog is not None or program_id in self.kv.pins
+        known = program_id in self._programs or program_id in self.kv.pins
         if not in_flight:
             self.scheduler.end_program(program_id)
-            if prog is not None:
-                del self._programs[program_id]
-                self._notify("on_program_end", prog.last_activity - prog.first_arrival)
+            jct = self._programs.end(program_id)
+            if jct is not None:
+                self._notify("on_program_end", jct)
         return known or bool(in_flight)
 
     def _housekeeping(self) -> None:
@@ -514,10 +377,7 @@ class AsyncEngine:
         now = self.clock.now()
         if now - self._last_prune >= IDLE_WAKE_S:
             self._last_prune = now
-            idle = [pid for pid, p in self._programs.items()
-                    if not p.in_flight and now - p.last_activity > self.program_idle_timeout]
-            for pid in idle:  # abandoned programs: forgotten without a JCT
-                del self._programs[pid]
+            self._programs.prune(now, self.program_idle_timeout)  # abandoned programs: no JCT
         if self.stats_interval:
             self._log_stats(now)
 
@@ -533,20 +393,5 @@ class AsyncEngine:
             self._last_stats = (now, cur)
 
     def _snapshot(self) -> EngineSnapshot:
-        s, kv = self.scheduler.stats, self.kv
-        return EngineSnapshot(
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-            num_pinned_blocks=kv.num_pinned_blocks, num_pinned_programs=len(kv.pins), block_size=kv.block_size,
-            steps=s.steps, preemptions=s.preemptions, admitted_prompt_tokens=s.admitted_prompt_tokens,
-            hit_tokens=s.hit_tokens, loaded_tokens=s.loaded_tokens, pins_created=s.pins_created,
-            pins_hit=s.pins_hit, pins_expired=s.pins_expired, pins_reclaimed=s.pins_reclaimed,
-            pins_released_early=s.pins_released_early, pins_released_at_end=s.pins_released_at_end,
-            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, execute_s=s.execute_s,
-            executed_steps=s.executed_steps, capped_steps=s.capped_steps, decode_steps=s.decode_steps,
-            recent_decode_step_s=tuple(s.decode_step_history),
-            step_model=self.scheduler.step_model.coefficients if self.scheduler.step_model.ready else (),
-            step_margin=self.scheduler.step_model.margin, tool_calls=self.tool_stats.counts(),
-            speculation=replace(self.scheduler.speculator.stats), grouped_requests=s.grouped_requests,
-            render_cache=None if self.render_cache is None else self.render_cache.stats(),
-            response_cache=None if self.response_cache is None else self.response_cache.stats())
+        return take_snapshot(self.scheduler, self.tool_stats.counts(), self.render_cache, self.response_cache,
+                             self.integrity_failures)

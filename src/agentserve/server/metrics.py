@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agentserve.engine.llm_engine import RequestOutput
-from agentserve.server.async_engine import EngineSnapshot
+from agentserve.server.engine_snapshot import EngineSnapshot
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -95,6 +95,8 @@ class _SnapshotCollector(Collector):
         yield counter("tool_call_validator_fallbacks", "Requests whose validator turned off on an inconsistency "
                       "(they decoded plainly).", t.fallbacks)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
+        yield counter("kv_integrity_failures", "Block-accounting checks (run each time the engine goes idle) "
+                      "that failed: a bug, logged with its details; should stay 0.", s.kv_integrity_failures)
         sp = s.speculation
         yield counter("spec_steps", "Steps that verified speculative draft tokens.", sp.steps)
         yield counter("spec_draft_tokens", "Prompt-lookup draft tokens verified.", sp.draft_tokens)
@@ -131,7 +133,7 @@ class _SnapshotCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's registry; also the engine's listener (see async_engine.EngineListener)."""
+    """The server's registry; also the engine's listener (see engine_snapshot.EngineListener)."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()

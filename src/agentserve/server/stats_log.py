@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agentserve.server.async_engine import EngineSnapshot
+    from agentserve.server.engine_snapshot import EngineSnapshot
 
 STATS_INTERVAL_S = 10.0
 
