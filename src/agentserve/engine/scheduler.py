@@ -29,13 +29,15 @@ from collections import Counter
 from collections.abc import Callable
 
 from agentserve.clock import Clock
-from agentserve.engine.executor import ExecutorResult
+from agentserve.engine.admission import Admission
 from agentserve.engine.grouped_prefill import follows, prefill_leaders
+from agentserve.engine.pin_review import PinReview
 from agentserve.engine.request import Request, RequestStatus
-from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
+from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.spec_decode import Speculator
-from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_features, step_features
+from agentserve.engine.step_results import StepResults
+from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
@@ -46,7 +48,11 @@ from agentserve.policy.program import ProgramTable
 EXPIRY_CHECKS_PER_TIMEOUT = 16
 
 
-class Scheduler:
+class Scheduler(PinReview, Admission, StepResults):
+    """Pin review and reclaim (pin_review.py), admission under the policy's
+    headroom (admission.py) and what follows a step (step_results.py) are
+    defined beside this module and share this state."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: str | Policy,
                  clock: Clock, reload_cost: Callable[[int], float] | None = None,
                  policy_options: dict | None = None) -> None:
@@ -175,44 +181,6 @@ class Scheduler:
         busy = {r.program_id for r in self.running} | set(self._waiting_programs) | set(self.kv.pins)
         for prog in self.programs.expire_idle(now, busy):
             self.policy.on_program_end(prog)
-
-    # --- pins ---
-
-    def _release_pins(self, now: float) -> None:
-        pins = self.kv.pins
-        if not pins:
-            return
-        for pid in [p for p, pin in pins.items() if pin.expiry <= now and p not in self._waiting_programs]:
-            self.kv.unpin(pid, now)
-            self.stats.pins_expired += 1
-            self._order_dirty = True
-        for pid in self.policy.review_pins(pins, now):
-            # a program whose next turn already waits keeps its pin (as with expiry)
-            if pid in pins and pid not in self._waiting_programs:
-                self.kv.unpin(pid, now)
-                self.stats.pins_released_early += 1
-                self._order_dirty = True
-
-    def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool:
-        """Release the pin of the latest-arriving program (later than `req`'s,
-        unless `any_program`) among those whose release returns at least one
-        block to the free set: a pin whose blocks others also hold frees
-        nothing, and dropping it would only cost its program the retention.
-        True if one was released."""
-        pins = self.kv.pins
-        if not pins:
-            return False
-        mine = req.program.arrival_time
-        candidates = [pin for pid, pin in pins.items()
-                      if pid != req.program_id and (any_program or pin.program_arrival > mine)]
-        candidates.sort(key=lambda p: p.program_arrival, reverse=True)
-        for pin in candidates:
-            if self.kv.reclaimable_blocks(pin.program_id):
-                self.kv.unpin(pin.program_id, now)
-                self.stats.pins_reclaimed += 1
-                self._order_dirty = True
-                return True
-        return False
 
     # --- the step ---
 
@@ -349,73 +317,6 @@ class Scheduler:
         return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context, step.draft_rows,
                                                            step.draft_context)
 
-    def _admit(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
-        hit = match.num_tokens
-        loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
-        n = step.allow(hit, min(req.num_tokens - hit, step.budget))
-        if n <= 0:
-            return False  # the step-time target is spent
-        own_pin_released = False
-        while not (self._has_headroom(req, match, held) and self.kv.admit(req.request_id, match, n, now)):
-            nothing_runs = not self.running
-            if self._reclaim_pin(req, any_program=nothing_runs, now=now):
-                continue
-            if nothing_runs and req.program_id in self.kv.pins:
-                # Its own pin holds blocks this turn does not reuse (the partial
-                # last block at least) and nothing else can free memory: release
-                # it; the matched blocks stay cached and are revived by admit.
-                self.kv.unpin(req.program_id, now)
-                own_pin_released = True
-                self._order_dirty = True
-                continue
-            return False
-        prog = req.program
-        # its blocks now belong to the request
-        pinned = self.kv.unpin(req.program_id, now) > 0 or own_pin_released
-        if pinned:
-            self.stats.pins_hit += 1
-            self._order_dirty = True
-        delay = now - req.waiting_since
-        req.queue_time += delay
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = hit
-            req.num_loaded_tokens = loaded
-            self.stats.admitted_prompt_tokens += req.num_prompt_tokens
-            self.stats.hit_tokens += hit
-            self.stats.loaded_tokens += loaded
-            self.policy.on_admitted(req, prog, now, delay, returning_evicted=prog.turns_finished > 0 and not pinned)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        req.num_computed_tokens = hit
-        req.status = RequestStatus.RUNNING
-        req.preempted = False
-        self.running.append(req)
-        step.add_prefill(req, hit, n)
-        return True
-
-    def _ahead(self, req: Request) -> int:
-        """Tokens `req` still needs KV for under the policy's headroom: all it
-        has, plus its remaining output up to Policy.decode_reserve_tokens."""
-        return req.num_tokens + min(req.max_tokens - req.num_output_tokens, self.policy.decode_reserve_tokens)
-
-    def _reserved_for_running(self) -> int | None:
-        """Blocks the running requests may still take within their headroom;
-        None when no headroom applies (the policy keeps none, or nothing runs,
-        so a request that fits the cache at all is never held back)."""
-        if self.policy.decode_reserve_tokens <= 0 or not self.running:
-            return None
-        return sum(self._reserve_of(r) for r in self.running)
-
-    def _reserve_of(self, req: Request) -> int:
-        return max(0, self.kv.blocks_for(self._ahead(req)) - self.kv.num_blocks_of(req.request_id))
-
-    def _has_headroom(self, req: Request, match, held: int | None) -> bool:
-        """`req`'s whole prompt and reserved output fit in the free blocks that
-        the running requests' reserves (`held`) leave."""
-        if held is None:
-            return True
-        return self.kv.admit_need(match, self._ahead(req) - match.num_tokens) + held <= self.kv.num_free_blocks
-
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         self.running.remove(req)
         if self.policy.swap_on_preempt(req) and self.kv.host.enabled:
@@ -430,105 +331,6 @@ class Scheduler:
         self.stats.preemptions += 1
         self._push_waiting(req)
         out.preempted.append(req)
-
-    # --- after the step ---
-
-    def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
-        """Apply sampled tokens; returns the requests that finished this step."""
-        now = self.clock.now()
-        finished = []
-        limit = self.config.max_model_len
-        stats = self.stats
-        stats.execute_s += result.elapsed
-        stats.executed_steps += 1
-        prefill, attention, decodes, context = step_features(out.chunks)
-        drafts, draft_context = draft_features(out.chunks)
-        for ch in out.chunks:
-            req = ch.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted during the step
-            req.program.attained_service += result.elapsed
-            if not ch.sample:
-                self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
-                continue
-            tokens = result.sampled.get(req.request_id, ())
-            if ch.draft:
-                tokens = self.speculator.verify(req, ch.draft, tokens)
-            elif tokens and req.spec is not None:
-                self.speculator.observe_shadow(req, tokens[0])
-            status = None
-            for tok in tokens:
-                stats.decode_tokens += 1
-                req.append_output(tok)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                status = self.token_hook(req, tok) if self.token_hook is not None else None
-                if status is None:
-                    if tok in req.eos_token_ids:
-                        status = RequestStatus.FINISHED_STOPPED
-                    elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
-                        status = RequestStatus.FINISHED_LENGTH
-                if status is not None:
-                    break
-            if ch.draft:
-                # KV stands for every token but the last sampled one; blocks the
-                # rejected draft tokens took go back
-                req.num_computed_tokens = req.num_tokens - 1
-                self.kv.trim_slots(req.request_id, req.num_tokens, now)
-            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
-            if status is not None:
-                self._finish(req, status, now)
-                finished.append(req)
-        stats.prefill_tokens += prefill
-        if decodes:
-            stats.decode_steps += 1
-            stats.decode_step_max_s = max(stats.decode_step_max_s, result.elapsed)
-            stats.decode_step_history.append(result.elapsed)
-        # Steps with host copies are left out of the fit: their time is not the forward pass's.
-        if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
-            self.step_model.observe(prefill, attention, decodes, context, result.elapsed, drafts, draft_context)
-        return finished
-
-    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
-        """End a running request early (a stop string matched outside the engine)."""
-        req = self._requests.get(request_id)
-        if req is not None and req.status is RequestStatus.RUNNING:
-            self._finish(req, status, self.clock.now())
-
-    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
-        self.running.remove(req)
-        req.status = status
-        req.finish_time = now
-        self._requests.pop(req.request_id, None)
-        prog = req.program
-        prog.turns_finished += 1
-        prog.last_finish_time = now
-        rid, pid = req.request_id, req.program_id
-        if req.is_last_turn or prog.anonymous or prog.ended:
-            # (ended: the client ended the program while this turn ran; nothing comes back)
-            self.kv.free(rid, now)
-            if not prog.ended:
-                self.end_program(pid)
-            return
-        decision = self.policy.on_turn_end(req, prog, now)
-        prog.last_tool = req.tool_name
-        prog.history = req.token_ids
-        if decision.action == "pin" and decision.ttl > 0:
-            self.kv.pin(pid, rid, now + decision.ttl, prog.arrival_time, now)
-            self.stats.pins_created += 1
-            self.stats.ttl_sum += decision.ttl
-            self._record_ttl(decision.ttl)
-            self._order_dirty = True
-        elif decision.action == "swap":
-            self.kv.swap_out(rid, now)
-        else:
-            self.kv.free(rid, now)
-
-    def _record_ttl(self, ttl: float) -> None:
-        h = self.stats.ttl_history
-        h.append(ttl)
-        if len(h) > 4096:
-            del h[:2048]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -1,0 +1,94 @@
+"""Admitting a waiting request: its prefix hit and first chunk under the step's
+budget, and the policy's headroom (`Policy.decode_reserve_tokens`): a request
+is admitted only when its prompt and reserved output fit beside what the
+running requests may still take; pins of later programs are reclaimed (any
+pin, then its own, when nothing runs) before it is held back. Part of
+`Scheduler` (engine/scheduler.py), whose state it uses."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agentserve.engine.request import Request, RequestStatus
+from agentserve.engine.scheduler_config import SchedulerStats
+from agentserve.engine.step_time import StepBudget
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.base import Policy
+
+
+class Admission:
+    kv: KVCacheManager
+    policy: Policy
+    stats: SchedulerStats
+    running: list[Request]
+    _order_dirty: bool
+
+    if TYPE_CHECKING:
+        def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool: ...  # pin_review.py
+
+    def _admit(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
+        hit = match.num_tokens
+        loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
+        n = step.allow(hit, min(req.num_tokens - hit, step.budget))
+        if n <= 0:
+            return False  # the step-time target is spent
+        own_pin_released = False
+        while not (self._has_headroom(req, match, held) and self.kv.admit(req.request_id, match, n, now)):
+            nothing_runs = not self.running
+            if self._reclaim_pin(req, any_program=nothing_runs, now=now):
+                continue
+            if nothing_runs and req.program_id in self.kv.pins:
+                # Its own pin holds blocks this turn does not reuse (the partial
+                # last block at least) and nothing else can free memory: release
+                # it; the matched blocks stay cached and are revived by admit.
+                self.kv.unpin(req.program_id, now)
+                own_pin_released = True
+                self._order_dirty = True
+                continue
+            return False
+        prog = req.program
+        # its blocks now belong to the request
+        pinned = self.kv.unpin(req.program_id, now) > 0 or own_pin_released
+        if pinned:
+            self.stats.pins_hit += 1
+            self._order_dirty = True
+        delay = now - req.waiting_since
+        req.queue_time += delay
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit
+            req.num_loaded_tokens = loaded
+            self.stats.admitted_prompt_tokens += req.num_prompt_tokens
+            self.stats.hit_tokens += hit
+            self.stats.loaded_tokens += loaded
+            self.policy.on_admitted(req, prog, now, delay, returning_evicted=prog.turns_finished > 0 and not pinned)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.num_computed_tokens = hit
+        req.status = RequestStatus.RUNNING
+        req.preempted = False
+        self.running.append(req)
+        step.add_prefill(req, hit, n)
+        return True
+
+    def _ahead(self, req: Request) -> int:
+        """Tokens `req` still needs KV for under the policy's headroom: all it
+        has, plus its remaining output up to Policy.decode_reserve_tokens."""
+        return req.num_tokens + min(req.max_tokens - req.num_output_tokens, self.policy.decode_reserve_tokens)
+
+    def _reserved_for_running(self) -> int | None:
+        """Blocks the running requests may still take within their headroom;
+        None when no headroom applies (the policy keeps none, or nothing runs,
+        so a request that fits the cache at all is never held back)."""
+        if self.policy.decode_reserve_tokens <= 0 or not self.running:
+            return None
+        return sum(self._reserve_of(r) for r in self.running)
+
+    def _reserve_of(self, req: Request) -> int:
+        return max(0, self.kv.blocks_for(self._ahead(req)) - self.kv.num_blocks_of(req.request_id))
+
+    def _has_headroom(self, req: Request, match, held: int | None) -> bool:
+        """`req`'s whole prompt and reserved output fit in the free blocks that
+        the running requests' reserves (`held`) leave."""
+        if held is None:
+            return True
+        return self.kv.admit_need(match, self._ahead(req) - match.num_tokens) + held <= self.kv.num_free_blocks

@@ -1,0 +1,58 @@
+"""The scheduler's pins: releasing those that expired or that the policy
+reviews away at the start of a step (never while the program's next turn
+waits), and reclaiming one when KV runs out (the latest-arriving program's
+first, and only a pin whose release frees a block). Part of `Scheduler`
+(engine/scheduler.py), whose state it uses."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from agentserve.engine.request import Request
+from agentserve.engine.scheduler_config import SchedulerStats
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.base import Policy
+
+
+class PinReview:
+    kv: KVCacheManager
+    policy: Policy
+    stats: SchedulerStats
+    _waiting_programs: Counter[str]
+    _order_dirty: bool
+
+    def _release_pins(self, now: float) -> None:
+        pins = self.kv.pins
+        if not pins:
+            return
+        for pid in [p for p, pin in pins.items() if pin.expiry <= now and p not in self._waiting_programs]:
+            self.kv.unpin(pid, now)
+            self.stats.pins_expired += 1
+            self._order_dirty = True
+        for pid in self.policy.review_pins(pins, now):
+            # a program whose next turn already waits keeps its pin (as with expiry)
+            if pid in pins and pid not in self._waiting_programs:
+                self.kv.unpin(pid, now)
+                self.stats.pins_released_early += 1
+                self._order_dirty = True
+
+    def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool:
+        """Release the pin of the latest-arriving program (later than `req`'s,
+        unless `any_program`) among those whose release returns at least one
+        block to the free set: a pin whose blocks others also hold frees
+        nothing, and dropping it would only cost its program the retention.
+        True if one was released."""
+        pins = self.kv.pins
+        if not pins:
+            return False
+        mine = req.program.arrival_time
+        candidates = [pin for pid, pin in pins.items()
+                      if pid != req.program_id and (any_program or pin.program_arrival > mine)]
+        candidates.sort(key=lambda p: p.program_arrival, reverse=True)
+        for pin in candidates:
+            if self.kv.reclaimable_blocks(pin.program_id):
+                self.kv.unpin(pin.program_id, now)
+                self.stats.pins_reclaimed += 1
+                self._order_dirty = True
+                return True
+        return False

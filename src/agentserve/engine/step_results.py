@@ -1,0 +1,134 @@
+"""After a step: the sampled tokens applied (speculative drafts verified, stop
+checks, KV committed), the step time observed for the step-time model, and
+each finished turn's end: its program's retention as the policy decides (pin
+for a TTL, swap to the host tier, or free), or the program's end on its last
+turn. Part of `Scheduler` (engine/scheduler.py), whose state it uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from agentserve.clock import Clock
+from agentserve.engine.executor import ExecutorResult
+from agentserve.engine.request import Request, RequestStatus
+from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
+from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.engine.spec_decode import Speculator
+from agentserve.engine.step_time import StepTimeModel, draft_features, step_features
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.base import Policy
+
+
+class StepResults:
+    config: SchedulerConfig
+    kv: KVCacheManager
+    policy: Policy
+    clock: Clock
+    stats: SchedulerStats
+    running: list[Request]
+    _requests: dict[str, Request]
+    _order_dirty: bool
+    step_model: StepTimeModel
+    speculator: Speculator
+    token_hook: Callable[[Request, int], RequestStatus | None] | None
+
+    if TYPE_CHECKING:
+        def end_program(self, program_id: str) -> None: ...  # scheduler.py
+
+    def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
+        """Apply sampled tokens; returns the requests that finished this step."""
+        now = self.clock.now()
+        finished = []
+        limit = self.config.max_model_len
+        stats = self.stats
+        stats.execute_s += result.elapsed
+        stats.executed_steps += 1
+        prefill, attention, decodes, context = step_features(out.chunks)
+        drafts, draft_context = draft_features(out.chunks)
+        for ch in out.chunks:
+            req = ch.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted during the step
+            req.program.attained_service += result.elapsed
+            if not ch.sample:
+                self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+                continue
+            tokens = result.sampled.get(req.request_id, ())
+            if ch.draft:
+                tokens = self.speculator.verify(req, ch.draft, tokens)
+            elif tokens and req.spec is not None:
+                self.speculator.observe_shadow(req, tokens[0])
+            status = None
+            for tok in tokens:
+                stats.decode_tokens += 1
+                req.append_output(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = self.token_hook(req, tok) if self.token_hook is not None else None
+                if status is None:
+                    if tok in req.eos_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
+                        status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break
+            if ch.draft:
+                # KV stands for every token but the last sampled one; blocks the
+                # rejected draft tokens took go back
+                req.num_computed_tokens = req.num_tokens - 1
+                self.kv.trim_slots(req.request_id, req.num_tokens, now)
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            if status is not None:
+                self._finish(req, status, now)
+                finished.append(req)
+        stats.prefill_tokens += prefill
+        if decodes:
+            stats.decode_steps += 1
+            stats.decode_step_max_s = max(stats.decode_step_max_s, result.elapsed)
+            stats.decode_step_history.append(result.elapsed)
+        # Steps with host copies are left out of the fit: their time is not the forward pass's.
+        if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
+            self.step_model.observe(prefill, attention, decodes, context, result.elapsed, drafts, draft_context)
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """End a running request early (a stop string matched outside the engine)."""
+        req = self._requests.get(request_id)
+        if req is not None and req.status is RequestStatus.RUNNING:
+            self._finish(req, status, self.clock.now())
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        self.running.remove(req)
+        req.status = status
+        req.finish_time = now
+        self._requests.pop(req.request_id, None)
+        prog = req.program
+        prog.turns_finished += 1
+        prog.last_finish_time = now
+        rid, pid = req.request_id, req.program_id
+        if req.is_last_turn or prog.anonymous or prog.ended:
+            # (ended: the client ended the program while this turn ran; nothing comes back)
+            self.kv.free(rid, now)
+            if not prog.ended:
+                self.end_program(pid)
+            return
+        decision = self.policy.on_turn_end(req, prog, now)
+        prog.last_tool = req.tool_name
+        prog.history = req.token_ids
+        if decision.action == "pin" and decision.ttl > 0:
+            self.kv.pin(pid, rid, now + decision.ttl, prog.arrival_time, now)
+            self.stats.pins_created += 1
+            self.stats.ttl_sum += decision.ttl
+            self._record_ttl(decision.ttl)
+            self._order_dirty = True
+        elif decision.action == "swap":
+            self.kv.swap_out(rid, now)
+        else:
+            self.kv.free(rid, now)
+
+    def _record_ttl(self, ttl: float) -> None:
+        h = self.stats.ttl_history
+        h.append(ttl)
+        if len(h) > 4096:
+            del h[:2048]
