@@ -18,7 +18,8 @@ import uvicorn
 from agentserve.engine.executor import Executor, ExecutorResult
 from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.llm import LLM
-from agentserve.server.app import ServerConfig, create_app
+from agentserve.server.app import create_app
+from agentserve.server.server_state import ServerConfig
 from tiny_models import byte_tokenizer, hf_llama, loaded
 
 EOS = 257  # <|im_end|> of the byte tokenizer

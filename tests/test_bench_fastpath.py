@@ -270,7 +270,8 @@ def server():
     from tiny_models import byte_tokenizer, hf_llama, loaded
 
     from agentserve.llm import LLM
-    from agentserve.server.app import ServerConfig, create_app
+    from agentserve.server.app import create_app
+    from agentserve.server.server_state import ServerConfig
 
     hf = hf_llama()
     hf.config.max_position_embeddings = 16384  # the byte tokenizer makes bugfix6's prompts ~8k tokens

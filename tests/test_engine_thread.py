@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
-from agentserve.server.app import ServerConfig, create_app
+from agentserve.server.app import create_app
 from agentserve.server.engine_thread import EngineThread
+from agentserve.server.server_state import ServerConfig
 from server_fixtures import ServerThread, start_tiny_server, tiny_llm
 
 

@@ -19,9 +19,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from agentserve.runner.tokenizer import Tokenizer
-from agentserve.server.app import ServerConfig, create_app
+from agentserve.server.app import create_app
 from agentserve.server.chat_template import CHATML, ChatTemplate
 from agentserve.server.engine_snapshot import EngineSnapshot
+from agentserve.server.server_state import ServerConfig
 from agentserve.server.render_cache import (RenderCache, RenderCacheStats, common_prefix_length, prefix_keys,
                                             splitting_token_ids)
 from agentserve.server.stats_log import stats_line

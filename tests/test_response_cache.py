@@ -17,8 +17,9 @@ import pytest
 
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.sampling_params import SamplingParams
-from agentserve.server.app import ServerConfig, create_app
+from agentserve.server.app import create_app
 from agentserve.server.engine_snapshot import EngineSnapshot
+from agentserve.server.server_state import ServerConfig
 from agentserve.server.response_cache import (CachedResponse, RecordingStream, ResponseCache, ResponseCacheStats,
                                               bypassed, prompt_seed, signature)
 from agentserve.server.stats_log import stats_line

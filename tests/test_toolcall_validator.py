@@ -16,7 +16,8 @@ import pytest
 
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.policy.toolcall_stream import ToolCallValidator, ValidatorStats
-from agentserve.server.app import ServerConfig, create_app
+from agentserve.server.app import create_app
+from agentserve.server.server_state import ServerConfig
 from agentserve.server.stats_log import stats_line
 from agentserve.server.tool_output import parse_tool_output, tool_choice_for
 from agentserve.server.tool_validation import ValidatorConfig

@@ -159,7 +159,8 @@ def _tool_call_config(args):
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from agentserve.server.app import ServerConfig, create_app
+    from agentserve.server.app import create_app
+    from agentserve.server.server_state import ServerConfig
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port must be in 1..65535, got {args.port}")

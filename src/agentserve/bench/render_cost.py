@@ -10,7 +10,7 @@ tool call and its result (this package's own source files, 2500 characters
 each), until it holds the target number of tokens. Each measured request is an
 agent's next turn: the conversation with its last call and result appended,
 sent to a cache that holds the turn before (a fresh cache every repeat), and
-timed through the server's own call site (`app._render_chat`: the message
+timed through the server's own call site (`chat_endpoint.render_chat`: the message
 dump, the template, the tokenizer). `off` is that request without the cache,
 `retry` the same request sent twice (the second timed). Parsing and validating
 the JSON body, which no cache can spare, is shown beside them. Times are the
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from agentserve.server.app import _render_chat
+from agentserve.server.chat_endpoint import render_chat
 from agentserve.server.chat_template import ChatTemplate
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.render_cache import RenderCache
@@ -87,20 +87,20 @@ def measure(tokenizer: Any, template: ChatTemplate, target: int, repeats: int) -
     before = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs[:-2], "tools": TOOLS})
     llm = SimpleNamespace(chat_template=template, tokenizer=tokenizer)
     off_state = SimpleNamespace(llm=llm, render_cache=None)
-    reference = _render_chat(off_state, req)
+    reference = render_chat(off_state, req)
     rows: dict[str, list[float]] = {"parse": [], "off": [], "on": [], "retry": [], "render": []}
     window = 0
     for _ in range(repeats):
         rows["parse"].append(_cpu_ms(lambda: ChatCompletionRequest.model_validate(json.loads(body))))
-        rows["off"].append(_cpu_ms(lambda: _render_chat(off_state, req)))
+        rows["off"].append(_cpu_ms(lambda: render_chat(off_state, req)))
         rows["render"].append(_cpu_ms(lambda: template.render(msgs, tools=TOOLS)))
         on_state = SimpleNamespace(llm=llm, render_cache=RenderCache(template, tokenizer))
-        _render_chat(on_state, before)  # the turn before, as the server saw it
+        render_chat(on_state, before)  # the turn before, as the server saw it
         tokenized = on_state.render_cache.stats().tokenized_tokens
         out: list[list[int]] = []
-        rows["on"].append(_cpu_ms(lambda: out.append(_render_chat(on_state, req))))
+        rows["on"].append(_cpu_ms(lambda: out.append(render_chat(on_state, req))))
         window = on_state.render_cache.stats().tokenized_tokens - tokenized
-        rows["retry"].append(_cpu_ms(lambda: out.append(_render_chat(on_state, req))))
+        rows["retry"].append(_cpu_ms(lambda: out.append(render_chat(on_state, req))))
         if any(ids != reference for ids in out):
             raise AssertionError("the cached ids differ from a full tokenization")
     med = {k: statistics.median(v) for k, v in rows.items()}

@@ -1,0 +1,148 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template
+(through the render cache when it is on), `tool_choice` resolved and, when a
+call is forced, decoding held to the tools' grammar; the streaming tool-call
+validator and the re-generation of undeclared calls (tool_validation.py);
+the reply whole, or streamed as chunks with incremental `tool_calls`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.server.api_errors import APIError, engine_failure
+from agentserve.server.chat_template import TemplateError
+from agentserve.server.identity import ProgramIdentity
+from agentserve.server.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
+                                        ChatCompletionRequest, ChunkChoice, Delta, NamedToolChoice, now_s)
+from agentserve.server.request_checks import accept, program_identity, reject, sampling_params
+from agentserve.server.request_run import (EventStream, collect, log_done, open_request, sse, submit_request,
+                                           usage_of)
+from agentserve.server.request_stream import EngineError, EngineStopped, RequestStream
+from agentserve.server.server_state import ServerState
+from agentserve.server.tool_output import (OutputDelta, ToolChoice, ToolChoiceError, ToolCallStreamer,
+                                           finish_reason, parse_tool_output, tool_choice_for)
+from agentserve.server.tool_validation import RegeneratingStream, with_validator
+
+log = logging.getLogger("agentserve.server")
+
+
+def _chat_tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
+    names = [t.function.name for t in req.tools or ()]
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    plain = req.tool_choice if isinstance(req.tool_choice, str) else None
+    try:
+        return tool_choice_for(names, plain, named, req.parallel_tool_calls)
+    except ToolChoiceError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+
+
+def _constrain_call(st: ServerState, req: ChatCompletionRequest, choice: ToolChoice,
+                    params: SamplingParams) -> SamplingParams:
+    """tool_choice "required" or named: hold decoding to one valid call of an allowed
+    tool (its arguments following the tool's schema). Without the grammar library
+    the output is only parsed, and the server says so once in its log."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    tools = [t for t in tools if t.get("function", {}).get("name") in choice.allowed]
+    try:
+        constraint = st.llm.tool_call_constraint(tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    except RuntimeError as e:  # StructuredOutputUnavailable: xgrammar is not installed
+        if not st.warned_unconstrained:
+            log.warning("%s; tool_choice %s is parsed, not enforced", e, choice.mode)
+            st.warned_unconstrained = True
+        return params
+    return dataclasses.replace(params, constraint=constraint)
+
+
+def render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for the system role
+            d["role"] = "system"
+        messages.append(d)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        if st.render_cache is not None:
+            return st.render_cache.encode_chat(messages, tools)
+        prompt = st.llm.chat_template.render(messages, tools=tools)
+    except TemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return st.llm.tokenizer.encode(prompt)
+
+
+async def chat_completions(request: Request) -> Response:
+    st, req, model = await accept(request, ChatCompletionRequest)
+    reject(bool(req.logprobs) or bool(req.top_logprobs), "logprobs are not supported", "logprobs")
+    reject(req.response_format is not None and req.response_format.type != "text",
+           "response_format other than text is not supported yet", "response_format")
+    choice = _chat_tool_choice(req)
+    ident = program_identity(req, request)
+    ids = await run_in_threadpool(render_chat, st, req)
+    max_tokens, max_param = ((req.max_completion_tokens, "max_completion_tokens")
+                             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+    params = sampling_params(st, req, len(ids), max_tokens, "messages", max_param)
+    if choice is not None and choice.forced:
+        params = await run_in_threadpool(_constrain_call, st, req, choice, params)
+    params = with_validator(st.config.tool_calls, st.engine.tool_stats, choice, params)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = await open_request(st, request, ids, params, rid, ident, "messages", choice)
+    if choice is not None and params.tool_validator is not None and st.config.tool_calls.undeclared == "regenerate":
+        stream = RegeneratingStream(  # an undeclared call is re-generated under the tools' grammar
+            stream, ids, params, lambda ids2, p2: submit_request(st, ids2, p2, rid + "-regen", ident, "messages"),
+            lambda p2: run_in_threadpool(_constrain_call, st, req, choice, p2), st.engine.tool_stats)
+    created = now_s()
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventStream(_chat_events(stream, rid, created, model, choice, usage, ident), stream)
+    try:
+        out = await collect(stream, request)
+    except (EngineError, EngineStopped) as e:
+        raise engine_failure(e) from None
+    if out is None:
+        return Response(status_code=499)  # nobody is listening
+    log_done(rid, ident, out)
+    content, calls = parse_tool_output(out.text, choice)
+    message = AssistantMessage(content=content, tool_calls=[c.to_message() for c in calls])
+    body = ChatCompletion(id=rid, created=created, model=model, usage=usage_of(out), choices=[
+        ChatChoice(message=message, finish_reason=finish_reason(out.finish_reason, bool(calls)),
+                   stop_reason=out.stop_reason)])
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _chat_events(stream: RequestStream, rid: str, created: int, model: str, choice: ToolChoice | None,
+                       include_usage: bool, ident: ProgramIdentity) -> AsyncIterator[str]:
+    def chunk(delta: Delta, finish: str | None = None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model,
+                                       choices=[ChunkChoice(delta=delta, finish_reason=finish)]))
+
+    streamer = ToolCallStreamer(choice) if choice is not None else None
+    n_calls = 0
+    yield chunk(Delta(role="assistant", content=""))
+    async for out in stream:
+        if streamer is None:
+            d = OutputDelta(out.new_text)
+        else:
+            d = streamer.feed(out.new_text)
+            if out.finished:
+                tail = streamer.finish()
+                d = OutputDelta(d.content + tail.content, d.calls + tail.calls)
+        if d.content:
+            yield chunk(Delta(content=d.content))
+        if d.calls:
+            yield chunk(Delta(tool_calls=[c.to_delta(n_calls + i) for i, c in enumerate(d.calls)]))
+            n_calls += len(d.calls)
+        if out.finished:
+            log_done(rid, ident, out)
+            yield chunk(Delta(), finish_reason(out.finish_reason, n_calls > 0))
+            if include_usage:
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=usage_of(out)))

@@ -1,0 +1,147 @@
+"""The checks a request passes before it reaches the engine: API key, body
+size and JSON, the body's schema, the model name, unsupported fields, the
+program identity, and sampling values and lengths as OpenAI checks them
+(prompt + completion within the context). Each failure is an `APIError`.
+
+The body is parsed by hand rather than by FastAPI's dependency injection: the
+error replies must be OpenAI's 400s, not FastAPI's 422s, and the body limit
+must hold before anything is parsed."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.server.api_errors import APIError
+from agentserve.server.identity import IdentityError, ProgramIdentity, resolve_identity
+from agentserve.server.server_state import ServerState, server_state
+
+
+def authorize(st: ServerState, request: Request) -> None:
+    key = st.config.api_key
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+async def read_json(st: ServerState, request: Request) -> dict:
+    limit = st.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit} (--max-body-bytes)",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)",
+                           code="request_too_large")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return obj
+
+
+def validate_body(model: type[BaseModel], obj: dict) -> Any:
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        first = errs[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+        raise APIError(400, f"{loc or 'body'}: {first['msg']}{more}", param=loc or None) from None
+
+
+def check_model(st: ServerState, name: str | None) -> str:
+    if name is not None and name not in st.config.served_model_names:
+        raise APIError(404, f"the model `{name}` does not exist; this server serves "
+                            f"{', '.join(st.config.served_model_names)}", param="model", code="model_not_found")
+    return st.model_name
+
+
+def reject(cond: bool, message: str, param: str) -> None:
+    if cond:
+        raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def check_common(req: Any) -> None:
+    reject(req.n is not None and req.n != 1, f"n={req.n}: only n=1 is supported", "n")
+    reject(bool(req.presence_penalty), "presence_penalty is not supported (send 0 or leave it out)",
+           "presence_penalty")
+    reject(bool(req.frequency_penalty), "frequency_penalty is not supported (send 0 or leave it out)",
+           "frequency_penalty")
+    reject(bool(req.logit_bias), "logit_bias is not supported", "logit_bias")
+
+
+async def accept(request: Request, body_model: type[BaseModel]) -> tuple[ServerState, Any, str]:
+    """The checks every generation endpoint makes first: key, body, model, shared fields."""
+    st = server_state(request)
+    authorize(st, request)
+    req = validate_body(body_model, await read_json(st, request))
+    model = check_model(st, req.model)
+    check_common(req)
+    return st, req, model
+
+
+def program_identity(req: Any, request: Request) -> ProgramIdentity:
+    try:
+        return resolve_identity(req, request.headers)
+    except IdentityError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def sampling_params(st: ServerState, req: Any, num_prompt: int, max_tokens: int | None, prompt_param: str,
+                    max_param: str) -> SamplingParams:
+    """Sampling parameters, with the length checks OpenAI makes (prompt + completion within context)."""
+    limit = st.llm.max_model_len
+    if num_prompt >= limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt is "
+                            f"{num_prompt} tokens; shorten the {prompt_param}", param=prompt_param,
+                       code="context_length_exceeded")
+    kv = st.llm.scheduler.kv
+    room = limit - num_prompt
+    if max_tokens is None:
+        max_tokens = min(room, kv.num_blocks * kv.block_size - num_prompt)
+        if max_tokens < 1:
+            raise APIError(400, f"the prompt of {num_prompt} tokens does not fit the KV cache "
+                                f"({kv.num_blocks * kv.block_size} tokens)", param=prompt_param,
+                           code="context_length_exceeded")
+    elif max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} "
+                            f"were requested ({num_prompt} in the {prompt_param}, {max_tokens} in the completion); "
+                            f"reduce the {prompt_param} or {max_param}", param=max_param,
+                       code="context_length_exceeded")
+    if req.seed is not None and not -2**63 <= req.seed < 2**64:
+        raise APIError(400, "seed must fit in 64 bits", param="seed")
+    vocab = st.llm.config.vocab_size
+    bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"stop_token_ids: {bad[0]} is not a token id (vocabulary of {vocab})",
+                       param="stop_token_ids")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+                              stop=req.stop or [], stop_token_ids=list(req.stop_token_ids or ()),
+                              ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        msg = str(e)
+        param = next((f for f in _SAMPLING_FIELDS if f in msg), None)
+        raise APIError(400, msg, param=max_param if param == "max_tokens" else param) from None
+
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop")  # named in SamplingParams' errors

@@ -1,0 +1,54 @@
+"""The server's settings (`ServerConfig`) and what its endpoints share
+(`ServerState`: the LLM, the engine, the metrics, the caches), kept on the app
+as `app.state.server`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from agentserve.server.async_engine import AsyncEngine
+from agentserve.server.metrics import ServerMetrics
+from agentserve.server.protocol import now_s
+from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
+from agentserve.server.render_cache import RenderCache
+from agentserve.server.response_cache import ResponseCache
+from agentserve.server.tool_validation import ValidatorConfig
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]  # the first is reported; any of them is accepted as `model`
+    api_key: str | None = None  # Bearer token required on /v1/* when set
+    max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
+    max_body_bytes: int = 16 * 2**20  # beyond: 413
+    stats_interval: float | None = None  # seconds between the engine's stats log lines (None: none)
+    tool_calls: ValidatorConfig = field(default_factory=ValidatorConfig)  # the streaming tool-call validator
+    render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
+    response_cache: int = 0  # finished responses kept for exact repeats (0: off); see response_cache.py
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is needed")
+
+
+@dataclass
+class ServerState:
+    llm: Any
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    config: ServerConfig
+    created: int = field(default_factory=now_s)
+    warned_unconstrained: bool = False
+    render_cache: RenderCache | None = None
+    response_cache: ResponseCache | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
