@@ -11,7 +11,7 @@ import pytest
 
 from agentserve.bench import peer_speed as ps
 from agentserve.bench.peers.servers import server_spec
-from agentserve.bench.replay import StreamAccumulator
+from agentserve.bench.replay_stream import StreamAccumulator
 
 
 def test_peer_names():
@@ -102,7 +102,7 @@ def test_stream_accumulator_reads_completions_chunks():
 
 
 def test_text_prompt_hits_the_token_count():
-    from agentserve.bench.replay import filler_text
+    from agentserve.bench.replay_text import filler_text
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""The replay client (`bench/replay.py`): text calibration, plans, metrics, and
+"""The replay client (`bench/replay*.py`): text calibration, plans, metrics, and
 a live replay against the tiny server of server_fixtures.py."""
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ import math
 import pytest
 
 from agentserve.bench import replay as rp
+from agentserve.bench import replay_client as rcl
+from agentserve.bench import replay_plan as rpl
 from agentserve.bench import replay_report as rr
+from agentserve.bench import replay_results as rres
+from agentserve.bench import replay_stream as rs
+from agentserve.bench import replay_text as rt
 from agentserve.workload.generators import generate_swebench
 from agentserve.workload.trace import Program, TraceCall, save_jsonl
 
@@ -35,11 +40,11 @@ def program(pid: str, arrival: float, turns: int, shared: int = 60, task: int = 
 
 
 def test_filler_text_is_deterministic_and_sized():
-    a = rp.filler_text(40, "s")
-    assert a == rp.filler_text(40, "s") != rp.filler_text(40, "t")
+    a = rt.filler_text(40, "s")
+    assert a == rt.filler_text(40, "s") != rt.filler_text(40, "t")
     assert len(a.split()) == 40 and a.count("\n") == 2
-    assert rp.filler_text(0, "s").split() and len(rp.filler_text(0, "s").split()) == 1
-    tm = rp.TextModel(tokens_per_word=2.0, message_overhead=4.0)
+    assert rt.filler_text(0, "s").split() and len(rt.filler_text(0, "s").split()) == 1
+    tm = rt.TextModel(tokens_per_word=2.0, message_overhead=4.0)
     assert tm.words_for(24) == 10 and tm.words_for(1) == 1
     assert len(tm.text(24, "x").split()) == 10
 
@@ -53,24 +58,24 @@ def test_calibration_recovers_a_linear_tokenizer():
     async def count_prompt(messages):
         return count(messages)
 
-    tm = asyncio.run(rp.calibrate(count_prompt))
+    tm = asyncio.run(rt.calibrate(count_prompt))
     assert tm.tokens_per_word == pytest.approx(1.5, abs=0.02)
     assert tm.message_overhead == pytest.approx(7.0, abs=0.5)
     # a small context shrinks the probes
-    assert rp.probe_words(1024) < rp.probe_words(None)
+    assert rt.probe_words(1024) < rt.probe_words(None)
     seen = []
 
     async def recording(messages):
         seen.append(count(messages))
         return seen[-1]
 
-    asyncio.run(rp.calibrate(recording, max_context=256))
+    asyncio.run(rt.calibrate(recording, max_context=256))
     assert max(seen) < 256
 
 
 def test_calibration_rejects_a_flat_count():
-    with pytest.raises(rp.ReplayError, match="tokens-per-word"):
-        rp.fit_text_model({"base": 10, "longer": 10, "more": 20}, 112)
+    with pytest.raises(rs.ReplayError, match="tokens-per-word"):
+        rt.fit_text_model({"base": 10, "longer": 10, "more": 20}, 112)
 
 
 # ---------------------------------------------------------------------------
@@ -78,9 +83,9 @@ def test_calibration_rejects_a_flat_count():
 
 
 def test_plan_keeps_turns_prefix_and_tool_time():
-    tm = rp.TextModel(1.3, 5.0)
+    tm = rt.TextModel(1.3, 5.0)
     progs = generate_swebench(4, 1.0, seed=3)
-    plans = rp.plan_workload(progs, tm, token_scale=0.02, time_scale=0.5, seed=1)
+    plans = rpl.plan_workload(progs, tm, token_scale=0.02, time_scale=0.5, seed=1)
     assert plans[0].arrival == 0.0
     systems = set()
     for p, pl in zip(progs, plans):
@@ -97,29 +102,29 @@ def test_plan_keeps_turns_prefix_and_tool_time():
         # planned prompts follow the scaled trace (the template adds a few tokens a message)
         assert pl.turns[-1].planned_prompt_tokens == pytest.approx(p.calls[-1].prompt_tokens * 0.02, rel=0.5)
     assert len(systems) == 1  # the shared system prompt
-    again = rp.plan_workload(progs, tm, token_scale=0.02, seed=1)
-    other = rp.plan_workload(progs, tm, token_scale=0.02, seed="x")
+    again = rpl.plan_workload(progs, tm, token_scale=0.02, seed=1)
+    other = rpl.plan_workload(progs, tm, token_scale=0.02, seed="x")
     assert again[0].turns[1].append == plans[0].turns[1].append != other[0].turns[1].append
 
 
 def test_plan_clamps_to_max_context():
-    tm = rp.TextModel(1.0, 4.0)
+    tm = rt.TextModel(1.0, 4.0)
     p = program("big", 0.0, turns=6, shared=50, task=400, out=100, obs=300)
-    free = rp.plan_program(p, tm)
+    free = rpl.plan_program(p, tm)
     assert free.clamp == 1.0
-    pl = rp.plan_program(p, tm, max_context=800)
+    pl = rpl.plan_program(p, tm, max_context=800)
     assert pl.clamp < 1.0 and len(pl.turns) == 6
     assert all(t.planned_prompt_tokens + t.max_tokens <= 800 - 24 for t in pl.turns)
     assert pl.turns[0].append[0] == free.turns[0].append[0]  # the shared prefix is not shrunk
-    with pytest.raises(rp.ReplayError, match="max-context"):
-        rp.plan_program(p, tm, max_context=40)
+    with pytest.raises(rs.ReplayError, match="max-context"):
+        rpl.plan_program(p, tm, max_context=40)
 
 
 def test_plan_compaction_restarts_the_conversation():
-    tm = rp.TextModel(1.0, 4.0)
+    tm = rt.TextModel(1.0, 4.0)
     calls = [TraceCall("c", 0, 0.0, 500, 500, 10, "tool", 0.1, shared_prefix_tokens=100),
              TraceCall("c", 1, 0.1, 200, 150, 10, None, 0.0, shared_prefix_tokens=100)]
-    pl = rp.plan_program(Program("c", calls), tm)
+    pl = rpl.plan_program(Program("c", calls), tm)
     assert pl.turns[1].reset and [m["role"] for m in pl.turns[1].append] == ["system", "user"]
     assert pl.turns[1].append[0] == pl.turns[0].append[0]
 
@@ -133,13 +138,13 @@ def test_plan_replays_real_text_and_tool_role():
     calls = [TraceCall("s", 0, 0.0, 225, 225, 1, "bash", 0.2, shared_prefix_tokens=100, message_index=2),
              TraceCall("s", 1, 0.2, 426, 200, 1, None, 0.0, shared_prefix_tokens=100, message_index=4)]
     p = Program("s", calls, messages=msgs)
-    pl = rp.plan_program(p, rp.TextModel(1.0, 4.0), token_scale=0.5, tool_role="tool")
+    pl = rpl.plan_program(p, rt.TextModel(1.0, 4.0), token_scale=0.5, tool_role="tool")
     t0, t1 = pl.turns
     assert [m["role"] for m in t0.append] == ["system", "user"]
     assert t0.append[0]["content"] == "S" * 200 and t0.append[1]["content"] == ("task " * 100)[:250]
     assert t0.tool_call_ids == ["call_0_0"]
     assert t1.append == [{"role": "tool", "tool_call_id": "call_0_0", "content": "R" * 400}]
-    user = rp.plan_program(p, rp.TextModel(1.0, 4.0), token_scale=0.5)
+    user = rpl.plan_program(p, rt.TextModel(1.0, 4.0), token_scale=0.5)
     assert user.turns[1].append == [{"role": "user", "content": "R" * 400}] and not user.turns[0].tool_call_ids
 
 
@@ -161,8 +166,8 @@ def test_summarize_metrics():
     res = [{"program_id": "a", "arrival": 0.0, "start": 0.0, "end": 1.5, "jct": 1.5, "completed": True},
            {"program_id": "b", "arrival": 1.0, "start": 1.0, "end": 5.0, "jct": 4.0, "completed": True},
            {"program_id": "c", "arrival": 2.0, "start": 2.0, "end": None, "jct": None, "completed": False}]
-    s = rp.summarize(turns, res, {"server": "x", "workload": "w", "rate": 1.0})
-    for k in rp.SUMMARY_KEYS:
+    s = rres.summarize(turns, res, {"server": "x", "workload": "w", "rate": 1.0})
+    for k in rres.SUMMARY_KEYS:
         assert k in s
     assert (s["programs"], s["completed"], s["failed"], s["errors"]) == (3, 2, 1, 1)
     assert s["error_kinds"] == {"timeout after N s": 1}
@@ -171,7 +176,7 @@ def test_summarize_metrics():
     assert s["mean_ttft"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4)
     assert s["throughput_jobs_s"] == pytest.approx(2 / 5.0)
     assert s["cached_ratio"] == pytest.approx(300 / 700)
-    empty = rp.summarize([], [], {})
+    empty = rres.summarize([], [], {})
     assert empty["programs"] == 0 and math.isnan(empty["mean_jct"]) and empty["throughput_jobs_s"] == 0.0
 
 
@@ -192,7 +197,7 @@ def test_time_split_per_program_and_turn():
 
 
 def test_stream_accumulator():
-    acc = rp.StreamAccumulator(1.0)
+    acc = rs.StreamAccumulator(1.0)
     acc.feed('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', 1.1)
     assert acc.t_first is None
     acc.feed(": keep-alive", 1.15)
@@ -203,7 +208,7 @@ def test_stream_accumulator():
     acc.feed("data: [DONE]", 1.4)
     assert (acc.t_first, acc.text, acc.finish_reason, acc.done) == (1.2, "hello", "length", True)
     assert (acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens) == (9, 2, 4)
-    with pytest.raises(rp.ReplayError, match="boom"):
+    with pytest.raises(rs.ReplayError, match="boom"):
         acc.feed('data: {"error":{"message":"boom"}}', 1.5)
 
 
@@ -225,15 +230,15 @@ def test_calibration_against_the_server(server):
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as c:
-            rep = rp.Replayer(rp.ReplayConfig(server.url), c, "tiny", 1024)
-            return await rp.calibrate(rep.count_prompt, 1024)
+            rep = rcl.Replayer(rcl.ReplayConfig(server.url), c, "tiny", 1024)
+            return await rt.calibrate(rep.count_prompt, 1024)
 
     tm = asyncio.run(go())
     # the byte tokenizer: one token per byte of text
-    w_b = rp.probe_words(1024)
-    probes = rp.probe_messages(w_b)
+    w_b = rt.probe_words(1024)
+    probes = rt.probe_messages(w_b)
     ya, yb = probes["base"][1]["content"], probes["longer"][1]["content"]
-    assert tm.tokens_per_word == pytest.approx((len(yb) - len(ya)) / (w_b - rp.W_A))
+    assert tm.tokens_per_word == pytest.approx((len(yb) - len(ya)) / (w_b - rt.W_A))
     assert 5 <= tm.message_overhead <= 16  # ChatML: '<|im_start|>' role '\n' ... '<|im_end|>\n'
 
 
@@ -244,10 +249,10 @@ def test_replay_live(server):
     # A fixed text seed, so the run is the same every time: the random model's outputs, sent back
     # as assistant turns, depend on the text, and with a fresh seed about one run in six had a
     # prompt beyond the 25% tolerance below (83 tokens against 63 planned).
-    cfg = rp.ReplayConfig(server.url + "/v1", api_key=KEY, workload="unit", rate=10.0, progress=False,
-                          request_timeout=30, text_seed="1")
-    res = rp.replay(progs, cfg)
-    for k in rp.SUMMARY_KEYS:
+    cfg = rcl.ReplayConfig(server.url + "/v1", api_key=KEY, workload="unit", rate=10.0, progress=False,
+                           request_timeout=30, text_seed="1")
+    res = rcl.replay(progs, cfg)
+    for k in rres.SUMMARY_KEYS:
         assert k in res
     assert res["model"] == "tiny" and res["config"]["max_context"] == 1024
     assert (res["programs"], res["completed"], res["errors"]) == (5, 5, 0)
@@ -276,23 +281,23 @@ def test_replay_live(server):
     assert max(first[p]["cached_tokens"] for p in ("p1", "p2", "p3")) > 0
     assert 0 < res["cached_ratio"] < 1
     assert res["mean_jct"] >= SLEEP and res["throughput_jobs_s"] > 0
-    json.dumps(rp._jsonable(res), allow_nan=False)
+    json.dumps(rres._jsonable(res), allow_nan=False)
 
 
 def test_replay_counts_errors_instead_of_crashing(server):
     progs = [program("e0", 0.0, 2), program("e1", 0.0, 3)]
-    cfg = rp.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0, request_timeout=1e-4,
-                          progress=False)
-    res = rp.replay(progs, cfg)
+    cfg = rcl.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0, request_timeout=1e-4,
+                           progress=False)
+    res = rcl.replay(progs, cfg)
     assert (res["completed"], res["failed"], res["errors"]) == (0, 2, 2)
     assert all(p["turns_done"] == 0 and "turn 0" in p["error"] for p in res["program_results"])
     # a server that is not there
-    bad = rp.ReplayConfig("http://127.0.0.1:9", model="m", tokens_per_word=1.0, progress=False)
-    res = rp.replay(progs, bad)
+    bad = rcl.ReplayConfig("http://127.0.0.1:9", model="m", tokens_per_word=1.0, progress=False)
+    res = rcl.replay(progs, bad)
     assert res["failed"] == 2 and "ConnectError" in next(iter(res["error_kinds"]))
     # a wrong key: HTTP 401 per request
-    res = rp.replay(progs[:1], rp.ReplayConfig(server.url, model="tiny", api_key="wrong", tokens_per_word=6.0,
-                                               progress=False))
+    res = rcl.replay(progs[:1], rcl.ReplayConfig(server.url, model="tiny", api_key="wrong", tokens_per_word=6.0,
+                                                 progress=False))
     assert res["errors"] == 1 and "HTTP 401" in next(iter(res["error_kinds"]))
 
 
@@ -308,7 +313,7 @@ def test_cli_run_and_report(server, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "tiny-agentserve" in printed and "mean JCT" in printed and "cached %" in printed
     res = json.loads(out.read_text())
-    for k in rp.SUMMARY_KEYS:
+    for k in rres.SUMMARY_KEYS:
         assert k in res
     assert res["server"] == "tiny-agentserve" and res["programs"] == 3 and res["completed"] == 3
     assert res["config"]["text_seed"] == "t1"

@@ -157,7 +157,8 @@ def report(a, results: list[dict]) -> dict:
 
 
 def cmd_agentic(a) -> int:
-    from agentserve.bench.replay import ReplayError, write_json
+    from agentserve.bench.replay_results import write_json
+    from agentserve.bench.replay_stream import ReplayError
     from agentserve.cli_errors import CliError
 
     _check(a)
@@ -184,7 +185,7 @@ def cmd_agentic(a) -> int:
 
 def _run_servers(a, salt: str) -> list[dict]:
     from agentserve.bench.peers.tool_template import vllm_tool_args, write_template
-    from agentserve.bench.replay import ReplayError
+    from agentserve.bench.replay_stream import ReplayError
 
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     extra = agentserve_extra_args(a.agentserve_args, a.workload)

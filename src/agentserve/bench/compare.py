@@ -70,7 +70,9 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_compare(a) -> int:
     from agentserve.bench import replay_report as rr
-    from agentserve.bench.replay import ReplayConfig, ReplayError, replay, write_json
+    from agentserve.bench.replay_client import ReplayConfig, replay
+    from agentserve.bench.replay_results import write_json
+    from agentserve.bench.replay_stream import ReplayError
     from agentserve.cli_errors import CliError
     from agentserve.workload.load import load_workload
 

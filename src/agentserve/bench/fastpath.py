@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .novel_workloads import AgentRun, dispatch_order, repeat_agents, scripted_prompt
-from .replay import ReplayError, StreamAccumulator, _server_info, base_url, stream_chat
+from .replay_stream import ReplayError, StreamAccumulator, base_url, server_info, stream_chat
 
 # ---------------------------------------------------------------------------
 # Prometheus counters
@@ -291,7 +291,7 @@ def _http_client(cfg: AgenticConfig, n: int):
 
 
 async def _open(cfg: AgenticConfig, client) -> AgenticClient:
-    model, mml = await _server_info(client)
+    model, mml = await server_info(client)
     model = cfg.model or model
     if model is None:
         raise ReplayError(f"cannot list models at {base_url(cfg.url)}/v1/models; pass --model")

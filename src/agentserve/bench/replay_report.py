@@ -1,6 +1,6 @@
 """Tables, plots and the Markdown report of replay results (`bench/replay.py`).
 
-A result is the dict `replay.summarize` returns (or its JSON file). Several
+A result is the dict `replay_results.summarize` returns (or its JSON file). Several
 results (one per server, or per run) can be compared:
 
     python -m agentserve.bench.replay report a.json b.json --plot cmp --report cmp.md
@@ -21,7 +21,7 @@ from agentserve.workload.trace import percentile
 
 
 def load_result(path: str | os.PathLike) -> dict:
-    """A result JSON written by `replay.write_json` (ValueError if it is not one)."""
+    """A result JSON written by `replay_results.write_json` (ValueError if it is not one)."""
     with open(path, encoding="utf-8") as f:
         obj = json.load(f)
     if not isinstance(obj, dict) or "program_results" not in obj or "turns" not in obj:

@@ -1,0 +1,119 @@
+"""The replay client's side of the wire, shared with the other benchmarks that
+talk to OpenAI-compatible servers (peer_speed.py, fastpath.py): a streamed
+response folded into first-token time, token times, text and usage; the
+server's base URL; its model and context length from /v1/models; and the
+error a failed request becomes."""
+
+from __future__ import annotations
+
+import json
+
+
+class ReplayError(Exception):
+    """A failed request (its message goes into the results)."""
+
+
+async def stream_chat(client, body: dict, pid: str, acc, now):
+    """POST a streamed chat request for program `pid` and feed each SSE line to
+    `acc` (with `now()`); an HTTP error becomes a ReplayError with the
+    server's message. Returns `acc`."""
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Program-Id": pid}) as r:
+        if r.status_code >= 400:
+            detail = (await r.aread()).decode("utf-8", "replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise ReplayError(f"HTTP {r.status_code}: {str(detail)[:300]}")
+        async for line in r.aiter_lines():
+            acc.feed(line, now())
+    return acc
+
+
+class StreamAccumulator:
+    """Folds an OpenAI chat-completions or completions SSE stream: first-token
+    time, the time of every chunk that carried tokens, text, usage.
+
+    feed(line, now) takes one line of the stream; an `{"error": ...}` event
+    raises ReplayError. (The same parsing turn_ttft.py does.) A chat chunk
+    carries tokens when its delta has content or tool calls; a
+    /v1/completions chunk (`text` instead of `delta`) does even with empty text
+    (a token that ends inside a UTF-8 character), except an empty one with the
+    finish reason after others (llama-cpp-python ends with one)."""
+
+    def __init__(self, t_send: float) -> None:
+        self.t_send = t_send
+        self.t_first: float | None = None
+        self.token_times: list[float] = []  # one per chunk that carried tokens
+        self.parts: list[str] = []
+        self.usage: dict = {}
+        self.done = False
+        self.finish_reason: str | None = None
+
+    def feed(self, line: str, now: float) -> None:
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if not data:
+            return
+        if data == "[DONE]":
+            self.done = True
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            err = chunk["error"]
+            raise ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for ch in chunk.get("choices") or ():
+            if "delta" in ch or "text" not in ch:  # chat completions
+                delta = ch.get("delta") or {}
+                piece = delta.get("content")
+                tokens = bool(piece or delta.get("tool_calls"))
+            else:  # completions
+                piece = ch.get("text")
+                tokens = bool(piece) or not ch.get("finish_reason") or not self.token_times
+            if tokens:
+                if self.t_first is None:
+                    self.t_first = now
+                self.token_times.append(now)
+            if piece:
+                self.parts.append(piece)
+            if ch.get("finish_reason"):
+                self.finish_reason = ch["finish_reason"]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.usage.get("prompt_tokens") or 0)
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.usage.get("completion_tokens") or 0)
+
+    @property
+    def cached_tokens(self) -> int:
+        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def base_url(url: str) -> str:
+    u = url.strip().rstrip("/")
+    return u[:-3] if u.endswith("/v1") else u
+
+
+async def server_info(client) -> tuple[str | None, int | None]:
+    """(first model id, its max_model_len) from GET /v1/models; (None, None) when unavailable."""
+    try:
+        r = await client.get("/v1/models")
+        r.raise_for_status()
+        data = r.json().get("data") or []
+    except Exception:  # noqa: BLE001 - a server without /v1/models
+        return None, None
+    if not data:
+        return None, None
+    card = data[0]
+    mml = card.get("max_model_len") or card.get("context_length")
+    return card.get("id"), int(mml) if mml else None
