@@ -10,7 +10,7 @@ import json
 import pytest
 
 from agentserve.bench import peer_speed as ps
-from agentserve.bench.peers.servers import server_spec
+from agentserve.bench.peers.specs import server_spec
 from agentserve.bench.replay_stream import StreamAccumulator
 
 

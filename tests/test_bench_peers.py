@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.bench.peers import servers as peers
-from agentserve.bench.peers.servers import (
+from agentserve.bench.peers import servers as peers_cli
+from agentserve.bench.peers import specs as peers
+from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.specs import (
     SERVER_NAMES,
     PeerServerError,
     ServerSpec,
     UnknownServerError,
     kv_bytes_per_token,
     server_spec,
-    start_server,
     vllm_kvcache_space_gib,
 )
 
@@ -146,9 +147,9 @@ def test_vllm_reserved_cpus_flag(tmp_path, capsys):
     assert ap.parse_args(["compare", "--vllm-reserved-cpus", "auto"]).vllm_reserved_cpus is None
     assert ap.parse_args(["compare", "--vllm-reserved-cpus", "1"]).vllm_reserved_cpus == 1
     # the servers CLI: `list` prints the command with the setting
-    assert peers.main(["list", "vllm-cpu", "--vllm-reserved-cpus", "1"]) == 0
+    assert peers_cli.main(["list", "vllm-cpu", "--vllm-reserved-cpus", "1"]) == 0
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in capsys.readouterr().out
-    assert peers.main(["list", "vllm-cpu"]) == 0
+    assert peers_cli.main(["list", "vllm-cpu"]) == 0
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in capsys.readouterr().out
 
 

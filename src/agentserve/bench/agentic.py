@@ -1,6 +1,6 @@
 """`agentserve bench agentic`: the stateful-inference paper's agent workloads
 (section 5) against agentserve and, optionally, its peers started in turn on
-loopback (bench/peers/servers.py, as `bench compare` does), or against one
+loopback (bench/peers/, as `bench compare` does), or against one
 running server (--url).
 
     agentserve bench agentic --workload bugfix6                         # agentserve-continuum alone
@@ -23,7 +23,8 @@ import subprocess
 import sys
 import uuid
 
-from agentserve.bench.peers.servers import (
+from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.specs import (
     SERVER_NAMES,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
@@ -31,7 +32,6 @@ from agentserve.bench.peers.servers import (
     default_peers_dir,
     reserved_cpus_arg,
     server_spec,
-    start_server,
 )
 
 WORKLOADS = ("bugfix6", "deepcoding35", "repeat")

