@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from agentserve.bench.apc import (
-    INFINITE, ROW_KEYS, STRATEGIES, add_apc_parser, apc_table, call_order, format_table, reuse_profile,
-)
+from agentserve.bench.apc import INFINITE, ROW_KEYS, STRATEGIES, apc_table, call_order, reuse_profile
+from agentserve.bench.apc_cli import add_apc_parser, format_table
 from agentserve.workload.load import load_workload
 from agentserve.workload.trace import Program, TraceCall
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 def add_bench(sub) -> None:
     from agentserve.bench.agentic import add_agentic_parser
-    from agentserve.bench.apc import add_apc_parser
+    from agentserve.bench.apc_cli import add_apc_parser
     from agentserve.bench.burst_prefill import add_burst_parser
     from agentserve.bench.compare import add_compare_parser
     from agentserve.bench.replay import add_run_parser
