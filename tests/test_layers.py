@@ -16,6 +16,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -299,3 +300,36 @@ def test_no_wall_clock_below_the_server(layer):
                 bad.append(f"{p.relative_to(PKG)} calls {call}")
     assert not bad, bad
 
+
+
+# --- the README's module map ---
+
+def _map_rows() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## The code, one sentence a module")
+    end = text.index("\n## ", start + 1)
+    return [line for line in text[start:end].splitlines() if line.startswith("| `")]
+
+
+def test_readme_module_map_lists_every_module_and_nothing_else():
+    listed: set[pathlib.Path] = set()
+    stale = []
+    for row in _map_rows():
+        first = row.split("|")[1]
+        for entry in re.findall(r"`([^`]+)`", first):
+            base = ROOT if entry.startswith(("examples/", "tests/")) else PKG
+            hits = [p for p in base.glob(entry.rstrip("/")) if p.exists()]
+            if not hits:
+                stale.append(entry)
+            for h in hits:
+                listed |= set(h.rglob("*")) if h.is_dir() else {h}
+    missing = []
+    for p in sorted(PKG.rglob("*.py")):
+        body = ast.parse(p.read_text()).body
+        if p.name == "__init__.py" and all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                                           for n in body):
+            continue  # an empty package marker
+        if p not in listed:
+            missing.append(str(p.relative_to(PKG)))
+    assert not missing, f"modules missing from the README's module map: {missing}"
+    assert not stale, f"the README's module map lists what does not exist: {stale}"
