@@ -9,7 +9,9 @@
   the offline `LLM` (inside functions: see the next rule);
 - the torch-free layers never import torch, directly or through another module:
   each of their modules is imported in a subprocess where `import torch` fails;
-- nothing below the server reads the wall clock: time comes from an injected clock.
+- nothing below the server reads the wall clock: time comes from an injected clock;
+- no module in engine/, kv/, policy/, server/ grows much past 400 lines;
+- the README's module map lists every module, and only modules that exist.
 """
 
 import ast
@@ -333,3 +335,15 @@ def test_readme_module_map_lists_every_module_and_nothing_else():
             missing.append(str(p.relative_to(PKG)))
     assert not missing, f"modules missing from the README's module map: {missing}"
     assert not stale, f"the README's module map lists what does not exist: {stale}"
+
+
+# --- module size ---
+
+SIZED = ["engine", "kv", "policy", "server"]
+MAX_LINES = 420  # "about 400": split a module where its ideas end before it grows past this
+
+
+def test_no_module_over_about_400_lines_in_the_core():
+    big = [f"{p.relative_to(PKG)}: {n} lines" for layer in SIZED for p in _files(layer)
+           if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not big, big
