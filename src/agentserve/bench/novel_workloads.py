@@ -25,84 +25,11 @@ tools are the same for every run (a shared prefix, as in real agents)."""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 
-# ---------------------------------------------------------------------------
-# tools
-
-
-def _tool(name: str, description: str, props: dict[str, dict], required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": props, "required": required}}}
-
-
-_S = {"type": "string"}
-TOOLS: list[dict] = [
-    _tool("read_file", "Read a text file of the repository and return its contents.",
-          {"path": dict(_S, description="file path relative to the repository root")}, ["path"]),
-    _tool("search_code", "Search the repository for a regular expression; returns path:line:text per match.",
-          {"query": dict(_S, description="regular expression"),
-           "path": dict(_S, description="folder to search (default: the whole repository)")}, ["query"]),
-    _tool("write_file", "Write a file of the repository, replacing its contents.",
-          {"path": dict(_S, description="file path relative to the repository root"),
-           "content": dict(_S, description="the whole new contents")}, ["path", "content"]),
-    _tool("run_command", "Run a shell command in the repository root; returns its output and exit code.",
-          {"command": dict(_S, description="the command line"),
-           "timeout_s": {"type": "integer", "description": "seconds before it is killed"}}, ["command"]),
-    _tool("get_diagnostics", "Type-check and lint one file; returns its errors and warnings.",
-          {"path": dict(_S, description="file path relative to the repository root")}, ["path"]),
-    _tool("summary", "Finish the task: a short summary of what was changed and why.",
-          {"text": dict(_S, description="the summary")}, ["text"]),
-]
-TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
-
-SYSTEM_BUGFIX = (
-    "You are a coding agent working in a Python repository. Use the tools to inspect and change the code. "
-    "Call exactly one tool per turn and wait for its result. Read the code before changing it, keep changes "
-    "minimal, run the tests after every change, check the diagnostics of the files you changed, and finish "
-    "with the summary tool once the tests pass.")
-SYSTEM_CODING = (
-    "You are a senior web developer pairing with the user on a small Flask application. Follow the user's "
-    "instructions one step at a time. When a step needs the repository, call exactly one tool and wait for its "
-    "result; answer questions in a few sentences without tools. Finish with the summary tool when asked.")
-
-
-@dataclass(frozen=True)
-class ScriptedTurn:
-    user: str | None  # a user message appended before this turn's request
-    tool: str | None  # the tool the turn is expected to call; None: a prose answer
-    call: dict | None  # the expected call's arguments
-    result: str | None  # the tool's output, appended after the reply; None: nothing (prose, last turn)
-
-
-@dataclass(frozen=True)
-class AgentRun:
-    run_id: str
-    workload: str
-    system: str
-    turns: tuple[ScriptedTurn, ...]
-    tools: tuple[dict, ...] = tuple(TOOLS)
-
-    def first_messages(self) -> list[dict]:
-        return [{"role": "system", "content": self.system}]
-
-
-def call_message(tool: str, args: dict, call_id: str) -> dict:
-    """The scripted assistant turn: one call of `tool` with `args` (OpenAI format)."""
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function",
-         "function": {"name": tool, "arguments": json.dumps(args, ensure_ascii=False)}}]}
-
-
-def _rng(workload: str, seed: int, salt: str, index: int) -> random.Random:
-    return random.Random(f"{workload}:{seed}:{salt}:{index}")
-
-
-def _tag(rng: random.Random) -> str:
-    return "".join(rng.choice("0123456789abcdef") for _ in range(6))
-
+from .agent_runs import (SYSTEM_BUGFIX, SYSTEM_CODING, TOOL_NAMES, TOOLS, AgentRun, ScriptedTurn,  # noqa: F401
+                         call_message, run_rng, run_tag)
 
 # ---------------------------------------------------------------------------
 # bugfix6
@@ -141,7 +68,7 @@ class _Names:
 
 
 def _names(rng: random.Random) -> _Names:
-    tag = _tag(rng)
+    tag = run_tag(rng)
     pkg = rng.choice(sorted(_DOMAINS))
     noun = rng.choice(_DOMAINS[pkg])
     func = f"{noun}_{rng.choice(_VERBS)}_{tag}"
@@ -210,7 +137,7 @@ def _pytest(test: str, passed: int, failed: list[str], seconds: float, root: str
 
 def bugfix_run(seed: int, index: int, salt: str = "", workload: str = "bugfix6") -> AgentRun:
     """One bug-fix agent run: 6 tool-call turns on a repository of its own."""
-    rng = _rng(workload, seed, salt, index)
+    rng = run_rng(workload, seed, salt, index)
     n = _names(rng)
     bad, good, symptom = rng.choice(_BUGS)
     module = _module_text(n, bad, rng)
@@ -338,8 +265,8 @@ def _coding_steps(app: str, e1: str, e2: str, e3: str, rng: random.Random) -> li
 
 def deepcoding_run(seed: int, index: int, salt: str = "", workload: str = "deepcoding35") -> AgentRun:
     """One 35-turn coding conversation on an application of its own."""
-    rng = _rng(workload, seed, salt, index)
-    tag = _tag(rng)
+    rng = run_rng(workload, seed, salt, index)
+    tag = run_tag(rng)
     app = f"{rng.choice(_ADJ)}-{rng.choice(_ENTITIES)}s-{tag}"
     e1, e2, e3 = rng.sample(_ENTITIES, 3)
     turns = tuple(ScriptedTurn(u, t, c, r) for u, t, c, r in _coding_steps(app, e1, e2, e3, rng))
