@@ -37,7 +37,7 @@ from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.spec_decode import Speculator
 from agentserve.engine.step_results import StepResults
-from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_features
+from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_context
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
@@ -214,8 +214,7 @@ class Scheduler(PinReview, Admission, StepResults):
                 step.decode_context += req.num_computed_tokens + 1
                 if draft:
                     step.draft_rows += len(draft)
-                    step.draft_context += draft_features([ScheduledChunk(req, req.num_computed_tokens, 1, True,
-                                                                        tuple(draft))])[1]
+                    step.draft_context += draft_context(req.num_computed_tokens, len(draft))
         if prefilling or self.waiting:
             step.time_left = self._prefill_time_left(step)
         for req in prefilling:

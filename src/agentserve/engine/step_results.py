@@ -45,7 +45,6 @@ class StepResults:
         stats.execute_s += result.elapsed
         stats.executed_steps += 1
         prefill, attention, decodes, context = step_features(out.chunks)
-        drafts, draft_context = draft_features(out.chunks)
         for ch in out.chunks:
             req = ch.request
             if req.status is not RequestStatus.RUNNING:
@@ -89,7 +88,7 @@ class StepResults:
             stats.decode_step_history.append(result.elapsed)
         # Steps with host copies are left out of the fit: their time is not the forward pass's.
         if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
-            self.step_model.observe(prefill, attention, decodes, context, result.elapsed, drafts, draft_context)
+            self.step_model.observe(prefill, attention, decodes, context, result.elapsed, *draft_features(out.chunks))
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

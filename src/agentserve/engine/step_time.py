@@ -70,14 +70,18 @@ def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int]
     return p, a, d, k
 
 
+def draft_context(start: int, n: int) -> int:
+    """Context the `n` draft rows after a decode at position `start` attend to."""
+    return n * (start + 1) + n * (n + 1) // 2
+
+
 def draft_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int]:
     """(speculative draft rows, the context they attend to)."""
     r = rk = 0
     for ch in chunks:
         if ch.draft:
-            n = len(ch.draft)
-            r += n
-            rk += n * (ch.start + 1) + n * (n + 1) // 2
+            r += len(ch.draft)
+            rk += draft_context(ch.start, len(ch.draft))
     return r, rk
 
 
