@@ -20,39 +20,93 @@ from hypothesis.stateful import (
 )
 
 from agentserve.kv.eviction import STRATEGIES
+from agentserve.kv.block_table import BlockTable
 from agentserve.kv.manager import KVCacheManager
 
 ALL_STRATEGIES = sorted(STRATEGIES)
 BS = 4
 
 
-def mk(num_blocks: int = 16, block_size: int = BS, **kw) -> KVCacheManager:
-    return KVCacheManager(num_blocks, block_size, **kw)
+class Named:
+    """The manager under test, with requests named as the cases name them. The
+    manager keeps no requests (a block table lives on its request); here each
+    name's table is kept in `tables`, which check_integrity is given, so a table
+    dropped without being freed shows up as leaked blocks."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.tables: dict[str, BlockTable] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+    def admit(self, rid: str, match, num_new_tokens: int, now: float) -> bool:
+        if rid in self.tables:
+            raise RuntimeError(f"{rid} already holds KV")
+        table = self.kv.admit(match, num_new_tokens, now)
+        if table is not None:
+            self.tables[rid] = table
+        return table is not None
+
+    def allocate_slots(self, rid: str, n: int) -> bool:
+        return self.kv.allocate_slots(self.tables[rid], n)
+
+    def trim_slots(self, rid: str, n: int, now: float = 0.0) -> int:
+        return self.kv.trim_slots(self.tables[rid], n, now)
+
+    def commit(self, rid: str, tokens, computed: int) -> None:
+        self.kv.commit(self.tables[rid], tokens, computed)
+
+    def free(self, rid: str, now: float) -> None:
+        table = self.tables.pop(rid, None)
+        if table is not None:
+            self.kv.free(table, now)
+
+    def swap_out(self, rid: str, now: float) -> int:
+        table = self.tables.pop(rid, None)
+        return 0 if table is None else self.kv.swap_out(table, now)
+
+    def pin(self, program_id: str, rid: str, expiry: float, program_arrival: float, now: float) -> None:
+        self.kv.pin(program_id, self.tables.pop(rid), expiry, program_arrival, now)
+
+    def block_ids(self, rid: str) -> list[int]:
+        return self.tables[rid].block_ids
+
+    def num_blocks_of(self, rid: str) -> int:
+        table = self.tables.get(rid)
+        return len(table) if table is not None else 0
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.tables.values())
 
 
-def admit(kv: KVCacheManager, rid: str, tokens, now: float = 0.0, extra: int = 0):
+def mk(num_blocks: int = 16, block_size: int = BS, **kw) -> Named:
+    return Named(KVCacheManager(num_blocks, block_size, **kw))
+
+
+def admit(kv: Named, rid: str, tokens, now: float = 0.0, extra: int = 0):
     """match + admit room for all of `tokens` (plus `extra`); returns the match (None if it did not fit)."""
     m = kv.match(tokens)
     ok = kv.admit(rid, m, len(tokens) - m.num_tokens + extra, now)
     return m if ok else None
 
 
-def compute(kv: KVCacheManager, rid: str, tokens) -> None:
+def compute(kv: Named, rid: str, tokens) -> None:
     """Pretend the whole of `tokens` was computed and commit it."""
     assert kv.allocate_slots(rid, len(tokens))
     kv.commit(rid, tokens, len(tokens))
 
 
-def in_use(kv: KVCacheManager) -> set[int]:
+def in_use(kv: Named) -> set[int]:
     ids = set()
-    for rid in kv._reqs:
+    for rid in kv.tables:
         ids.update(kv.block_ids(rid))
     for p in kv.pins.values():
         ids.update(b.block_id for b in p.blocks)
     return ids
 
 
-def accounting_ok(kv: KVCacheManager) -> None:
+def accounting_ok(kv: Named) -> None:
     kv.check_integrity()
     assert kv.num_free_blocks + len(in_use(kv)) == kv.num_blocks
 
@@ -582,8 +636,8 @@ class KVModel:
     driver below pick them."""
 
     def __init__(self, eviction: str, host: int, collisions: bool, num_blocks: int = 24) -> None:
-        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host,
-                                 key_fn=collide if collisions else None)
+        self.kv = Named(KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host,
+                                             key_fn=collide if collisions else None))
         self.reqs: dict[str, dict] = {}
         self.n = 0
         self.now = 0.0
@@ -751,11 +805,11 @@ class KVModel:
             if n > 1:  # shared by two live holders: must be a cached (full, indexed) prefix block
                 assert kv.pool.blocks[bid].is_cached, bid
         for rid in self.reqs:
-            st = kv._reqs[rid]
+            st = kv.tables[rid]
             for i, b in enumerate(st.blocks):
                 if holders[b.block_id] > 1:
                     assert i < st.num_indexed, (rid, i, "shared block outside the indexed prefix")
-        assert set(self.reqs) == set(kv._reqs)
+        assert set(self.reqs) == set(kv.tables)
 
     def drain(self):
         for rid in list(self.reqs):

@@ -74,7 +74,7 @@ class FakeExecutor(Executor):
             seen.add(rid)
             assert ch.num_tokens >= 1
             assert ch.start + ch.num_tokens <= req.num_tokens
-            table = out.block_table(rid)
+            table = req.block_table.block_ids
             assert len(table) * bs >= ch.start + ch.num_tokens, "block table too short"
             for pos in range(ch.start):
                 blk = self.dev.get(table[pos // bs])
@@ -247,7 +247,7 @@ def test_abort_waiting_and_running():
     assert h.s.abort("a") is a
     h.s.check_integrity()
     assert h.kv.num_free_blocks > free_before
-    assert h.kv.num_blocks_of("a") == 0
+    assert a.block_table is None
     assert h.s.abort("a") is None
     assert h.s.abort("nope") is None
     h.run()
@@ -497,7 +497,7 @@ def test_prefill_that_needs_blocks_preempts_a_later_decode_already_scheduled():
             hit = out
             assert out.preempted == [d] and decoding_before
             assert [c.request.request_id for c in out.chunks] == ["x", "P"]
-            assert d.num_computed_tokens == 0 and h.kv.num_blocks_of("D") == 0
+            assert d.num_computed_tokens == 0 and d.block_table is None
     assert hit is not None
     h.run()
     for r in (x, p, d):
@@ -636,7 +636,7 @@ def test_preemption_by_recompute(policy):
             assert first_victim.request_id == "r2"
             assert first_victim.status is RequestStatus.WAITING and first_victim.preempted
             assert first_victim.num_computed_tokens == 0
-            assert h.kv.num_blocks_of("r2") == 0
+            assert first_victim.block_table is None
     assert not h.s.has_work
     assert first_victim is not None
     assert h.s.stats.preemptions >= 1
@@ -666,7 +666,7 @@ def test_headroom_counts_running_requests_remaining_output():
     h = Harness("continuum", num_blocks=32, budget=64)
     a = h.req("a", "pa", prompt_of(1, 9), max_tokens=24)
     h.step()
-    assert h.kv.num_blocks_of("a") == 3
+    assert len(a.block_table) == 3
     # b needs 9 + 2 = 11 tokens: 3 blocks; free 29 - a's 6 still to come = 23: admitted
     b = h.req("b", "pb", prompt_of(2, 9), max_tokens=2)
     # c needs (60 + 24) / 4 = 21 blocks: 23 - b's 3 = 20 left, so c waits for b
@@ -735,7 +735,7 @@ def test_host_tier_reload_counts_loaded_tokens():
     assert len(out.blocks_to_load) == 5
     assert r2.num_cached_tokens == 20 and r2.num_loaded_tokens == 20
     assert h.s.stats.loaded_tokens == 20 and h.s.stats.hit_tokens == 20
-    assert [d for _, d in out.blocks_to_load] == h.kv.block_ids("t2")[:5]
+    assert [d for _, d in out.blocks_to_load] == r2.block_table.block_ids[:5]
     h.run()
     assert r2.output_token_ids == expected(r2.prompt_token_ids, 2)
     assert filler.output_token_ids == expected(filler.prompt_token_ids, 1)

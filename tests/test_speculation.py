@@ -4,6 +4,8 @@ KV every chunk reads), and the real runner's output with and without drafts."""
 
 from __future__ import annotations
 
+import itertools
+
 import random
 
 import pytest
@@ -149,7 +151,7 @@ class VerifyingExecutor(Executor):
         sampled = {}
         for ch in out.chunks:
             req = ch.request
-            table = out.block_table(req.request_id)
+            table = req.block_table.block_ids
             toks = ch.token_ids
             assert len(toks) == ch.num_tokens and len(table) * BS >= ch.start + ch.num_tokens
             for pos in range(ch.start):
@@ -166,11 +168,14 @@ class VerifyingExecutor(Executor):
         return ExecutorResult(sampled, 0.01)
 
 
+_REQUEST_NUMBERS = itertools.count()
+
+
 def run(prompts, max_tokens, spec: int, num_blocks=64, policy="continuum", eos=None, budget=64, harness=None):
     clock, s, ex = harness or _harness(spec, num_blocks, policy, budget)
     reqs = []
     for i, p in enumerate(prompts):
-        r = Request(f"r{len(s.kv._reqs)}-{i}-{clock.now()}", f"p{i}", list(p), max_tokens, arrival_time=clock.now(),
+        r = Request(f"r{next(_REQUEST_NUMBERS)}-{i}", f"p{i}", list(p), max_tokens, arrival_time=clock.now(),
                     eos_token_ids=frozenset() if eos is None else frozenset([eos]))
         s.add_request(r)
         reqs.append(r)

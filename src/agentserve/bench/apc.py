@@ -209,7 +209,6 @@ def apc_table(programs: Sequence[Program], num_blocks_list: Iterable[int], block
         for node in path:
             own.append(own[-1] + (reg.owner[node] == group))
         inf.count(len(path), own)
-        rid = f"{i}/{turn}"
         for (n, _, kv), tally in zip(managers, tallies):
             match = kv.match(prompt)
             m = len(match.nodes)
@@ -218,10 +217,10 @@ def apc_table(programs: Sequence[Program], num_blocks_list: Iterable[int], block
             cap = n * block_size
             if space > cap:
                 tally.truncated += 1
-            ok = kv.admit(rid, match, min(space, cap) - match.num_tokens, now)
-            assert ok, "nothing else holds blocks: an admission of at most the cache must fit"
-            kv.commit(rid, tokens, min(computed, cap))
-            kv.free(rid, now)
+            table = kv.admit(match, min(space, cap) - match.num_tokens, now)
+            assert table is not None, "nothing else holds blocks: an admission of at most the cache must fit"
+            kv.commit(table, tokens, min(computed, cap))
+            kv.free(table, now)
         reg.record(tokens, computed, group)
         # profile
         if turn > 0:

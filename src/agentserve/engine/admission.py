@@ -33,7 +33,7 @@ class Admission:
         if n <= 0:
             return False  # the step-time target is spent
         own_pin_released = False
-        while not (self._has_headroom(req, match, held) and self.kv.admit(req.request_id, match, n, now)):
+        while not self._has_headroom(req, match, held) or (table := self.kv.admit(match, n, now)) is None:
             nothing_runs = not self.running
             if self._reclaim_pin(req, any_program=nothing_runs, now=now):
                 continue
@@ -63,6 +63,7 @@ class Admission:
             self.policy.on_admitted(req, prog, now, delay, returning_evicted=prog.turns_finished > 0 and not pinned)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+        req.block_table = table
         req.num_computed_tokens = hit
         req.status = RequestStatus.RUNNING
         req.preempted = False
@@ -84,7 +85,7 @@ class Admission:
         return sum(self._reserve_of(r) for r in self.running)
 
     def _reserve_of(self, req: Request) -> int:
-        return max(0, self.kv.blocks_for(self._ahead(req)) - self.kv.num_blocks_of(req.request_id))
+        return max(0, self.kv.blocks_for(self._ahead(req)) - len(req.block_table or ()))
 
     def _has_headroom(self, req: Request, match, held: int | None) -> bool:
         """`req`'s whole prompt and reserved output fit in the free blocks that

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agentserve.kv.block_table import BlockTable
     from agentserve.policy.program import ProgramState
 
 
@@ -49,6 +50,7 @@ class Request:
     # (arrival time) even if the table forgets or ends the program meanwhile.
     program: ProgramState | None = field(default=None, repr=False)
     output_token_ids: list[int] = field(default_factory=list)
+    block_table: BlockTable | None = field(default=None, repr=False)  # its KV while it runs (None: holds none)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-hit tokens found at first admission (-1: not admitted yet)

@@ -118,7 +118,7 @@ class Scheduler(PinReview, Admission, StepResults):
             self._remove_waiting(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.free(req.request_id, now)
+            self._release_table(req, now)
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = now
         del self._requests[request_id]
@@ -191,7 +191,7 @@ class Scheduler(PinReview, Admission, StepResults):
         if now >= self._next_expiry:
             self._expire_idle(now)
             self._next_expiry = now + self.programs.idle_timeout / EXPIRY_CHECKS_PER_TIMEOUT
-        out = SchedulerOutput(block_table=self.kv.block_ids)
+        out = SchedulerOutput()
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
         # 1. Running requests: decodes first, then prefill chunks, each in admission order.
@@ -286,17 +286,17 @@ class Scheduler(PinReview, Admission, StepResults):
         del draft[max(0, step.budget - 1):]
         if not draft:
             return False
-        if self.kv.blocks_for(req.num_computed_tokens + 1 + len(draft)) - self.kv.num_blocks_of(req.request_id) \
+        if self.kv.blocks_for(req.num_computed_tokens + 1 + len(draft)) - len(req.block_table) \
                 > self.kv.num_free_blocks - len(self.running):
             return False
-        return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + 1 + len(draft))
+        return self.kv.allocate_slots(req.block_table, req.num_computed_tokens + 1 + len(draft))
 
     def _schedule_running(self, req: Request, n: int, step: StepBudget, now: float, out: SchedulerOutput) -> bool:
         """KV for `n` more tokens of running `req`: reclaim later programs' pins,
         then preempt the lowest-priority running request admitted at or after
         `req` (ties: the most recently admitted, least progress lost) until it
         fits. False if `req` itself was preempted."""
-        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+        while not self.kv.allocate_slots(req.block_table, req.num_computed_tokens + n):
             if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
                 continue
             later = self.running[self.running.index(req):]
@@ -318,10 +318,7 @@ class Scheduler(PinReview, Admission, StepResults):
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        if self.policy.swap_on_preempt(req) and self.kv.host.enabled:
-            self.kv.swap_out(req.request_id, now)
-        else:
-            self.kv.free(req.request_id, now)
+        self._release_table(req, now, swap=self.policy.swap_on_preempt(req))
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.preempted = True
@@ -331,10 +328,21 @@ class Scheduler(PinReview, Admission, StepResults):
         self._push_waiting(req)
         out.preempted.append(req)
 
+    def _release_table(self, req: Request, now: float, swap: bool = False) -> None:
+        """The request gives up its KV: swapped to the host tier (where the
+        policy asks and a tier exists) or freed, its blocks cached either way."""
+        table, req.block_table = req.block_table, None
+        if table is None:
+            return
+        if swap and self.kv.host.enabled:
+            self.kv.swap_out(table, now)
+        else:
+            self.kv.free(table, now)
+
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
+        self.kv.check_integrity(r.block_table for r in self.running)
         for r in self.running:
-            assert r.status is RequestStatus.RUNNING and self.kv.num_blocks_of(r.request_id) > 0
+            assert r.status is RequestStatus.RUNNING and r.block_table is not None and len(r.block_table) > 0
         for r in self.waiting:
-            assert r.status is RequestStatus.WAITING and self.kv.num_blocks_of(r.request_id) == 0
+            assert r.status is RequestStatus.WAITING and r.block_table is None
         assert sum(self._waiting_programs.values()) == len(self.waiting)

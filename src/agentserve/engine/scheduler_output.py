@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentserve.engine.request import Request
@@ -43,9 +42,6 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     preempted: list[Request] = field(default_factory=list)
-    # request_id -> device block ids of its block table (built on demand: the
-    # simulator never needs it, the model runner needs it for every chunk).
-    block_table: Callable[[str], list[int]] = lambda request_id: []
 
     @property
     def is_empty(self) -> bool:

@@ -36,6 +36,8 @@ class StepResults:
     if TYPE_CHECKING:
         def end_program(self, program_id: str) -> None: ...  # scheduler.py
 
+        def _release_table(self, req: Request, now: float, swap: bool = False) -> None: ...  # scheduler.py
+
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
         """Apply sampled tokens; returns the requests that finished this step."""
         now = self.clock.now()
@@ -51,7 +53,7 @@ class StepResults:
                 continue  # aborted during the step
             req.program.attained_service += result.elapsed
             if not ch.sample:
-                self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+                self.kv.commit(req.block_table, req.token_ids, req.num_computed_tokens)
                 continue
             tokens = result.sampled.get(req.request_id, ())
             if ch.draft:
@@ -76,8 +78,8 @@ class StepResults:
                 # KV stands for every token but the last sampled one; blocks the
                 # rejected draft tokens took go back
                 req.num_computed_tokens = req.num_tokens - 1
-                self.kv.trim_slots(req.request_id, req.num_tokens, now)
-            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+                self.kv.trim_slots(req.block_table, req.num_tokens, now)
+            self.kv.commit(req.block_table, req.token_ids, req.num_computed_tokens)
             if status is not None:
                 self._finish(req, status, now)
                 finished.append(req)
@@ -105,10 +107,10 @@ class StepResults:
         prog = req.program
         prog.turns_finished += 1
         prog.last_finish_time = now
-        rid, pid = req.request_id, req.program_id
+        pid = req.program_id
         if req.is_last_turn or prog.anonymous or prog.ended:
             # (ended: the client ended the program while this turn ran; nothing comes back)
-            self.kv.free(rid, now)
+            self._release_table(req, now)
             if not prog.ended:
                 self.end_program(pid)
             return
@@ -116,15 +118,14 @@ class StepResults:
         prog.last_tool = req.tool_name
         prog.history = req.token_ids
         if decision.action == "pin" and decision.ttl > 0:
-            self.kv.pin(pid, rid, now + decision.ttl, prog.arrival_time, now)
+            self.kv.pin(pid, req.block_table, now + decision.ttl, prog.arrival_time, now)
+            req.block_table = None
             self.stats.pins_created += 1
             self.stats.ttl_sum += decision.ttl
             self._record_ttl(decision.ttl)
             self._order_dirty = True
-        elif decision.action == "swap":
-            self.kv.swap_out(rid, now)
         else:
-            self.kv.free(rid, now)
+            self._release_table(req, now, swap=decision.action == "swap")
 
     def _record_ttl(self, ttl: float) -> None:
         h = self.stats.ttl_history

@@ -1,18 +1,22 @@
 """The KV cache manager: the only KV API the scheduler sees.
 
-match -> admit (or allocate_slots for a running request) -> commit after each
-step -> free, pin, or swap out at the end of a turn. Pins hold a finished
-request's blocks for its program until they are released, expire or are
-reclaimed; the manager never decides when, the scheduler and its policy do."""
+match -> admit (a new block table for the request) -> allocate_slots as it
+grows -> commit after each step -> free, pin, or swap out at the end of a
+turn. A block table lives on its request (kv/block_table.py); the manager keeps
+no map of requests, only the block pool, the prefix index, the host tier and
+the pins. Pins hold a finished request's blocks for its program until they are
+released, expire or are reclaimed; the manager never decides when, the
+scheduler and its policy do."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.block_table import BlockTable
 from agentserve.kv.eviction import make_strategy
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.prefix_index import Node, PrefixIndex
@@ -37,14 +41,6 @@ class PrefixMatch:
     @property
     def num_host_tokens(self) -> int:
         return self.num_host_blocks * self.block_size
-
-
-@dataclass
-class _ReqKV:
-    blocks: list[Block] = field(default_factory=list)
-    num_indexed: int = 0  # leading blocks registered in the prefix index
-    last_node: Node | None = None
-    index_stopped: bool = False  # a collision cut the chain: index nothing further
 
 
 @dataclass
@@ -79,7 +75,6 @@ class KVCacheManager:
         kwargs = {"capacity": num_blocks} if eviction == "arc" else {}
         self.pool = BlockPool(num_blocks, self.index, make_strategy(eviction, **kwargs), self._on_evict)
         self.host = HostTier(host_blocks, self.index)
-        self._reqs: dict[str, _ReqKV] = {}
         self.pins: dict[str, Pin] = {}
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
@@ -108,13 +103,6 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._reqs[request_id].blocks]
-
-    def num_blocks_of(self, request_id: str) -> int:
-        st = self._reqs.get(request_id)
-        return len(st.blocks) if st else 0
-
     # --- prefix match and admission ---
 
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
@@ -139,14 +127,12 @@ class KVCacheManager:
         revived = sum(1 for n in match.nodes if n.block is not None and n.block.ref_cnt == 0)
         return new + revived
 
-    def admit(self, request_id: str, match: PrefixMatch, num_new_tokens: int, now: float) -> bool:
-        """Give a waiting request its matched blocks plus room for
-        `num_new_tokens` more. False, with nothing changed, if it does not fit."""
-        if request_id in self._reqs:
-            raise RuntimeError(f"request {request_id} already holds KV")
+    def admit(self, match: PrefixMatch, num_new_tokens: int, now: float) -> BlockTable | None:
+        """A block table for a waiting request: its matched blocks plus room
+        for `num_new_tokens` more. None, with nothing changed, if it does not fit."""
         if self.admit_need(match, num_new_tokens) > self.pool.num_free:
-            return False
-        st = _ReqKV()
+            return None
+        st = BlockTable()
         for n in match.nodes:
             if n.block is not None:
                 self.pool.ref(n.block)
@@ -169,12 +155,10 @@ class KVCacheManager:
         st.blocks.extend(it)
         st.num_indexed = len(match.nodes)
         st.last_node = match.nodes[-1] if match.nodes else self.index.root
-        self._reqs[request_id] = st
-        return True
+        return st
 
-    def allocate_slots(self, request_id: str, num_tokens_total: int) -> bool:
+    def allocate_slots(self, st: BlockTable, num_tokens_total: int) -> bool:
         """Grow a running request's table to hold `num_tokens_total` tokens."""
-        st = self._reqs[request_id]
         need = self.blocks_for(num_tokens_total) - len(st.blocks)
         if need <= 0:
             return True
@@ -184,10 +168,9 @@ class KVCacheManager:
         st.blocks.extend(fresh)
         return True
 
-    def trim_slots(self, request_id: str, num_tokens_total: int, now: float = 0.0) -> int:
+    def trim_slots(self, st: BlockTable, num_tokens_total: int, now: float = 0.0) -> int:
         """Shrink a running request's table to `num_tokens_total` tokens (a
         speculative draft's rejected tail). Returns the blocks freed."""
-        st = self._reqs[request_id]
         keep = max(self.blocks_for(num_tokens_total), st.num_indexed)
         extra = st.blocks[keep:]
         if extra:
@@ -195,16 +178,13 @@ class KVCacheManager:
             self.pool.release(extra, now)
         return len(extra)
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(self, st: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Index the request's blocks that became full with computed KV, so
         later requests (this program's next turn, first of all) can hit them.
         Generated tokens are indexed like prompt tokens."""
-        st = self._reqs.get(request_id)
-        if st is None or st.index_stopped:
-            return
         bs = self.block_size
         full = min(num_computed_tokens // bs, len(st.blocks))
-        if full <= st.num_indexed:
+        if full <= st.num_indexed or st.index_stopped or st.released:
             return
         node = st.last_node
         if node is not self.index.root and node.parent is None:
@@ -238,17 +218,17 @@ class KVCacheManager:
 
     # --- end of a request ---
 
-    def free(self, request_id: str, now: float) -> None:
-        st = self._reqs.pop(request_id, None)
-        if st is not None:
+    def free(self, st: BlockTable, now: float) -> None:
+        """Release the table's blocks (freeing a released table is a no-op)."""
+        if not st.released:
+            st.released = True
             self.pool.release(st.blocks, now)
 
-    def swap_out(self, request_id: str, now: float) -> int:
+    def swap_out(self, st: BlockTable, now: float) -> int:
         """Copy the request's indexed blocks to the host tier now (instead of at
         eviction), then free them. Returns the number of blocks copied."""
-        st = self._reqs.get(request_id)
         copied = 0
-        if st is not None and self.host.enabled:
+        if not st.released and self.host.enabled:
             for b in st.blocks[:st.num_indexed]:
                 node = b.node
                 if node is not None and node.block is b and node.host_slot is None:
@@ -256,12 +236,14 @@ class KVCacheManager:
                     if slot is not None:
                         self._offloads.append((b.block_id, slot))
                         copied += 1
-        self.free(request_id, now)
+        self.free(st, now)
         return copied
 
-    def pin(self, program_id: str, request_id: str, expiry: float, program_arrival: float, now: float) -> None:
+    def pin(self, program_id: str, st: BlockTable, expiry: float, program_arrival: float, now: float) -> None:
         """Hand the finished request's blocks to a pin owned by its program."""
-        st = self._reqs.pop(request_id)
+        if st.released:
+            raise RuntimeError("pinning a block table that was already released")
+        st.released = True
         ntok = st.num_indexed * self.block_size
         old = self.pins.get(program_id)
         if old is not None:  # a second finished request of the same program: one pin holds both
@@ -332,9 +314,13 @@ class KVCacheManager:
 
     # --- checks ---
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, tables: Iterable[BlockTable] = ()) -> None:
+        """Every block's reference count equals its holders: `tables`, the block
+        tables of every request that holds KV (a table missing here shows up as
+        leaked blocks), and the pins."""
         holders: Counter[int] = Counter()
-        for st in self._reqs.values():
+        for st in tables:
+            assert not st.released, "a released block table is still in use"
             holders.update(b.block_id for b in st.blocks)
             assert st.num_indexed <= len(st.blocks)
         for p in self.pins.values():

@@ -49,9 +49,9 @@ class ModelExecutor(Executor):
         bs = self.kv.block_size
         need = lambda c: -(-(c.start + c.num_tokens) // bs)  # noqa: E731
         meta = build_metadata(
-            [out.block_table(c.request.request_id)[:need(c)] for c in decodes],
+            [c.request.block_table.block_ids[:need(c)] for c in decodes],
             [c.start + 1 for c in decodes],
-            [(out.block_table(c.request.request_id)[:need(c)], c.start, c.num_tokens) for c in prefills],
+            [(c.request.block_table.block_ids[:need(c)], c.start, c.num_tokens) for c in prefills],
             bs, self.device, dtype=self.model.dtype)
         # rows to sample: the last of each chunk that reaches its request's end, and
         # every row of a draft (each verifies the draft token before it)
