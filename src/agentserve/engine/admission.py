@@ -21,10 +21,12 @@ class Admission:
     policy: Policy
     stats: SchedulerStats
     running: list[Request]
-    _order_dirty: bool
+    _held: int  # the sum of the running requests' `reserve`
 
     if TYPE_CHECKING:
         def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool: ...  # pin_review.py
+
+        def _unpin(self, program_id: str, now: float) -> int: ...  # scheduler.py
 
     def _admit(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
         hit = match.num_tokens
@@ -41,17 +43,15 @@ class Admission:
                 # Its own pin holds blocks this turn does not reuse (the partial
                 # last block at least) and nothing else can free memory: release
                 # it; the matched blocks stay cached and are revived by admit.
-                self.kv.unpin(req.program_id, now)
+                self._unpin(req.program_id, now)
                 own_pin_released = True
-                self._order_dirty = True
                 continue
             return False
         prog = req.program
         # its blocks now belong to the request
-        pinned = self.kv.unpin(req.program_id, now) > 0 or own_pin_released
+        pinned = self._unpin(req.program_id, now) > 0 or own_pin_released
         if pinned:
             self.stats.pins_hit += 1
-            self._order_dirty = True
         delay = now - req.waiting_since
         req.queue_time += delay
         if req.num_cached_tokens < 0:
@@ -68,6 +68,7 @@ class Admission:
         req.status = RequestStatus.RUNNING
         req.preempted = False
         self.running.append(req)
+        self._rereserve(req)
         step.add_prefill(req, hit, n)
         return True
 
@@ -76,20 +77,22 @@ class Admission:
         has, plus its remaining output up to Policy.decode_reserve_tokens."""
         return req.num_tokens + min(req.max_tokens - req.num_output_tokens, self.policy.decode_reserve_tokens)
 
-    def _reserved_for_running(self) -> int | None:
-        """Blocks the running requests may still take within their headroom;
-        None when no headroom applies (the policy keeps none, or nothing runs,
-        so a request that fits the cache at all is never held back)."""
-        if self.policy.decode_reserve_tokens <= 0 or not self.running:
-            return None
-        return sum(self._reserve_of(r) for r in self.running)
-
     def _reserve_of(self, req: Request) -> int:
-        return max(0, self.kv.blocks_for(self._ahead(req)) - len(req.block_table or ()))
+        """Blocks a running `req` may still take within the policy's headroom."""
+        return max(0, self.kv.blocks_for(self._ahead(req)) - len(req.block_table.blocks))
+
+    def _rereserve(self, req: Request) -> None:
+        """Bring a running request's reserve, and their sum, up to date after its
+        tokens or its blocks changed: the sum is kept, never re-added per step."""
+        if self.policy.decode_reserve_tokens > 0:
+            new = self._reserve_of(req)
+            self._held += new - req.reserve
+            req.reserve = new
 
     def _has_headroom(self, req: Request, match, held: int | None) -> bool:
         """`req`'s whole prompt and reserved output fit in the free blocks that
-        the running requests' reserves (`held`) leave."""
+        the running requests' reserves (`held`; None: no headroom applies, the
+        policy keeps none or nothing runs) leave."""
         if held is None:
             return True
         return self.kv.admit_need(match, self._ahead(req) - match.num_tokens) + held <= self.kv.num_free_blocks

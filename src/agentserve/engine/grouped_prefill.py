@@ -9,12 +9,13 @@ meanwhile; a leader that is preempted stops being one."""
 
 from __future__ import annotations
 
-from agentserve.engine.request import Request
+from agentserve.engine.request import Request, RequestStatus
 
 
 def prefill_leaders(running: list[Request], block_size: int) -> list[Request]:
     """Running requests with at least one full block of prompt still to compute."""
-    return [r for r in running if r.num_tokens - r.num_computed_tokens > block_size]
+    return [r for r in running
+            if r.status is RequestStatus.RUNNING and len(r.token_ids) - r.num_computed_tokens > block_size]
 
 
 def follows(req: Request, hit: int, leaders: list[Request], block_size: int) -> bool:

@@ -6,10 +6,11 @@ first, and only a pin whose release frees a block). Part of `Scheduler`
 
 from __future__ import annotations
 
-from collections import Counter
+from typing import TYPE_CHECKING
 
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler_config import SchedulerStats
+from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy
 
@@ -18,23 +19,30 @@ class PinReview:
     kv: KVCacheManager
     policy: Policy
     stats: SchedulerStats
-    _waiting_programs: Counter[str]
-    _order_dirty: bool
+    waiting: WaitingQueue
+    _overdue: set[str]
+
+    if TYPE_CHECKING:
+        def _unpin(self, program_id: str, now: float) -> int: ...  # scheduler.py
 
     def _release_pins(self, now: float) -> None:
         pins = self.kv.pins
         if not pins:
             return
-        for pid in [p for p, pin in pins.items() if pin.expiry <= now and p not in self._waiting_programs]:
-            self.kv.unpin(pid, now)
-            self.stats.pins_expired += 1
-            self._order_dirty = True
+        expired = self.kv.expired_pins(now)
+        if self._overdue:  # expired earlier, kept while the program's next turn waited
+            expired.extend(self._overdue)
+            self._overdue = set()
+        for pid in expired:
+            if self.waiting.has_program(pid):
+                self._overdue.add(pid)  # its next turn waits: keep it
+            elif self._unpin(pid, now):
+                self.stats.pins_expired += 1
         for pid in self.policy.review_pins(pins, now):
             # a program whose next turn already waits keeps its pin (as with expiry)
-            if pid in pins and pid not in self._waiting_programs:
-                self.kv.unpin(pid, now)
+            if pid in pins and not self.waiting.has_program(pid):
+                self._unpin(pid, now)
                 self.stats.pins_released_early += 1
-                self._order_dirty = True
 
     def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool:
         """Release the pin of the latest-arriving program (later than `req`'s,
@@ -51,8 +59,7 @@ class PinReview:
         candidates.sort(key=lambda p: p.program_arrival, reverse=True)
         for pin in candidates:
             if self.kv.reclaimable_blocks(pin.program_id):
-                self.kv.unpin(pin.program_id, now)
+                self._unpin(pin.program_id, now)
                 self.stats.pins_reclaimed += 1
-                self._order_dirty = True
                 return True
         return False

@@ -52,6 +52,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: BlockTable | None = field(default=None, repr=False)  # its KV while it runs (None: holds none)
     token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-hit tokens found at first admission (-1: not admitted yet)
     num_loaded_tokens: int = 0  # of those, tokens reloaded from the host tier
@@ -66,6 +67,8 @@ class Request:
     tool_name: str | None = None  # set by the policy's tool-call parser at finish
     followed: bool = False  # waited for another request's prefill of a shared prefix (grouped prefill)
     spec: Any = field(default=None, repr=False)  # speculation state (engine/spec_decode.py), made on first draft
+    reserve: int = 0  # while running: KV blocks it may still take within the policy's headroom (admission.py)
+    queue_key: Any = field(default=None, repr=False)  # while waiting: its place in the queue (waiting_queue.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -73,11 +76,8 @@ class Request:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # read every step: a field, not a property
         self.waiting_since = self.arrival_time
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,6 @@ for it (engine/grouped_prefill.py)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 from agentserve.clock import Clock
@@ -38,6 +37,7 @@ from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.spec_decode import Speculator
 from agentserve.engine.step_results import StepResults
 from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_context
+from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
@@ -60,9 +60,7 @@ class Scheduler(PinReview, Admission, StepResults):
         self.kv = kv
         self.clock = clock
         self.programs = ProgramTable(config.program_idle_timeout)
-        self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._waiting_programs: Counter[str] = Counter()
         self._requests: dict[str, Request] = {}
         # Called with (request, token) for each new token before the finish checks; may
         # return a finished status (the engine's stop strings). None: no output processing.
@@ -78,7 +76,9 @@ class Scheduler(PinReview, Admission, StepResults):
             )
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
-        self._order_dirty = True
+        self.waiting = WaitingQueue(lambda req, now: policy.priority(req, req.program, now), policy.time_dependent)
+        self._overdue: set[str] = set()  # expired pins kept because their program's next turn waits
+        self._held = 0  # the running requests' reserves (admission.py), kept as they change
         self._next_expiry = 0.0
         self.step_model = StepTimeModel()
         self.speculator = Speculator(config.speculation)
@@ -106,7 +106,7 @@ class Scheduler(PinReview, Admission, StepResults):
         req.status = RequestStatus.WAITING
         req.waiting_since = now
         self._requests[req.request_id] = req
-        self._push_waiting(req)
+        self.waiting.push(req, now)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is; its KV is freed, its program lives on."""
@@ -115,9 +115,9 @@ class Scheduler(PinReview, Admission, StepResults):
             return None
         now = self.clock.now()
         if req.status is RequestStatus.WAITING:
-            self._remove_waiting(req)
+            self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._stop_running(req)
             self._release_table(req, now)
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = now
@@ -127,19 +127,30 @@ class Scheduler(PinReview, Admission, StepResults):
     def end_program(self, program_id: str) -> None:
         """The program is done: drop its pin and forget it."""
         now = self.clock.now()
-        if self.kv.unpin(program_id, now):
+        if self._unpin(program_id, now):
             self.stats.pins_released_at_end += 1
-            self._order_dirty = True
         prog = self.programs.end(program_id)
         if prog is not None:
             self.policy.on_program_end(prog)
 
     def release_program(self, program_id: str) -> bool:
         """A client's explicit release: drop the pin, keep the program."""
-        released = self.kv.unpin(program_id, self.clock.now()) > 0
-        if released:
-            self._order_dirty = True  # its waiting requests lose the pinned-first place
-        return released
+        return self._unpin(program_id, self.clock.now()) > 0
+
+    def _unpin(self, program_id: str, now: float) -> int:
+        """Release a program's pin (the blocks it held; 0: it had none). Its waiting
+        requests take their new places: a priority may depend on the pin."""
+        n = self.kv.unpin(program_id, now)
+        if n:
+            self._overdue.discard(program_id)
+            self.waiting.replace_program(program_id, now)
+        return n
+
+    def _stop_running(self, req: Request) -> None:
+        """`req` leaves the running set (finished, aborted or preempted)."""
+        self.running.remove(req)
+        self._held -= req.reserve
+        req.reserve = 0
 
     @property
     def has_work(self) -> bool:
@@ -156,29 +167,13 @@ class Scheduler(PinReview, Admission, StepResults):
     def _running_tokens(self) -> int:
         return sum(r.num_computed_tokens for r in self.running)
 
-    def _push_waiting(self, req: Request) -> None:
-        self.waiting.append(req)
-        self._waiting_programs[req.program_id] += 1
-        self._order_dirty = True
-
-    def _remove_waiting(self, req: Request) -> None:
-        self.waiting.remove(req)
-        self._drop_waiting_program(req.program_id)
-
-    def _drop_waiting_program(self, pid: str) -> None:
-        c = self._waiting_programs[pid] - 1
-        if c:
-            self._waiting_programs[pid] = c
-        else:
-            del self._waiting_programs[pid]
-
     def _key(self, req: Request, now: float) -> tuple:
         return self.policy.priority(req, req.program, now)
 
     def _expire_idle(self, now: float) -> None:
         """Programs whose clients went quiet without ending them end here, for
         the statistics too: on a live server most programs end this way."""
-        busy = {r.program_id for r in self.running} | set(self._waiting_programs) | set(self.kv.pins)
+        busy = {r.program_id for r in self.running} | {r.program_id for r in self.waiting} | set(self.kv.pins)
         for prog in self.programs.expire_idle(now, busy):
             self.policy.on_program_end(prog)
 
@@ -195,26 +190,39 @@ class Scheduler(PinReview, Admission, StepResults):
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
         # 1. Running requests: decodes first, then prefill chunks, each in admission order.
+        # (a preempted request recomputing its prompt and output is prefilling until it caught up)
         decoding, prefilling = [], []
         for req in self.running:
-            (decoding if self._is_decoding(req) else prefilling).append(req)
+            c = req.num_computed_tokens
+            (decoding if c >= req.num_prompt_tokens and len(req.token_ids) - c == 1 else prefilling).append(req)
         drafts = self.speculator.plan_step(decoding, self.step_model, self.kv.num_free_blocks - len(self.running))
+        room = self.kv.block_size
+        scheduled = step.scheduled
+        rows = context = 0
         for req in decoding:
             if step.budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            draft = drafts.get(req)
-            if draft and not self._draft_slots(req, draft, step):
-                del drafts[req]
-                draft = None
-            if self._schedule_running(req, 1, step, now, out):
+            c = req.num_computed_tokens
+            draft = drafts.get(req) if drafts else None
+            if draft is None and c < len(req.block_table.blocks) * room:
+                scheduled[req] = 1  # the common case: a slot is free in its last block
+                step.budget -= 1
+            else:
+                if draft and not self._draft_slots(req, draft, step):
+                    del drafts[req]
+                    draft = None
+                if not self._schedule_running(req, 1, step, now, out):
+                    continue
                 step.add(req, 1 + len(draft) if draft else 1)
-                step.decode_rows += 1
-                step.decode_context += req.num_computed_tokens + 1
                 if draft:
                     step.draft_rows += len(draft)
-                    step.draft_context += draft_context(req.num_computed_tokens, len(draft))
+                    step.draft_context += draft_context(c, len(draft))
+            rows += 1
+            context += c + 1
+        step.decode_rows = rows
+        step.decode_context = context
         if prefilling or self.waiting:
             step.time_left = self._prefill_time_left(step)
         for req in prefilling:
@@ -231,52 +239,49 @@ class Scheduler(PinReview, Admission, StepResults):
 
         # 2. Waiting requests in priority order (not in a step that had to preempt).
         if not out.preempted and self.waiting and step.budget > 0:
-            if self._order_dirty or self.policy.time_dependent:
-                self.waiting.sort(key=lambda r: self._key(r, now))
-                self._order_dirty = False
-            admitted: set[Request] = set()
-            # blocks the running requests may still take: admissions add their own, nothing else
-            # changes it during the loop (computed once: it is a sum over every running request)
-            held = self._reserved_for_running()
-            leaders = prefill_leaders(self.running, self.kv.block_size) if self.config.group_prefill else None
-            for req in self.waiting:
-                if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                match = self.kv.match(req.token_ids)
-                if leaders and follows(req, match.num_tokens, leaders, self.kv.block_size):
-                    if not req.followed:
-                        req.followed = True
-                        self.stats.grouped_requests += 1
-                    continue  # admitted once its leader has computed (and indexed) the shared blocks
-                if not self._admit(req, step, now, match, held):
-                    break
-                admitted.add(req)
-                held = self._reserved_for_running() if held is None else held + self._reserve_of(req)
-                if leaders is not None and req.num_tokens - req.num_computed_tokens > self.kv.block_size:
-                    leaders.append(req)
-            if admitted:
-                for req in admitted:
-                    self._drop_waiting_program(req.program_id)
-                self.waiting = [r for r in self.waiting if r not in admitted]
+            self._admit_waiting(step, now, prefilling)
 
         if step.capped:
             self.stats.capped_steps += 1
-        for req, n in step.scheduled.items():
+        chunks = out.chunks
+        for req, n in scheduled.items():
             start = req.num_computed_tokens
-            draft = drafts.get(req)
+            draft = drafts.get(req) if drafts else None
             if draft:
-                out.chunks.append(ScheduledChunk(req, start, n, True, tuple(draft)))
+                chunks.append(ScheduledChunk(req, start, n, True, tuple(draft)))
             else:
-                out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
+                chunks.append(ScheduledChunk(req, start, n, start + n == len(req.token_ids)))
             req.num_computed_tokens = start + n
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
         return out
 
-    @staticmethod
-    def _is_decoding(req: Request) -> bool:
-        """Its next chunk is one decode token (a preempted request recomputing its
-        prompt and output is prefilling until it has caught up)."""
-        return req.num_computed_tokens >= req.num_prompt_tokens and req.num_tokens - req.num_computed_tokens == 1
+    def _admit_waiting(self, step: StepBudget, now: float, prefilling: list[Request]) -> None:
+        """Admit waiting requests in priority order while they fit (the head
+        blocks the rest: no request overtakes a higher-priority one that does not
+        fit), skipping those that follow a running prefill of their prefix."""
+        self.waiting.order(now)
+        admitted: list[Request] = []
+        reserving = self.policy.decode_reserve_tokens > 0
+        bs = self.kv.block_size
+        # (decoding requests never lead: they have one token left)
+        leaders = prefill_leaders(prefilling, bs) if self.config.group_prefill else None
+        for req in self.waiting:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            match = self.kv.match(req.token_ids)
+            if leaders and follows(req, match.num_tokens, leaders, bs):
+                if not req.followed:
+                    req.followed = True
+                    self.stats.grouped_requests += 1
+                continue  # admitted once its leader has computed (and indexed) the shared blocks
+            # blocks the running requests may still take (None: no headroom applies)
+            held = self._held if reserving and self.running else None
+            if not self._admit(req, step, now, match, held):
+                break
+            admitted.append(req)
+            if leaders is not None and req.num_tokens - req.num_computed_tokens > bs:
+                leaders.append(req)
+        self.waiting.remove_all(admitted)
 
     # --- speculation ---
 
@@ -289,14 +294,19 @@ class Scheduler(PinReview, Admission, StepResults):
         if self.kv.blocks_for(req.num_computed_tokens + 1 + len(draft)) - len(req.block_table) \
                 > self.kv.num_free_blocks - len(self.running):
             return False
-        return self.kv.allocate_slots(req.block_table, req.num_computed_tokens + 1 + len(draft))
+        if not self.kv.allocate_slots(req.block_table, req.num_computed_tokens + 1 + len(draft)):
+            return False
+        self._rereserve(req)
+        return True
 
     def _schedule_running(self, req: Request, n: int, step: StepBudget, now: float, out: SchedulerOutput) -> bool:
         """KV for `n` more tokens of running `req`: reclaim later programs' pins,
         then preempt the lowest-priority running request admitted at or after
         `req` (ties: the most recently admitted, least progress lost) until it
         fits. False if `req` itself was preempted."""
-        while not self.kv.allocate_slots(req.block_table, req.num_computed_tokens + n):
+        table = req.block_table
+        had = len(table.blocks)
+        while not self.kv.allocate_slots(table, req.num_computed_tokens + n):
             if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
                 continue
             later = self.running[self.running.index(req):]
@@ -305,6 +315,8 @@ class Scheduler(PinReview, Admission, StepResults):
             self._preempt(victim, now, out)
             if victim is req:
                 return False
+        if len(table.blocks) != had:
+            self._rereserve(req)
         return True
 
     def _prefill_time_left(self, step: StepBudget) -> float | None:
@@ -317,7 +329,7 @@ class Scheduler(PinReview, Admission, StepResults):
                                                            step.draft_context)
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
-        self.running.remove(req)
+        self._stop_running(req)
         self._release_table(req, now, swap=self.policy.swap_on_preempt(req))
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -325,7 +337,7 @@ class Scheduler(PinReview, Admission, StepResults):
         req.num_preemptions += 1
         req.waiting_since = now
         self.stats.preemptions += 1
-        self._push_waiting(req)
+        self.waiting.push(req, now)
         out.preempted.append(req)
 
     def _release_table(self, req: Request, now: float, swap: bool = False) -> None:
@@ -345,4 +357,8 @@ class Scheduler(PinReview, Admission, StepResults):
             assert r.status is RequestStatus.RUNNING and r.block_table is not None and len(r.block_table) > 0
         for r in self.waiting:
             assert r.status is RequestStatus.WAITING and r.block_table is None
-        assert sum(self._waiting_programs.values()) == len(self.waiting)
+        self.waiting.check()
+        if self.policy.decode_reserve_tokens > 0:
+            for r in self.running:
+                assert r.reserve == self._reserve_of(r), f"{r}: reserve {r.reserve}, now {self._reserve_of(r)}"
+        assert self._held == sum(r.reserve for r in self.running), "the running requests' reserves drifted"

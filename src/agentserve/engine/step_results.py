@@ -15,7 +15,8 @@ from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.engine.spec_decode import Speculator
-from agentserve.engine.step_time import StepTimeModel, draft_features, step_features
+from agentserve.engine.step_time import StepTimeModel, attention_pairs, draft_context
+from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy
 
@@ -27,8 +28,9 @@ class StepResults:
     clock: Clock
     stats: SchedulerStats
     running: list[Request]
+    _held: int
     _requests: dict[str, Request]
-    _order_dirty: bool
+    waiting: WaitingQueue
     step_model: StepTimeModel
     speculator: Speculator
     token_hook: Callable[[Request, int], RequestStatus | None] | None
@@ -38,59 +40,94 @@ class StepResults:
 
         def _release_table(self, req: Request, now: float, swap: bool = False) -> None: ...  # scheduler.py
 
+        def _stop_running(self, req: Request) -> None: ...  # scheduler.py
+
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
         """Apply sampled tokens; returns the requests that finished this step."""
         now = self.clock.now()
         finished = []
         limit = self.config.max_model_len
         stats = self.stats
-        stats.execute_s += result.elapsed
+        elapsed = result.elapsed
+        stats.execute_s += elapsed
         stats.executed_steps += 1
-        prefill, attention, decodes, context = step_features(out.chunks)
+        kv = self.kv
+        bs = kv.block_size
+        sampled = result.sampled
+        hook = self.token_hook
+        reserve_tokens = self.policy.decode_reserve_tokens
+        held = 0  # the change of the running requests' reserves (admission.py), inlined: it runs per row
+        tokens_out = 0
+        # the step's features for the step-time model, gathered on the way
+        prefill = attention = decodes = context = draft_rows = draft_context_sum = 0
         for ch in out.chunks:
             req = ch.request
+            start, n, draft = ch.start, ch.num_tokens, ch.draft
+            if (n == 1 or draft) and start >= req.num_prompt_tokens:
+                decodes += 1
+                context += start + 1
+                if draft:
+                    draft_rows += len(draft)
+                    draft_context_sum += draft_context(start, len(draft))
+            else:
+                prefill += n
+                attention += attention_pairs(start, n)
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
-            req.program.attained_service += result.elapsed
+            req.program.attained_service += elapsed
+            table = req.block_table
             if not ch.sample:
-                self.kv.commit(req.block_table, req.token_ids, req.num_computed_tokens)
+                if req.num_computed_tokens // bs > table.num_indexed:
+                    kv.commit(table, req.token_ids, req.num_computed_tokens)
                 continue
-            tokens = result.sampled.get(req.request_id, ())
-            if ch.draft:
-                tokens = self.speculator.verify(req, ch.draft, tokens)
+            tokens = sampled.get(req.request_id, ())
+            if draft:
+                tokens = self.speculator.verify(req, draft, tokens)
             elif tokens and req.spec is not None:
                 self.speculator.observe_shadow(req, tokens[0])
             status = None
+            output, token_ids = req.output_token_ids, req.token_ids
             for tok in tokens:
-                stats.decode_tokens += 1
-                req.append_output(tok)
+                tokens_out += 1
+                output.append(tok)
+                token_ids.append(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                status = self.token_hook(req, tok) if self.token_hook is not None else None
+                status = hook(req, tok) if hook is not None else None
                 if status is None:
                     if tok in req.eos_token_ids:
                         status = RequestStatus.FINISHED_STOPPED
-                    elif req.num_output_tokens >= req.max_tokens or (limit is not None and req.num_tokens >= limit):
+                    elif len(output) >= req.max_tokens or (limit is not None and len(token_ids) >= limit):
                         status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     break
-            if ch.draft:
+            if draft:
                 # KV stands for every token but the last sampled one; blocks the
                 # rejected draft tokens took go back
-                req.num_computed_tokens = req.num_tokens - 1
-                self.kv.trim_slots(req.block_table, req.num_tokens, now)
-            self.kv.commit(req.block_table, req.token_ids, req.num_computed_tokens)
+                req.num_computed_tokens = len(token_ids) - 1
+                kv.trim_slots(table, len(token_ids), now)
+            if req.num_computed_tokens // bs > table.num_indexed:
+                kv.commit(table, token_ids, req.num_computed_tokens)
             if status is not None:
                 self._finish(req, status, now)
                 finished.append(req)
+            elif reserve_tokens > 0:
+                ahead = len(token_ids) + min(req.max_tokens - len(output), reserve_tokens)
+                new = -(-ahead // bs) - len(table.blocks)
+                if new < 0:
+                    new = 0
+                held += new - req.reserve
+                req.reserve = new
+        self._held += held
+        stats.decode_tokens += tokens_out
         stats.prefill_tokens += prefill
         if decodes:
             stats.decode_steps += 1
-            stats.decode_step_max_s = max(stats.decode_step_max_s, result.elapsed)
-            stats.decode_step_history.append(result.elapsed)
+            stats.decode_step_max_s = max(stats.decode_step_max_s, elapsed)
+            stats.decode_step_history.append(elapsed)
         # Steps with host copies are left out of the fit: their time is not the forward pass's.
         if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
-            self.step_model.observe(prefill, attention, decodes, context, result.elapsed, *draft_features(out.chunks))
+            self.step_model.observe(prefill, attention, decodes, context, elapsed, draft_rows, draft_context_sum)
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
@@ -100,7 +137,7 @@ class StepResults:
             self._finish(req, status, self.clock.now())
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
-        self.running.remove(req)
+        self._stop_running(req)
         req.status = status
         req.finish_time = now
         self._requests.pop(req.request_id, None)
@@ -123,7 +160,7 @@ class StepResults:
             self.stats.pins_created += 1
             self.stats.ttl_sum += decision.ttl
             self._record_ttl(decision.ttl)
-            self._order_dirty = True
+            self.waiting.replace_program(pid, now)
         else:
             self._release_table(req, now, swap=decision.action == "swap")
 

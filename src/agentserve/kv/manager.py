@@ -10,6 +10,8 @@ scheduler and its policy do."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -76,6 +78,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, self.index, make_strategy(eviction, **kwargs), self._on_evict)
         self.host = HostTier(host_blocks, self.index)
         self.pins: dict[str, Pin] = {}
+        # (expiry, n, pin) for every expiry a pin was given: a step finds the expired
+        # pins without scanning them all; entries of released or extended pins are skipped
+        self._expiries: list[tuple[float, int, Pin]] = []
+        self._pin_numbers = itertools.count()
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._loading: set[Node] = set()
@@ -248,10 +254,36 @@ class KVCacheManager:
         old = self.pins.get(program_id)
         if old is not None:  # a second finished request of the same program: one pin holds both
             old.blocks.extend(st.blocks)
-            old.expiry = max(old.expiry, expiry)
             old.num_tokens = max(old.num_tokens, ntok)
+            if expiry <= old.expiry:
+                return
+            old.expiry = expiry
+            pin = old
         else:
-            self.pins[program_id] = Pin(program_id, st.blocks, expiry, program_arrival, ntok)
+            pin = self.pins[program_id] = Pin(program_id, st.blocks, expiry, program_arrival, ntok)
+        heapq.heappush(self._expiries, (expiry, next(self._pin_numbers), pin))
+
+    def _valid(self, entry: tuple[float, int, Pin]) -> bool:
+        pin = entry[2]
+        return self.pins.get(pin.program_id) is pin and pin.expiry == entry[0]
+
+    def expired_pins(self, now: float) -> list[str]:
+        """The programs whose pin expired by `now`, each named once, in expiry
+        order. A caller that keeps such a pin anyway gets it named no more."""
+        out = []
+        h = self._expiries
+        while h and h[0][0] <= now:
+            entry = heapq.heappop(h)
+            if self._valid(entry):
+                out.append(entry[2].program_id)
+        return out
+
+    def next_pin_expiry(self) -> float | None:
+        """The earliest expiry of a pin not yet named by `expired_pins` (None: none)."""
+        h = self._expiries
+        while h and not self._valid(h[0]):
+            heapq.heappop(h)
+        return h[0][0] if h else None
 
     def unpin(self, program_id: str, now: float) -> int:
         """Release a program's pin; returns the number of blocks it held."""

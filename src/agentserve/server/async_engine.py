@@ -244,10 +244,9 @@ class AsyncEngine:
                           self.scheduler.num_waiting)
 
     def _idle_wait(self) -> float:
-        pins = self.kv.pins
-        if not pins:
+        first = self.kv.next_pin_expiry()
+        if first is None:
             return IDLE_WAKE_S
-        first = min(p.expiry for p in pins.values())
         return min(max(first - self.clock.now(), 0.001), IDLE_WAKE_S)
 
     def _run_commands(self, timeout: float | None) -> None:

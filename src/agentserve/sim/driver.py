@@ -155,7 +155,9 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         t1 = time.perf_counter()
         if out.is_empty:
             wake = [events[0][0]] if events else []
-            wake += [pin.expiry for pin in kv.pins.values() if pin.expiry > now]
+            expiry = kv.next_pin_expiry()
+            if expiry is not None and expiry > now:
+                wake.append(expiry)
             if not wake:
                 raise RuntimeError(f"simulation stalled at t={now:.3f}: {sched.num_waiting} waiting, "
                                    f"{sched.num_running} running, {len(kv.pins)} pins")
