@@ -59,6 +59,36 @@ def test_stop_string_ends_output_and_is_never_streamed(hf):
     llm.check_integrity()
 
 
+def test_outputs_carry_deltas_and_the_whole_output_only_when_finished(hf):
+    """One request record, shared: the engine keeps no map of its own (the
+    scheduler's registry and the request's own output state), and a step's
+    output costs its new tokens, not a copy of everything so far."""
+    llm = make_llm(hf)
+    req = llm.engine.add_request(prompt(3, 9), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert llm.engine.get(req.request_id) is req and llm.scheduler.requests[req.request_id] is req
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs.extend(o for o in llm.engine.step() if o.request_id == req.request_id)
+        if not outs[-1].finished:
+            assert req.block_table is not None and len(req.block_table) > 0  # its KV is on the request
+    *mid, last = outs
+    assert mid and all(o.token_ids == [] and o.text == "" and not o.finished for o in mid)
+    assert last.token_ids == [t for o in outs for t in o.new_token_ids] == req.output_token_ids
+    assert last.text == "".join(o.new_text for o in outs) and len(last.token_ids) == 12
+    assert last.request is req
+    # finished: gone from the registry; its blocks were handed on (pinned for the program or freed)
+    assert llm.engine.get(req.request_id) is None and not llm.engine.has_unfinished
+    assert req.block_table is None
+    llm.check_integrity()
+    # an aborted request leaves nothing behind either
+    r2 = llm.engine.add_request(prompt(4, 9), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    llm.engine.step()
+    assert r2.block_table is not None
+    assert llm.engine.abort(r2.request_id) and not llm.engine.abort(r2.request_id)
+    assert r2.block_table is None and llm.engine.get(r2.request_id) is None
+    llm.check_integrity()
+
+
 def test_held_back_suffix():
     assert _held_back("hello wor", ["world"]) == 3
     assert _held_back("hello", ["xyz"]) == 0

@@ -7,7 +7,13 @@ Text that might be the start of a stop string is held back from the stream
 until it is known not to be one, so a streaming client never sees a stop
 string or a piece of one. The decoded text is also handed to the request
 (`output_text`) before the scheduler finishes it, which is how the policy's
-tool-call parser learns which tool the turn calls."""
+tool-call parser learns which tool the turn calls.
+
+The engine keeps no map of its own: a request's output state lives on the
+request (`Request.output_state`), found through the scheduler's one registry. A
+`RequestOutput` carries what is new since the last one; the whole output
+(`token_ids`, `text`) only on the finishing one, so a long answer costs each
+step its new tokens, not a copy of everything so far."""
 
 from __future__ import annotations
 
@@ -43,8 +49,8 @@ class RequestOutput:
     program_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]
-    text: str
+    token_ids: list[int]  # the whole output on the finishing output; empty before
+    text: str  # likewise
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort"
     stop_reason: str | int | None  # the stop string or stop token that ended it
@@ -54,11 +60,12 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     queue_time: float
+    # the engine's record of the request (the server's own bookkeeping reads it)
+    request: Request | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
 class _Tracked:
-    request: Request
     params: SamplingParams
     detok: Detokenizer
     text: str = ""
@@ -81,7 +88,6 @@ class LLMEngine:
         self.clock = clock
         self.new_detokenizer = detokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         scheduler.token_hook = self._on_token
 
@@ -91,32 +97,34 @@ class LLMEngine:
                     program_id: str | None = None, ttl_hint: float | None = None,
                     is_last_turn: bool = False, arrival_time: float | None = None) -> Request:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._tracked:
+        if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(rid, program_id if program_id is not None else rid, list(prompt_token_ids),
                       params.max_tokens, arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                       eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params,
                       anonymous=program_id is None)
+        req.output_state = _Tracked(params, self.new_detokenizer())
         self.scheduler.add_request(req)  # raises ValueError for a request that can never fit
-        self._tracked[rid] = _Tracked(req, params, self.new_detokenizer())
         return req
 
+    def get(self, request_id: str) -> Request | None:
+        """An unfinished request."""
+        return self.scheduler.requests.get(request_id)
+
     def abort(self, request_id: str) -> bool:
-        t = self._tracked.pop(request_id, None)
-        if t is None:
+        if self.scheduler.abort(request_id) is None:
             return False
-        self.scheduler.abort(request_id)
         self.executor.release(request_id)
         return True
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._tracked)
+        return bool(self.scheduler.requests)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._tracked)
+        return len(self.scheduler.requests)
 
     # --- the step ---
 
@@ -128,17 +136,18 @@ class LLMEngine:
         self.scheduler.update(out, result)
         outputs = []
         for ch in out.chunks:
-            t = self._tracked.get(ch.request.request_id)
-            if t is None or not ch.sample:
+            req = ch.request
+            t = req.output_state
+            if t is None or not ch.sample or req.status is RequestStatus.FINISHED_ABORTED:
                 continue
-            o = self._output(t)
+            o = self._output(req, t)
             if o is not None:
                 outputs.append(o)
         return outputs
 
     def _on_token(self, req: Request, token_id: int) -> RequestStatus | None:
         """Called by the scheduler for each new token, before it decides whether the request ends."""
-        t = self._tracked.get(req.request_id)
+        t = req.output_state
         if t is None:
             return None
         if token_id in req.eos_token_ids:
@@ -152,13 +161,13 @@ class LLMEngine:
                 if hit is not None:
                     req.output_text = t.text
                     return RequestStatus.FINISHED_STOPPED
-        if t.validator is not None and self._validate(t, piece):
+        if t.validator is not None and self._validate(req, t, piece):
             req.output_text = t.text
             return RequestStatus.FINISHED_STOPPED
         req.output_text = t.text
         return None
 
-    def _validate(self, t: _Tracked, piece: str) -> bool:
+    def _validate(self, req: Request, t: _Tracked, piece: str) -> bool:
         """Feed the tool-call validator; True: it ended the request at a call's close, and the
         text is cut there (the tokens stay, as for a stop string). A validator that fails, or
         asks for a cut in text already streamed, is dropped: the request decodes plainly."""
@@ -171,7 +180,7 @@ class LLMEngine:
                 raise ValueError(f"a cut at {keep} outside the unstreamed text {t.emitted_chars}..{len(t.text)}")
         except Exception as e:
             t.validator = None
-            log.warning("request %s: tool-call validator dropped (%s); it decodes plainly", t.request.request_id, e)
+            log.warning("request %s: tool-call validator dropped (%s); it decodes plainly", req.request_id, e)
             with contextlib.suppress(Exception):
                 v.fail(str(e))
             return False
@@ -191,8 +200,7 @@ class LLMEngine:
         t.stop_reason = best[1]
         return best[1]
 
-    def _output(self, t: _Tracked) -> RequestOutput | None:
-        req = t.request
+    def _output(self, req: Request, t: _Tracked) -> RequestOutput | None:
         finished = req.is_finished
         new_tokens = req.output_token_ids[t.emitted_tokens:]
         if not new_tokens and not finished:
@@ -209,16 +217,16 @@ class LLMEngine:
         new_text = t.text[t.emitted_chars:visible]
         t.emitted_chars = visible
         if finished:
-            self._tracked.pop(req.request_id, None)
             self.executor.release(req.request_id)
         return RequestOutput(
             request_id=req.request_id, program_id=req.program_id, new_token_ids=new_tokens, new_text=new_text,
-            token_ids=list(req.output_token_ids), text=t.text[:visible], finished=finished,
+            token_ids=list(req.output_token_ids) if finished else [], text=t.text if finished else "",
+            finished=finished,
             finish_reason=FINISH_REASONS.get(req.status) if finished else None,
             stop_reason=t.stop_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,
-            finish_time=req.finish_time, queue_time=req.queue_time)
+            finish_time=req.finish_time, queue_time=req.queue_time, request=req)
 
 
 def _validator_hold(v: Any) -> int:

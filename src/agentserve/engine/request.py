@@ -69,6 +69,11 @@ class Request:
     spec: Any = field(default=None, repr=False)  # speculation state (engine/spec_decode.py), made on first draft
     reserve: int = 0  # while running: KV blocks it may still take within the policy's headroom (admission.py)
     queue_key: Any = field(default=None, repr=False)  # while waiting: its place in the queue (waiting_queue.py)
+    # Its output processing (detokenizer, stop strings, what was streamed: llm_engine.py)
+    # and the server's side of it (its stream: server/async_engine.py). The request is
+    # the one record every layer shares; none keeps a map of its own.
+    output_state: Any = field(default=None, repr=False)
+    client: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

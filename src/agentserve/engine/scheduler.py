@@ -41,7 +41,7 @@ from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
-from agentserve.policy.program import ProgramTable
+from agentserve.policy.program import ProgramState, ProgramTable
 
 # Idle programs are looked for this many times per idle timeout (not every
 # step: the look builds the set of busy programs).
@@ -61,7 +61,7 @@ class Scheduler(PinReview, Admission, StepResults):
         self.clock = clock
         self.programs = ProgramTable(config.program_idle_timeout)
         self.running: list[Request] = []
-        self._requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # the one registry of requests in flight, by id
         # Called with (request, token) for each new token before the finish checks; may
         # return a finished status (the engine's stop strings). None: no output processing.
         self.token_hook: Callable[[Request, int], RequestStatus | None] | None = None
@@ -93,7 +93,7 @@ class Scheduler(PinReview, Admission, StepResults):
         if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt {req.num_prompt_tokens} + max_tokens "
                              f"{req.max_tokens}), the cache has {self.kv.num_blocks}")
-        if req.request_id in self._requests:
+        if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         now = self.clock.now()
         prog = self.programs.touch(req.program_id, now)
@@ -105,12 +105,12 @@ class Scheduler(PinReview, Admission, StepResults):
         self.policy.on_arrival(req, prog, now)
         req.status = RequestStatus.WAITING
         req.waiting_since = now
-        self._requests[req.request_id] = req
+        self.requests[req.request_id] = req
         self.waiting.push(req, now)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is; its KV is freed, its program lives on."""
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         if req is None:
             return None
         now = self.clock.now()
@@ -121,17 +121,19 @@ class Scheduler(PinReview, Admission, StepResults):
             self._release_table(req, now)
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = now
-        del self._requests[request_id]
+        del self.requests[request_id]
         return req
 
-    def end_program(self, program_id: str) -> None:
-        """The program is done: drop its pin and forget it."""
+    def end_program(self, program_id: str) -> ProgramState | None:
+        """The program is done: drop its pin and forget it. Its state (None if
+        the table did not know it)."""
         now = self.clock.now()
         if self._unpin(program_id, now):
             self.stats.pins_released_at_end += 1
         prog = self.programs.end(program_id)
         if prog is not None:
             self.policy.on_program_end(prog)
+        return prog
 
     def release_program(self, program_id: str) -> bool:
         """A client's explicit release: drop the pin, keep the program."""
@@ -170,6 +172,14 @@ class Scheduler(PinReview, Admission, StepResults):
     def _key(self, req: Request, now: float) -> tuple:
         return self.policy.priority(req, req.program, now)
 
+    def expire_programs(self, now: float | None = None) -> None:
+        """End the programs idle for longer than the idle timeout (looked for a
+        few times per timeout; a server calls this while idle too)."""
+        now = self.clock.now() if now is None else now
+        if now >= self._next_expiry:
+            self._expire_idle(now)
+            self._next_expiry = now + self.programs.idle_timeout / EXPIRY_CHECKS_PER_TIMEOUT
+
     def _expire_idle(self, now: float) -> None:
         """Programs whose clients went quiet without ending them end here, for
         the statistics too: on a live server most programs end this way."""
@@ -183,9 +193,7 @@ class Scheduler(PinReview, Admission, StepResults):
         now = self.clock.now()
         self.stats.steps += 1
         self._release_pins(now)  # first: a program whose pin expires now may be idle
-        if now >= self._next_expiry:
-            self._expire_idle(now)
-            self._next_expiry = now + self.programs.idle_timeout / EXPIRY_CHECKS_PER_TIMEOUT
+        self.expire_programs(now)
         out = SchedulerOutput()
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 

@@ -19,6 +19,7 @@ from agentserve.engine.step_time import StepTimeModel, attention_pairs, draft_co
 from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy
+from agentserve.policy.program import ProgramState, ProgramTable
 
 
 class StepResults:
@@ -29,14 +30,15 @@ class StepResults:
     stats: SchedulerStats
     running: list[Request]
     _held: int
-    _requests: dict[str, Request]
+    requests: dict[str, Request]
+    programs: ProgramTable
     waiting: WaitingQueue
     step_model: StepTimeModel
     speculator: Speculator
     token_hook: Callable[[Request, int], RequestStatus | None] | None
 
     if TYPE_CHECKING:
-        def end_program(self, program_id: str) -> None: ...  # scheduler.py
+        def end_program(self, program_id: str) -> ProgramState | None: ...  # scheduler.py
 
         def _release_table(self, req: Request, now: float, swap: bool = False) -> None: ...  # scheduler.py
 
@@ -132,7 +134,7 @@ class StepResults:
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         """End a running request early (a stop string matched outside the engine)."""
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         if req is not None and req.status is RequestStatus.RUNNING:
             self._finish(req, status, self.clock.now())
 
@@ -140,10 +142,11 @@ class StepResults:
         self._stop_running(req)
         req.status = status
         req.finish_time = now
-        self._requests.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
         prog = req.program
         prog.turns_finished += 1
         prog.last_finish_time = now
+        self.programs.active(prog, now)
         pid = req.program_id
         if req.is_last_turn or prog.anonymous or prog.ended:
             # (ended: the client ended the program while this turn ran; nothing comes back)

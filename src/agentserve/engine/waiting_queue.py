@@ -103,3 +103,5 @@ class WaitingQueue:
         assert sum(len(v) for v in self._programs.values()) == len(self._entries)
         for e in self._entries:
             assert e[2].queue_key is e and e[2] in self._programs[e[2].program_id]
+            # kept, not recomputed: a place must still be the one the policy gives now
+            assert self.time_dependent or e[0] == self._priority(e[2], 0.0), f"{e[2]}: stale place {e[0]}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 class ProgramState:
     program_id: str
     arrival_time: float  # arrival of the program's first request
+    last_active: float = 0.0  # its latest request's arrival or finish (idle expiry and the JCT count from it)
     turns_finished: int = 0
     attained_service: float = 0.0  # seconds of engine steps its requests took part in
     last_finish_time: float | None = None
@@ -22,13 +23,13 @@ class ProgramState:
 
 class ProgramTable:
     """Live programs, bounded: a program is forgotten when it ends, or after
-    `idle_timeout` seconds without a request (a client that never said it ended)."""
+    `idle_timeout` seconds without activity (a client that never said it ended).
+    The one program table: the scheduler, its policy and the server read it."""
 
     def __init__(self, idle_timeout: float = 600.0, max_programs: int = 100_000) -> None:
         self.idle_timeout = idle_timeout
         self.max_programs = max_programs
         self._programs: OrderedDict[str, ProgramState] = OrderedDict()  # least recently active first
-        self._last_active: dict[str, float] = {}
 
     def get(self, program_id: str) -> ProgramState | None:
         return self._programs.get(program_id)
@@ -40,15 +41,19 @@ class ProgramTable:
             p = ProgramState(program_id, now)
             self._programs[program_id] = p
             if len(self._programs) > self.max_programs:
-                old, _ = self._programs.popitem(last=False)
-                self._last_active.pop(old, None)
+                self._programs.popitem(last=False)
         else:
             self._programs.move_to_end(program_id)
-        self._last_active[program_id] = now
+        p.last_active = now
         return p
 
+    def active(self, program: ProgramState, now: float) -> None:
+        """A request of `program` finished: it was active now (if it still lives)."""
+        if self._programs.get(program.program_id) is program:
+            self._programs.move_to_end(program.program_id)
+            program.last_active = now
+
     def end(self, program_id: str) -> ProgramState | None:
-        self._last_active.pop(program_id, None)
         p = self._programs.pop(program_id, None)
         if p is not None:
             p.ended = True
@@ -57,8 +62,8 @@ class ProgramTable:
     def expire_idle(self, now: float, busy: set[str] | frozenset[str] = frozenset()) -> list[ProgramState]:
         """End the programs idle for longer than the timeout (none of `busy`)."""
         gone = []
-        for pid in list(self._programs):
-            if now - self._last_active[pid] <= self.idle_timeout:
+        for pid, p in list(self._programs.items()):
+            if now - p.last_active <= self.idle_timeout:
                 break  # ordered by activity: the rest are newer
             if pid in busy:
                 continue

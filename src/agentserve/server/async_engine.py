@@ -9,6 +9,12 @@ request, aborting one, releasing or ending a program, taking a metrics snapshot
 and checking block accounting are all such commands, so none of them races a
 step.
 
+The engine thread keeps no map of its own: a request's server-side state (its
+stream, whether to release its program after it) hangs on the engine's record
+of it (`Request.client`), found through the scheduler's registry; a program's
+first arrival and last activity, from which its job completion time (JCT) is
+measured, are in the scheduler's program table.
+
 Outputs go the other way: after each step the engine thread hands the step's
 `RequestOutput`s to the event loop in one `call_soon_threadsafe`, each into the
 `asyncio.Queue` of its request's `RequestStream`. A stream that is closed before
@@ -42,7 +48,6 @@ from agentserve.policy.toolcall_stream import ValidatorStats
 from agentserve.server.engine_commands import CommandQueue
 from agentserve.server.engine_snapshot import EngineListener, EngineSnapshot, take_snapshot
 from agentserve.server.engine_thread import EngineThread
-from agentserve.server.program_times import ProgramTimes
 from agentserve.server.request_stream import EngineError, EngineStopped, QueueFullError, RequestStream
 from agentserve.server.stats_log import stats_line
 
@@ -54,19 +59,16 @@ NO_PROGRESS_WAIT_S = 0.005  # backoff when requests wait but nothing could be sc
 
 @dataclass
 class _Live:
-    """A request in the engine, as the engine thread tracks it."""
+    """The server's side of a request in the engine (`Request.client`)."""
 
     stream: RequestStream
-    request: Request
-    explicit_program: bool
     release_after: bool
     last_token_time: float | None = None
 
 
 class AsyncEngine:
     def __init__(self, llm: Any, *, max_queue: int | None = None, listener: EngineListener | None = None,
-                 program_idle_timeout: float = 600.0, thread: EngineThread | None = None,
-                 stats_interval: float | None = None) -> None:
+                 thread: EngineThread | None = None, stats_interval: float | None = None) -> None:
         """`llm` is an `agentserve.llm.LLM` (or anything with its `engine`,
         `scheduler`, `kv` and `check_integrity`). `max_queue`: requests that may
         wait for admission at once (None: no limit). `thread`: the thread that
@@ -79,14 +81,11 @@ class AsyncEngine:
         self.clock = llm.engine.clock
         self.max_queue = max_queue
         self.listener = listener
-        self.program_idle_timeout = program_idle_timeout
         self._commands = CommandQueue()
         self._home = thread
         self._owns_home = False
         self._running: concurrent.futures.Future | None = None  # the loop on its thread
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._live: dict[str, _Live] = {}  # engine thread only
-        self._programs = ProgramTimes()  # engine thread only
         self._ttl_seen = self.scheduler.stats.pins_created
         self._stopping = False
         self._lock = threading.Lock()  # orders posting a command against the thread's final drain
@@ -134,14 +133,18 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
-            while await self.call(lambda: len(self._live)) and loop.time() < deadline:
+            while await self.call(lambda: self.engine.num_unfinished) and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             return await self.call(self._end_all_for_shutdown)
         except EngineStopped:
             return 0
 
+    def _live(self) -> list[Request]:
+        """The requests in the engine that the server submitted (engine thread)."""
+        return [r for r in self.scheduler.requests.values() if r.client is not None]
+
     def _end_all_for_shutdown(self) -> int:
-        n = len(self._live)
+        n = len(self._live())
         if n:
             log.warning("shutting down: ending %d request(s) still in flight", n)
             self._fail_all(EngineStopped("the server is shutting down"))
@@ -259,21 +262,22 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed; aborting the %d requests in flight", len(self._live))
+            log.exception("engine step failed; aborting the %d requests in flight", self.engine.num_unfinished)
             self._fail_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
             return False
         now = self.clock.now()
         batch = []
         for out in outputs:
-            live = self._live.get(out.request_id)
+            req = out.request
+            live = req.client if req is not None else None
             if live is None:
                 continue
             self._notify("on_request_output", out, now, live.last_token_time)
             if out.new_token_ids:
                 live.last_token_time = now
             if out.finished:
-                del self._live[out.request_id]
-                self._finished(live, out, now)
+                req.client = None
+                self._finished(req, live, now)
             batch.append((live.stream, out))
         self._deliver(batch)
         return bool(outputs) or self.scheduler.num_running > 0
@@ -292,13 +296,13 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
-        for rid, live in list(self._live.items()):
+        for req in self._live():
+            live, req.client = req.client, None
             try:
-                self.engine.abort(rid)
+                self.engine.abort(req.request_id)
             except Exception:
-                log.exception("aborting %s failed", rid)
+                log.exception("aborting %s failed", req.request_id)
             batch.append((live.stream, error))
-        self._live.clear()
         self._deliver(batch)
 
     def _notify(self, method: str, *args: Any) -> None:
@@ -319,52 +323,47 @@ class AsyncEngine:
         req = self.engine.add_request(ids, params, request_id=stream.request_id, program_id=program_id,
                                       ttl_hint=ttl_hint, is_last_turn=is_last_turn)
         stream.request = req
-        self._live[req.request_id] = _Live(stream, req, program_id is not None, release_after)
-        if program_id is not None:
-            self._programs.add(program_id, req.request_id, req.arrival_time, self.clock.now())
+        req.client = _Live(stream, release_after)
 
     def _abort(self, request_id: str) -> None:
-        live = self._live.pop(request_id, None)
-        if live is None:
+        req = self.engine.get(request_id)
+        if req is None or req.client is None:
             return  # finished meanwhile
+        req.client = None
         self.engine.abort(request_id)
         self._notify("on_request_aborted")
-        req = live.request
-        if not live.explicit_program:
+        if req.anonymous:
             self.scheduler.end_program(req.program_id)  # a one-request program: nothing comes back
-            return
-        self._programs.aborted(req.program_id, request_id)
-        if req.is_last_turn:
+        elif req.is_last_turn:
             self._end_program(req.program_id)
 
-    def _finished(self, live: _Live, out: RequestOutput, now: float) -> None:
-        req = live.request
+    def _finished(self, req: Request, live: _Live, now: float) -> None:
         if live.release_after and not req.is_last_turn:
             self.scheduler.release_program(req.program_id)
-        if not live.explicit_program:
-            return
-        # on the last turn the scheduler already ended the program
-        jct = self._programs.finished(req.program_id, req.request_id, now, req.is_last_turn)
-        if jct is not None:
-            self._notify("on_program_end", jct)
+        if not req.anonymous and req.is_last_turn:
+            # the scheduler ended the program as the turn finished: first arrival to now
+            self._notify("on_program_end", now - req.program.arrival_time)
+
+    def _in_flight(self, program_id: str) -> list[Request]:
+        return [r for r in self._live() if r.program_id == program_id]
 
     def _release_program(self, program_id: str) -> bool:
-        for live in self._live.values():
-            if live.request.program_id == program_id:
-                live.release_after = True
+        for req in self._in_flight(program_id):
+            req.client.release_after = True
         return self.scheduler.release_program(program_id)
 
     def _end_program(self, program_id: str) -> bool:
-        in_flight = [live for live in self._live.values() if live.request.program_id == program_id]
-        for live in in_flight:
-            live.request.is_last_turn = True  # the scheduler ends the program when it finishes
-        known = program_id in self._programs or program_id in self.kv.pins
-        if not in_flight:
-            self.scheduler.end_program(program_id)
-            jct = self._programs.end(program_id)
-            if jct is not None:
-                self._notify("on_program_end", jct)
-        return known or bool(in_flight)
+        in_flight = self._in_flight(program_id)
+        for req in in_flight:
+            req.is_last_turn = True  # the scheduler ends the program when it finishes
+        if in_flight:
+            return True
+        known = program_id in self.kv.pins
+        prog = self.scheduler.end_program(program_id)
+        if prog is not None and not prog.anonymous:
+            known = True
+            self._notify("on_program_end", prog.last_active - prog.arrival_time)
+        return known
 
     def _housekeeping(self) -> None:
         stats = self.scheduler.stats
@@ -376,7 +375,7 @@ class AsyncEngine:
         now = self.clock.now()
         if now - self._last_prune >= IDLE_WAKE_S:
             self._last_prune = now
-            self._programs.prune(now, self.program_idle_timeout)  # abandoned programs: no JCT
+            self.scheduler.expire_programs()  # on an idle server too: abandoned programs end, without a JCT
         if self.stats_interval:
             self._log_stats(now)
 

@@ -194,7 +194,7 @@ class ReplayStream:
         now = self._now
         return RequestOutput(
             request_id=self.request_id, program_id="", new_token_ids=list(new_ids), new_text=new_text,
-            token_ids=list(self._ids), text=self._text, finished=last,
+            token_ids=list(self._ids) if last else [], text=self._text if last else "", finished=last,
             finish_reason=self._entry.finish_reason if last else None,
             stop_reason=self._entry.stop_reason if last else None, num_prompt_tokens=self._num_prompt,
             num_cached_tokens=self._num_prompt, arrival_time=now, first_token_time=now, finish_time=now if last

@@ -106,7 +106,8 @@ class RegeneratingStream:
             yield dataclasses.replace(out, finished=False, finish_reason=None, stop_reason=None, finish_time=None)
             async for o in second:
                 yield dataclasses.replace(
-                    o, request_id=out.request_id, token_ids=out.token_ids + o.token_ids, text=out.text + o.text,
+                    o, request_id=out.request_id, token_ids=out.token_ids + o.token_ids if o.finished else [],
+                    text=out.text + o.text if o.finished else "",
                     num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                     arrival_time=out.arrival_time, first_token_time=out.first_token_time or o.first_token_time,
                     queue_time=out.queue_time + o.queue_time)
