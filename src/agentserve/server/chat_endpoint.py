@@ -102,7 +102,8 @@ async def chat_completions(request: Request) -> Response:
     created = now_s()
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(_chat_events(stream, rid, created, model, choice, usage, ident), stream)
+        return EventStream(_chat_events(stream, rid, created, model, choice, usage, ident,
+                                        st.config.cached_tokens_report), stream)
     try:
         out = await collect(stream, request)
     except (EngineError, EngineStopped) as e:
@@ -112,14 +113,15 @@ async def chat_completions(request: Request) -> Response:
     log_done(rid, ident, out)
     content, calls = parse_tool_output(out.text, choice)
     message = AssistantMessage(content=content, tool_calls=[c.to_message() for c in calls])
-    body = ChatCompletion(id=rid, created=created, model=model, usage=usage_of(out), choices=[
+    usage = usage_of(out, st.config.cached_tokens_report)
+    body = ChatCompletion(id=rid, created=created, model=model, usage=usage, choices=[
         ChatChoice(message=message, finish_reason=finish_reason(out.finish_reason, bool(calls)),
                    stop_reason=out.stop_reason)])
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def _chat_events(stream: RequestStream, rid: str, created: int, model: str, choice: ToolChoice | None,
-                       include_usage: bool, ident: ProgramIdentity) -> AsyncIterator[str]:
+                       include_usage: bool, ident: ProgramIdentity, cached_report: str) -> AsyncIterator[str]:
     def chunk(delta: Delta, finish: str | None = None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model,
                                        choices=[ChunkChoice(delta=delta, finish_reason=finish)]))
@@ -145,4 +147,4 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
             yield chunk(Delta(), finish_reason(out.finish_reason, n_calls > 0))
             if include_usage:
                 yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=usage_of(out)))
+                                              usage=usage_of(out, cached_report)))

@@ -1,4 +1,5 @@
-"""Which program a request belongs to, and the client's retention hints.
+"""Which program a request belongs to, the client's retention hints, and the
+request's prefix-cache salt.
 
 The scheduler keeps KV and orders work by *program* (DESIGN.md, "Request
 identity"), so the server has to name the program of every request. Clients
@@ -18,16 +19,23 @@ overrides the policy's learned TTL where the policy honours hints; an explicit
 release after this turn (body `release_program: true`, header
 `X-Program-Release`); and the end of the program (body `end_program: true`,
 header `X-Program-End`), after which its pin is dropped and its job completion
-time recorded. Body fields win over headers."""
+time recorded. Body fields win over headers.
+
+With several tenants (tenants.py) a program id is scoped by its tenant
+(`tenant/id` in the engine), so a client can neither reach nor detect another
+tenant's programs, and the tenant salts the prefix cache together with the
+body's `cache_salt` (vLLM's name): requests share prefix-cache hits only when
+both are equal."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 MAX_ID_LENGTH = 256
+MAX_SALT_LENGTH = 256
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -47,6 +55,7 @@ class ProgramIdentity:
     ttl: float | None = None
     release_after: bool = False
     end_program: bool = False
+    cache_salt: Hashable = None  # the engine's prefix-cache salt: (tenant scope, body cache_salt), or None
 
     @property
     def explicit(self) -> bool:
@@ -58,9 +67,11 @@ class ProgramIdentity:
         return self.end_program or not self.explicit
 
 
-def resolve_identity(body: Any, headers: Mapping[str, str]) -> ProgramIdentity:
+def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = None) -> ProgramIdentity:
     """`body` is a parsed request (attributes `program_id`, `session_id`, `user`,
-    `ttl`, `release_program`, `end_program`); `headers` is case-insensitive."""
+    `ttl`, `release_program`, `end_program`, `cache_salt`); `headers` is
+    case-insensitive. `scope`: the tenant that program ids and the cache salt
+    are scoped by (None: not scoped)."""
     pid, source = None, "request"
     for value, name in ((getattr(body, "program_id", None), "program_id"),
                         (headers.get("x-program-id"), "X-Program-Id"),
@@ -94,9 +105,20 @@ def resolve_identity(body: Any, headers: Mapping[str, str]) -> ProgramIdentity:
     if pid is None and (ttl is not None or release):
         # Hints about a program nobody can come back to would be silently meaningless.
         raise IdentityError("a retention hint (ttl / release_program) needs a program id: send program_id, "
-                            "X-Program-Id, session_id, X-Session-Id or user", "ttl" if ttl is not None
+                            "X-Program-Id, session_id, X-Session-Id or user", ttl_param if ttl is not None
                             else "release_program")
-    return ProgramIdentity(pid, source, ttl, release, end)
+    salt = getattr(body, "cache_salt", None)
+    if salt is not None and not 0 < len(salt) <= MAX_SALT_LENGTH:
+        raise IdentityError(f"cache_salt must be a non-empty string of at most {MAX_SALT_LENGTH} characters",
+                            "cache_salt")
+    cache_salt = None if scope is None and salt is None else (scope, salt)
+    return ProgramIdentity(scoped_program_id(scope, pid), source, ttl, release, end, cache_salt)
+
+
+def scoped_program_id(scope: str | None, program_id: str | None) -> str | None:
+    """The engine's id for a client's program id: prefixed by the tenant when scoped. Tenant
+    names hold no '/' (tenants.py), so two tenants' ids never meet."""
+    return program_id if scope is None or program_id is None else f"{scope}/{program_id}"
 
 
 def _flag(headers: Mapping[str, str], key: str, name: str) -> bool:

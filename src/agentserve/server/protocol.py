@@ -5,8 +5,8 @@ newer API versions or for other servers keep working; fields that would change
 the output in a way this server cannot honour (logprobs, penalties, n > 1) are
 declared here so the app can refuse them with a clear 400 instead of silently
 ignoring them. A few extensions other servers accept are declared too: `top_k`,
-`ignore_eos`, `stop_token_ids` (vLLM's names) and the program-identity fields
-of DESIGN.md ("Request identity").
+`ignore_eos`, `stop_token_ids`, `cache_salt` (vLLM's names) and the
+program-identity fields of DESIGN.md ("Request identity").
 
 Responses are pydantic models dumped to JSON; a streaming delta drops its
 unset fields, as OpenAI's chunks do."""
@@ -100,6 +100,8 @@ class _Common(_Lenient):
     ttl: float | None = None
     release_program: bool = False
     end_program: bool = False
+    # prefix-cache hits only among requests with an equal salt (vLLM's name)
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(_Common):
