@@ -8,7 +8,8 @@ differ in how they say it; the first of these that is present wins:
 1. body `program_id`
 2. header `X-Program-Id`
 3. body `session_id`, then header `X-Session-Id` (the names vLLM accepts)
-4. body `user` (OpenAI's end-user field)
+4. the agent-hint spellings of other engines (below)
+5. body `user` (OpenAI's end-user field)
 
 Without any, the request is its own program: it ends when the request ends,
 so nothing is pinned for a follow-up that cannot be recognised (its blocks
@@ -19,7 +20,22 @@ overrides the policy's learned TTL where the policy honours hints; an explicit
 release after this turn (body `release_program: true`, header
 `X-Program-Release`); and the end of the program (body `end_program: true`,
 header `X-Program-End`), after which its pin is dropped and its job completion
-time recorded. Body fields win over headers.
+time recorded. Body fields win over headers, and ours over the spellings below.
+
+Other engines' spellings, accepted so that their clients need no change:
+
+| field | from | means here |
+|---|---|---|
+| `job_id` | Continuum (its vLLM fork) | program id |
+| `is_last_step: true` | Continuum | end of the program after this turn |
+| `agent_hint.session_id` | vLLM's agent-hint RFC (vllm#52113) | program id |
+| `agent_hint.cache_control.ttl` | vLLM's agent-hint RFC | TTL, seconds |
+| `agent_hints.workflow_id`, `.agent_id` | SGLang's agent hints (sglang#24656) | program id `workflow/agent` |
+| `agent_hints.cache_ttl_ms` | SGLang's agent hints | TTL, milliseconds |
+
+(SGLang's: either id alone when only one is sent.) Their other fields (vLLM's
+`context_management` edits, SGLang's step ids, `expected_tool_duration_ms` and
+`reuse_hint`) are ignored.
 
 With several tenants (tenants.py) a program id is scoped by its tenant
 (`tenant/id` in the engine), so a client can neither reach nor detect another
@@ -69,14 +85,19 @@ class ProgramIdentity:
 
 def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = None) -> ProgramIdentity:
     """`body` is a parsed request (attributes `program_id`, `session_id`, `user`,
-    `ttl`, `release_program`, `end_program`, `cache_salt`); `headers` is
-    case-insensitive. `scope`: the tenant that program ids and the cache salt
-    are scoped by (None: not scoped)."""
+    `ttl`, `release_program`, `end_program`, `cache_salt` and the spellings of
+    other engines); `headers` is case-insensitive. `scope`: the tenant that
+    program ids and the cache salt are scoped by (None: not scoped)."""
+    vllm_hint = getattr(body, "agent_hint", None)
+    sgl_hints = getattr(body, "agent_hints", None)
     pid, source = None, "request"
     for value, name in ((getattr(body, "program_id", None), "program_id"),
                         (headers.get("x-program-id"), "X-Program-Id"),
                         (getattr(body, "session_id", None), "session_id"),
                         (headers.get("x-session-id"), "X-Session-Id"),
+                        (getattr(body, "job_id", None), "job_id"),
+                        (getattr(vllm_hint, "session_id", None), "agent_hint.session_id"),
+                        (_sglang_program(sgl_hints), "agent_hints"),
                         (getattr(body, "user", None), "user")):
         if value is None:
             continue
@@ -88,20 +109,13 @@ def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = 
         pid, source = value, name
         break
 
-    ttl = getattr(body, "ttl", None)
-    ttl_param = "ttl"
-    if ttl is None and headers.get("x-program-ttl") is not None:
-        ttl_param = "X-Program-TTL"
-        try:
-            ttl = float(headers["x-program-ttl"])
-        except ValueError:
-            raise IdentityError(f"X-Program-TTL must be a number of seconds, got {headers['x-program-ttl']!r}",
-                                ttl_param) from None
+    ttl, ttl_param, raw_ttl = _ttl(body, headers, vllm_hint, sgl_hints)
     if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
-        raise IdentityError(f"{ttl_param} must be a finite number of seconds >= 0, got {ttl!r}", ttl_param)
+        raise IdentityError(f"{ttl_param} must be a finite number >= 0, got {raw_ttl!r}", ttl_param)
 
     release = bool(getattr(body, "release_program", False)) or _flag(headers, "x-program-release", "X-Program-Release")
-    end = bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
+    end = (bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
+           or bool(getattr(body, "is_last_step", False)))
     if pid is None and (ttl is not None or release):
         # Hints about a program nobody can come back to would be silently meaningless.
         raise IdentityError("a retention hint (ttl / release_program) needs a program id: send program_id, "
@@ -119,6 +133,31 @@ def scoped_program_id(scope: str | None, program_id: str | None) -> str | None:
     """The engine's id for a client's program id: prefixed by the tenant when scoped. Tenant
     names hold no '/' (tenants.py), so two tenants' ids never meet."""
     return program_id if scope is None or program_id is None else f"{scope}/{program_id}"
+
+
+def _sglang_program(hints: Any) -> str | None:
+    workflow, agent = getattr(hints, "workflow_id", None), getattr(hints, "agent_id", None)
+    parts = [p.strip() for p in (workflow, agent) if p is not None and p.strip()]
+    return "/".join(parts) or None
+
+
+def _ttl(body: Any, headers: Mapping[str, str], vllm_hint: Any, sgl_hints: Any) -> tuple[float | None, str, Any]:
+    """The TTL hint in seconds (None: none), the name of the field it came from, and its value as sent."""
+    if getattr(body, "ttl", None) is not None:
+        return body.ttl, "ttl", body.ttl
+    raw = headers.get("x-program-ttl")
+    if raw is not None:
+        try:
+            return float(raw), "X-Program-TTL", raw
+        except ValueError:
+            raise IdentityError(f"X-Program-TTL must be a number of seconds, got {raw!r}", "X-Program-TTL") from None
+    cache_control = getattr(vllm_hint, "cache_control", None)
+    if getattr(cache_control, "ttl", None) is not None:
+        return cache_control.ttl, "agent_hint.cache_control.ttl", cache_control.ttl
+    ms = getattr(sgl_hints, "cache_ttl_ms", None)
+    if ms is not None:
+        return ms / 1000.0, "agent_hints.cache_ttl_ms", ms
+    return None, "ttl", None
 
 
 def _flag(headers: Mapping[str, str], key: str, name: str) -> bool:
