@@ -47,19 +47,32 @@ def _constrain_call(st: ServerState, req: ChatCompletionRequest, choice: ToolCho
                     params: SamplingParams) -> SamplingParams:
     """tool_choice "required" or named: hold decoding to one valid call of an allowed
     tool (its arguments following the tool's schema). Without the grammar library
-    the output is only parsed, and the server says so once in its log."""
+    the request is refused (400): free text where a call was required would
+    only fail later, in the client. A grammar that fails to build for another
+    reason leaves the output parsed, not enforced, and the log says so once."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     tools = [t for t in tools if t.get("function", {}).get("name") in choice.allowed]
     try:
         constraint = st.llm.tool_call_constraint(tools)
     except ValueError as e:
         raise APIError(400, str(e), param="tools") from None
-    except RuntimeError as e:  # StructuredOutputUnavailable: xgrammar is not installed
+    except RuntimeError as e:
+        if _grammar_library_missing(e):
+            what = "'required'" if choice.mode == "required" else "naming a function"
+            raise APIError(400, f"tool_choice {what} needs constrained decoding, and this server lacks "
+                                "xgrammar: install it where the server runs with pip install 'agentserve[structured]' "
+                                "(or send tool_choice 'auto')", param="tool_choice",
+                           code="structured_output_unavailable") from None
         if not st.warned_unconstrained:
             log.warning("%s; tool_choice %s is parsed, not enforced", e, choice.mode)
             st.warned_unconstrained = True
         return params
     return dataclasses.replace(params, constraint=constraint)
+
+
+def _grammar_library_missing(e: RuntimeError) -> bool:
+    # runner/structured.py's StructuredOutputUnavailable, known by name: this layer never imports the runner
+    return any(c.__name__ == "StructuredOutputUnavailable" for c in type(e).__mro__)
 
 
 def render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
