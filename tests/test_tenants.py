@@ -1,5 +1,5 @@
 """Tenants end to end (issue 14's probes as tests): several API keys, each its
-tenant; no prefix-cache side channel between tenants, programs namespaced per
+tenant; no prefix-cache side channel between tenants (nor a render-cache one), programs namespaced per
 tenant (a foreign id answers as an unknown one and is left untouched), one
 tenant's pins survive another's traffic; `cache_salt` without tenants;
 `--cached-tokens-report none`; the keys file and the CLI's errors."""
@@ -209,6 +209,22 @@ def test_the_response_cache_answers_only_within_a_salt():
     sigs = {signature(p, None, "m", salt=s) for s in (None, ("t-a", None), ("t-b", None), (None, "x"), (None, "y"))}
     assert len(sigs) == 5
     assert signature(p, None, "m", salt=(None, "x")) == signature(p, None, "m", salt=(None, "x"))
+
+
+def test_the_render_cache_reuses_a_prompt_only_within_its_scope():
+    from agentserve.server.chat_template import CHATML, ChatTemplate
+    from agentserve.server.render_cache import RenderCache
+    from tiny_models import byte_tokenizer
+
+    cache = RenderCache(ChatTemplate(CHATML), byte_tokenizer())
+    msgs = [{"role": "user", "content": f"The vault code is {SECRET}."}]
+    cache.encode_chat(msgs, scope=("t-a", None))
+    more = msgs + [{"role": "assistant", "content": "Noted."}]
+    cache.encode_chat(more, scope=("t-b", None))
+    cache.encode_chat(more, scope=None)
+    assert (cache.stats().hits, cache.stats().misses) == (0, 3), "no reuse across scopes"
+    cache.encode_chat(more + [{"role": "user", "content": "Again."}], scope=("t-a", None))
+    assert cache.stats().hits == 1
 
 
 def test_cached_tokens_report_none_hides_every_hit():

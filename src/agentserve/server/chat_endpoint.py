@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -75,7 +75,7 @@ def _grammar_library_missing(e: RuntimeError) -> bool:
     return any(c.__name__ == "StructuredOutputUnavailable" for c in type(e).__mro__)
 
 
-def render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = None) -> list[int]:
     messages = []
     for m in req.messages:
         d = m.model_dump(exclude_none=True)
@@ -85,7 +85,7 @@ def render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         if st.render_cache is not None:
-            return st.render_cache.encode_chat(messages, tools)
+            return st.render_cache.encode_chat(messages, tools, scope)
         prompt = st.llm.chat_template.render(messages, tools=tools)
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
            "response_format other than text is not supported yet", "response_format")
     choice = _chat_tool_choice(req)
     ident = program_identity(req, request)
-    ids = await run_in_threadpool(render_chat, st, req)
+    ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt)
     max_tokens, max_param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
     params = sampling_params(st, req, len(ids), max_tokens, "messages", max_param)
