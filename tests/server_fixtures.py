@@ -88,11 +88,13 @@ class ServerThread:
         self.sock.close()
 
 
-def start_tiny_server(api_key: str = "test-key", max_body_bytes: int = 64 * 1024, **llm_kw):
-    """(server thread, llm, scripted executor) for the tiny model named 'tiny'."""
+def start_tiny_server(api_key: str | None = "test-key", max_body_bytes: int = 64 * 1024,
+                      config: dict | None = None, **llm_kw):
+    """(server thread, llm, scripted executor) for the tiny model named 'tiny';
+    `config`: more ServerConfig fields."""
     llm = tiny_llm(**llm_kw)
     scripted = ScriptedExecutor(llm.engine.executor)
     llm.engine.executor = scripted
     app = create_app(llm, ServerConfig(["tiny", "tiny-alias"], api_key=api_key, max_queue=64,
-                                       max_body_bytes=max_body_bytes))
+                                       max_body_bytes=max_body_bytes, **(config or {})))
     return ServerThread(app).start(), llm, scripted

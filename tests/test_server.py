@@ -462,12 +462,13 @@ def test_serve_cli_options_and_default_name():
     ap = argparse.ArgumentParser(prog="agentserve")
     add_serve(ap.add_subparsers(dest="command"))
     args = ap.parse_args(["serve", "--port", "9001", "--served-model-name", "a", "b", "--api-key", "k",
-                          "--max-queue", "0"])
+                          "--max-queue", "0", "--api-key", "k2"])
     assert (args.port, args.served_model_name, args.api_key, args.max_queue, args.host) == (
-        9001, ["a", "b"], "k", 0, "127.0.0.1")
+        9001, ["a", "b"], ["k", "k2"], 0, "127.0.0.1")
     assert args.model == "default" and args.func.__name__ == "cmd_serve"
     help_text = ap._subparsers._group_actions[0].choices["serve"].format_help()
-    for flag in ("--served-model-name", "--max-queue", "--max-body-bytes", "--api-key", "--log-level"):
+    for flag in ("--served-model-name", "--max-queue", "--max-body-bytes", "--api-key", "--log-level",
+                 "--api-keys-file", "--cached-tokens-report"):
         assert flag in help_text
     assert default_served_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
     assert default_served_name("/m/Llama-3.2-1B-Instruct-Q4_K_M.gguf") == "Llama-3.2-1B-Instruct"

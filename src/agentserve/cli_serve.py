@@ -69,8 +69,19 @@ def add_serve(sub) -> None:
                         "SmolLM2-135M-Instruct)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open); give it "
+                        "several times for several tenants (api-key-1, api-key-2, ... in order). With two or more "
+                        "tenants each one's prefix-cache hits, cached responses and program ids are its own: no "
+                        "tenant can hit, detect, release or end another's")
+    g.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="keys and their tenants, one 'KEY TENANT' per line (a tenant name: letters, digits, '.', "
+                        "'_', '-'; several keys may name one tenant; blank lines and lines starting with # are "
+                        "skipped); with or instead of --api-key")
+    g.add_argument("--cached-tokens-report", choices=["exact", "none"], default="exact",
+                   help="what usage.prompt_tokens_details.cached_tokens tells clients: 'exact' the prompt tokens "
+                        "that were prefix-cache hits, 'none' always 0 (hides what the cache holds, e.g. when "
+                        "clients share a tenant)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and of uvicorn (debug logs every request's token counts)")
     g.add_argument("--max-queue", type=_non_negative("--max-queue"), default=DEFAULT_MAX_QUEUE,
@@ -156,6 +167,22 @@ def _tool_call_config(args):
                            undeclared=args.undeclared_tool_calls, bash_blocks=args.bash_block_early_stop)
 
 
+def _api_keys(args) -> dict[str, str]:
+    from agentserve.server.tenants import TenantConfigError, key_tenants
+
+    try:
+        return key_tenants(args.api_key or (), args.api_keys_file)
+    except TenantConfigError as e:
+        raise CliError(str(e)) from None
+
+
+def _keys_line(tenants, n_keys: int) -> str:
+    if not n_keys:
+        return "not required"
+    scoped = "; caches and program ids scoped by tenant" if len(tenants) > 1 else ""
+    return f"required ({n_keys} key(s), {len(tenants)} tenant(s){scoped})"
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -169,6 +196,7 @@ def cmd_serve(args) -> int:
     if args.max_body_bytes < 1:
         raise CliError("--max-body-bytes must be at least 1")
     tool_calls = _tool_call_config(args)
+    keys = _api_keys(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("agentserve").setLevel(args.log_level.upper())
     from agentserve.server.engine_thread import EngineThread
@@ -176,17 +204,18 @@ def cmd_serve(args) -> int:
     thread = EngineThread()
     llm = thread.run(lambda: build_llm(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
-    config = ServerConfig(names, tool_calls=tool_calls, api_key=args.api_key, max_queue=args.max_queue or None,
+    config = ServerConfig(names, tool_calls=tool_calls, api_keys=keys, max_queue=args.max_queue or None,
                           max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None,
-                          render_cache=args.render_cache, response_cache=args.response_cache)
+                          render_cache=args.render_cache, response_cache=args.response_cache,
+                          cached_tokens_report=args.cached_tokens_report)
     app = create_app(llm, config, thread=thread)
     kv = llm.scheduler.kv
     log.info("serving %s (%s) on http://%s:%d/v1 - max_model_len %d; KV cache %d tokens (%.1f MiB, %d blocks "
-             "of %d); policy %s; max queue %s; API key %s; render cache %s; response cache %s", names[0],
+             "of %d); policy %s; max queue %s; API keys %s; render cache %s; response cache %s", names[0],
              llm.model_source, args.host, args.port,
              llm.max_model_len, kv.num_blocks * kv.block_size, llm.kv_cache.bytes / 2**20, kv.num_blocks,
              kv.block_size, llm.scheduler.policy.name, config.max_queue or "unlimited",
-             "required" if args.api_key else "not required", args.render_cache or "off",
+             _keys_line(config.tenants.names, len(keys)), args.render_cache or "off",
              args.response_cache or "off")
     # uvicorn's own limit is only a backstop: the engine ends late requests first.
     uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",

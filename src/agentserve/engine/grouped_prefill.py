@@ -26,7 +26,8 @@ def follows(req: Request, hit: int, leaders: list[Request], block_size: int) -> 
         return False  # only the last, partial block is left: always its own
     nxt = req.token_ids[hit:hit + bs]
     for r in leaders:
-        if r is not req and r.num_computed_tokens <= hit and r.num_tokens >= hit + bs \
-                and r.token_ids[hit:hit + bs] == nxt:
+        # another salt's blocks are never a hit, so its leader is no one to wait for
+        if r is not req and r.cache_salt == req.cache_salt and r.num_computed_tokens <= hit \
+                and r.num_tokens >= hit + bs and r.token_ids[hit:hit + bs] == nxt:
             return True
     return False

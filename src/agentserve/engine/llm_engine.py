@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -95,7 +95,8 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     program_id: str | None = None, ttl_hint: float | None = None,
-                    is_last_turn: bool = False, arrival_time: float | None = None) -> Request:
+                    is_last_turn: bool = False, arrival_time: float | None = None,
+                    cache_salt: Hashable = None) -> Request:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -103,7 +104,7 @@ class LLMEngine:
         req = Request(rid, program_id if program_id is not None else rid, list(prompt_token_ids),
                       params.max_tokens, arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                       eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params,
-                      anonymous=program_id is None)
+                      anonymous=program_id is None, cache_salt=cache_salt)
         req.output_state = _Tracked(params, self.new_detokenizer())
         self.scheduler.add_request(req)  # raises ValueError for a request that can never fit
         return req

@@ -5,6 +5,7 @@ prefill and decode all advance that one counter."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,9 @@ class Request:
     # No program id was given: the request is its own one-turn program, which
     # no later turn can come back to, so it is no sample of how programs behave.
     anonymous: bool = False
+    # Prefix-cache hits only among requests with an equal salt (kv/prefix_index.py):
+    # the server's tenant and the body's `cache_salt`; None shares with every unsalted request.
+    cache_salt: Hashable = None
     # Opaque to the engine: sampling parameters for the runner, a scripted
     # output for the simulator, the detokenized text for the tool parser.
     sampling: Any = None

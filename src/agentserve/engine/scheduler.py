@@ -100,7 +100,8 @@ class Scheduler(PinReview, Admission, StepResults):
         prog.anonymous = req.anonymous
         req.program = prog
         if prog.history is not None:
-            self.stats.superseded_blocks += self.kv.supersede(req.program_id, prog.history, req.token_ids, now)
+            self.stats.superseded_blocks += self.kv.supersede(req.program_id, prog.history, req.token_ids, now,
+                                                                req.cache_salt)
             prog.history = None
         self.policy.on_arrival(req, prog, now)
         req.status = RequestStatus.WAITING
@@ -276,7 +277,7 @@ class Scheduler(PinReview, Admission, StepResults):
         for req in self.waiting:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            match = self.kv.match(req.token_ids)
+            match = self.kv.match(req.token_ids, req.cache_salt)
             if leaders and follows(req, match.num_tokens, leaders, bs):
                 if not req.followed:
                     req.followed = True

@@ -9,6 +9,7 @@ admission, grows, trims and indexes it, and releases it at the end of a turn
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from agentserve.kv.block import Block
@@ -22,6 +23,7 @@ class BlockTable:
     last_node: Node | None = None  # the index node of the last indexed block (the root: none)
     index_stopped: bool = False  # a collision cut the chain: index nothing further
     released: bool = False  # freed, swapped out or pinned: the blocks are no longer this table's
+    salt: Hashable = None  # the prefix cache's salt its blocks are indexed under (prefix_index.py)
 
     @property
     def block_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ class PrefixMatch:
 
     nodes: list[Node]
     block_size: int
+    salt: Hashable = None  # the prefix cache's salt the match was made under (prefix_index.py)
 
     @property
     def num_tokens(self) -> int:
@@ -111,16 +112,17 @@ class KVCacheManager:
 
     # --- prefix match and admission ---
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """The reusable prefix of `token_ids`. At least one token is always
-        left to compute: its logits give the first output token."""
+    def match(self, token_ids: Sequence[int], salt: Hashable = None) -> PrefixMatch:
+        """The reusable prefix of `token_ids` among blocks indexed under `salt`.
+        At least one token is always left to compute: its logits give the first
+        output token."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         nodes = []
-        for node in self.index.walk(token_ids, max_blocks):
+        for node in self.index.walk(token_ids, max_blocks, salt):
             if node.block is None and node.host_slot is None:
                 break
             nodes.append(node)
-        return PrefixMatch(nodes, self.block_size)
+        return PrefixMatch(nodes, self.block_size, salt)
 
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         return self.admit_need(match, num_new_tokens) <= self.pool.num_free
@@ -138,7 +140,7 @@ class KVCacheManager:
         for `num_new_tokens` more. None, with nothing changed, if it does not fit."""
         if self.admit_need(match, num_new_tokens) > self.pool.num_free:
             return None
-        st = BlockTable()
+        st = BlockTable(salt=match.salt)
         for n in match.nodes:
             if n.block is not None:
                 self.pool.ref(n.block)
@@ -199,7 +201,7 @@ class KVCacheManager:
             # re-creating the missing nodes and giving them our blocks.
             node = self.index.root
             for i in range(st.num_indexed):
-                child = self.index.get_or_create(node, tuple(token_ids[i * bs:(i + 1) * bs]))
+                child = self.index.get_or_create(node, tuple(token_ids[i * bs:(i + 1) * bs]), st.salt)
                 if child is None:
                     st.index_stopped = True
                     st.last_node = node
@@ -210,7 +212,7 @@ class KVCacheManager:
                 node = child
         for i in range(st.num_indexed, full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            child = self.index.get_or_create(node, tokens)
+            child = self.index.get_or_create(node, tokens, st.salt)
             if child is None:
                 st.index_stopped = True  # lookup-key collision: the chain cannot continue
                 break
@@ -293,19 +295,21 @@ class KVCacheManager:
         self.pool.release(p.blocks, now)
         return len(p.blocks)
 
-    def supersede(self, program_id: str, old_tokens: Sequence[int], new_tokens: Sequence[int], now: float) -> int:
+    def supersede(self, program_id: str, old_tokens: Sequence[int], new_tokens: Sequence[int], now: float,
+                  salt: Hashable = None) -> int:
         """A program's new turn `new_tokens` left `old_tokens`, the history of its
         last turn (the agent rewrote or truncated its context): the cached chain
         past the block where they part will not be matched by this program again.
         Its blocks leave the program's pin now, with the pin's blocks that no
         match can reach (a partial last block, private copies), and go to the
         cold end of eviction, deepest first; so do their host copies. Returns the
-        number of device blocks demoted (0 when the new turn extends the old)."""
+        number of device blocks demoted (0 when the new turn extends the old).
+        `salt`: the prefix cache's salt of the program's turns."""
         bs = self.block_size
         common = _common_blocks(old_tokens, new_tokens, bs)
         if common >= len(old_tokens) // bs:
             return 0
-        gone = self.index.walk(old_tokens)[common:]
+        gone = self.index.walk(old_tokens, salt=salt)[common:]
         pin = self.pins.get(program_id)
         if pin is not None:
             dead = set(gone)

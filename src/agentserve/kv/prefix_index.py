@@ -9,13 +9,26 @@ when the prefix is recomputed, the descendants become reachable again).
 A child is found by `key_fn(tokens)` in its parent's table and then compared
 token by token, so a hash collision is a miss, never a false hit. Every node
 also carries `key`, the hash chain value hash(parent key, tokens): a content
-id that survives eviction (ARC's ghost lists use it)."""
+id that survives eviction (ARC's ghost lists use it).
+
+A *salt* (a tenant, a request's `cache_salt`) splits the tree at its root: a
+salted first block is found under (salt, lookup key), and every later block
+hangs below its first, so requests with different salts never share a node,
+and none of them can tell from a hit what another one sent."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 from agentserve.kv.block import Block
+
+
+@dataclass(frozen=True)
+class _SaltedKey:
+    """A first block's lookup key under a salt: never equal to an unsalted key, whatever key_fn returns."""
+    salt: Hashable
+    key: Hashable
 
 
 class Node:
@@ -55,32 +68,38 @@ class PrefixIndex:
         for i in range(n):
             yield tuple(token_ids[i * bs:(i + 1) * bs])
 
-    def child(self, node: Node, tokens: tuple[int, ...]) -> Node | None:
-        c = node.children.get(self.key_fn(tokens))
+    def _lookup_key(self, parent: Node, tokens: tuple[int, ...], salt: Hashable) -> Hashable:
+        lk = self.key_fn(tokens)
+        return lk if salt is None or parent is not self.root else _SaltedKey(salt, lk)
+
+    def child(self, node: Node, tokens: tuple[int, ...], salt: Hashable = None) -> Node | None:
+        """`salt` counts only below the root (see the module's docstring)."""
+        c = node.children.get(self._lookup_key(node, tokens, salt))
         if c is not None and c.tokens == tokens:
             return c
         return None
 
-    def walk(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[Node]:
+    def walk(self, token_ids: Sequence[int], max_blocks: int | None = None, salt: Hashable = None) -> list[Node]:
         """The existing nodes along `token_ids`' full blocks, from the root, as far as they go."""
         path: list[Node] = []
         node = self.root
         for tokens in self.blocks_of(token_ids, max_blocks):
-            node = self.child(node, tokens)
+            node = self.child(node, tokens, salt)
             if node is None:
                 break
             path.append(node)
         return path
 
-    def get_or_create(self, parent: Node, tokens: tuple[int, ...]) -> Node | None:
+    def get_or_create(self, parent: Node, tokens: tuple[int, ...], salt: Hashable = None) -> Node | None:
         """The child of `parent` for `tokens`, created if absent. None when a
         different block already owns the lookup key (a collision): that block
         stays, the new one is simply not indexed."""
-        lk = self.key_fn(tokens)
+        lk = self._lookup_key(parent, tokens, salt)
         c = parent.children.get(lk)
         if c is not None:
             return c if c.tokens == tokens else None
-        c = Node(tokens, parent, hash((parent.key, tokens)), lk)
+        key = hash((parent.key, salt, tokens)) if isinstance(lk, _SaltedKey) else hash((parent.key, tokens))
+        c = Node(tokens, parent, key, lk)
         parent.children[lk] = c
         self.num_nodes += 1
         return c

@@ -37,7 +37,8 @@ from agentserve.server.engine_thread import EngineThread
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from agentserve.server.protocol import ModelCard, ModelList
 from agentserve.server.render_cache import RenderCache
-from agentserve.server.request_checks import authorize
+from agentserve.server.identity import scoped_program_id
+from agentserve.server.request_checks import authorize, tenant_scope
 from agentserve.server.response_cache import ResponseCache
 from agentserve.server.server_state import ServerConfig, ServerState, server_state
 
@@ -105,7 +106,8 @@ async def release_program(request: Request) -> Response:
     st = server_state(request)
     authorize(st, request)
     pid = request.path_params["program_id"]
-    released = await st.engine.release_program(pid)
+    # another tenant's program is out of reach, and answers exactly as an unknown one
+    released = await st.engine.release_program(scoped_program_id(tenant_scope(st, request), pid))
     return JSONResponse({"program_id": pid, "released": released})
 
 
@@ -113,5 +115,5 @@ async def end_program(request: Request) -> Response:
     st = server_state(request)
     authorize(st, request)
     pid = request.path_params["program_id"]
-    known = await st.engine.end_program(pid)
+    known = await st.engine.end_program(scoped_program_id(tenant_scope(st, request), pid))
     return JSONResponse({"program_id": pid, "ended": True, "known": known})

@@ -37,7 +37,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,11 +175,11 @@ class AsyncEngine:
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
                      program_id: str | None = None, ttl_hint: float | None = None, is_last_turn: bool = False,
-                     release_after: bool = False) -> RequestStream:
+                     release_after: bool = False, cache_salt: Hashable = None) -> RequestStream:
         """Add a request. Raises ValueError (it can never fit), QueueFullError or EngineStopped."""
         stream = RequestStream(self, request_id)
         await self.call(lambda: self._add(stream, prompt_token_ids, params, program_id, ttl_hint,
-                                          is_last_turn, release_after))
+                                          is_last_turn, release_after, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -316,12 +316,12 @@ class AsyncEngine:
     # --- commands' bodies (engine thread) ---
 
     def _add(self, stream: RequestStream, ids: list[int], params: SamplingParams, program_id: str | None,
-             ttl_hint: float | None, is_last_turn: bool, release_after: bool) -> None:
+             ttl_hint: float | None, is_last_turn: bool, release_after: bool, cache_salt: Hashable = None) -> None:
         if self.max_queue is not None and self.scheduler.num_waiting >= self.max_queue:
             raise QueueFullError(f"{self.scheduler.num_waiting} requests are already waiting "
                                  f"(--max-queue {self.max_queue}); retry later")
         req = self.engine.add_request(ids, params, request_id=stream.request_id, program_id=program_id,
-                                      ttl_hint=ttl_hint, is_last_turn=is_last_turn)
+                                      ttl_hint=ttl_hint, is_last_turn=is_last_turn, cache_salt=cache_salt)
         stream.request = req
         req.client = _Live(stream, release_after)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -47,14 +47,22 @@ def _constrain_call(st: ServerState, req: ChatCompletionRequest, choice: ToolCho
                     params: SamplingParams) -> SamplingParams:
     """tool_choice "required" or named: hold decoding to one valid call of an allowed
     tool (its arguments following the tool's schema). Without the grammar library
-    the output is only parsed, and the server says so once in its log."""
+    the request is refused (400): free text where a call was required would
+    only fail later, in the client. A grammar that fails to build for another
+    reason leaves the output parsed, not enforced, and the log says so once."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     tools = [t for t in tools if t.get("function", {}).get("name") in choice.allowed]
     try:
         constraint = st.llm.tool_call_constraint(tools)
     except ValueError as e:
         raise APIError(400, str(e), param="tools") from None
-    except RuntimeError as e:  # StructuredOutputUnavailable: xgrammar is not installed
+    except RuntimeError as e:
+        if _grammar_library_missing(e):
+            what = "'required'" if choice.mode == "required" else "naming a function"
+            raise APIError(400, f"tool_choice {what} needs constrained decoding, and this server lacks "
+                                "xgrammar: install it where the server runs with pip install 'agentserve[structured]' "
+                                "(or send tool_choice 'auto')", param="tool_choice",
+                           code="structured_output_unavailable") from None
         if not st.warned_unconstrained:
             log.warning("%s; tool_choice %s is parsed, not enforced", e, choice.mode)
             st.warned_unconstrained = True
@@ -62,7 +70,12 @@ def _constrain_call(st: ServerState, req: ChatCompletionRequest, choice: ToolCho
     return dataclasses.replace(params, constraint=constraint)
 
 
-def render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+def _grammar_library_missing(e: RuntimeError) -> bool:
+    # runner/structured.py's StructuredOutputUnavailable, known by name: this layer never imports the runner
+    return any(c.__name__ == "StructuredOutputUnavailable" for c in type(e).__mro__)
+
+
+def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = None) -> list[int]:
     messages = []
     for m in req.messages:
         d = m.model_dump(exclude_none=True)
@@ -72,7 +85,7 @@ def render_chat(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         if st.render_cache is not None:
-            return st.render_cache.encode_chat(messages, tools)
+            return st.render_cache.encode_chat(messages, tools, scope)
         prompt = st.llm.chat_template.render(messages, tools=tools)
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -86,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
            "response_format other than text is not supported yet", "response_format")
     choice = _chat_tool_choice(req)
     ident = program_identity(req, request)
-    ids = await run_in_threadpool(render_chat, st, req)
+    ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt)
     max_tokens, max_param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
     params = sampling_params(st, req, len(ids), max_tokens, "messages", max_param)
@@ -102,7 +115,8 @@ async def chat_completions(request: Request) -> Response:
     created = now_s()
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(_chat_events(stream, rid, created, model, choice, usage, ident), stream)
+        return EventStream(_chat_events(stream, rid, created, model, choice, usage, ident,
+                                        st.config.cached_tokens_report), stream)
     try:
         out = await collect(stream, request)
     except (EngineError, EngineStopped) as e:
@@ -112,14 +126,15 @@ async def chat_completions(request: Request) -> Response:
     log_done(rid, ident, out)
     content, calls = parse_tool_output(out.text, choice)
     message = AssistantMessage(content=content, tool_calls=[c.to_message() for c in calls])
-    body = ChatCompletion(id=rid, created=created, model=model, usage=usage_of(out), choices=[
+    usage = usage_of(out, st.config.cached_tokens_report)
+    body = ChatCompletion(id=rid, created=created, model=model, usage=usage, choices=[
         ChatChoice(message=message, finish_reason=finish_reason(out.finish_reason, bool(calls)),
                    stop_reason=out.stop_reason)])
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def _chat_events(stream: RequestStream, rid: str, created: int, model: str, choice: ToolChoice | None,
-                       include_usage: bool, ident: ProgramIdentity) -> AsyncIterator[str]:
+                       include_usage: bool, ident: ProgramIdentity, cached_report: str) -> AsyncIterator[str]:
     def chunk(delta: Delta, finish: str | None = None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model,
                                        choices=[ChunkChoice(delta=delta, finish_reason=finish)]))
@@ -145,4 +160,4 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
             yield chunk(Delta(), finish_reason(out.finish_reason, n_calls > 0))
             if include_usage:
                 yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=usage_of(out)))
+                                              usage=usage_of(out, cached_report)))

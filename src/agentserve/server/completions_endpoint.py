@@ -52,7 +52,8 @@ async def completions(request: Request) -> Response:
     created = now_s()
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(_completion_events(stream, rid, created, model, usage, ident), stream)
+        return EventStream(_completion_events(stream, rid, created, model, usage, ident,
+                                              st.config.cached_tokens_report), stream)
     try:
         out = await collect(stream, request)
     except (EngineError, EngineStopped) as e:
@@ -60,13 +61,14 @@ async def completions(request: Request) -> Response:
     if out is None:
         return Response(status_code=499)
     log_done(rid, ident, out)
-    body = Completion(id=rid, created=created, model=model, usage=usage_of(out), choices=[
+    usage = usage_of(out, st.config.cached_tokens_report)
+    body = Completion(id=rid, created=created, model=model, usage=usage, choices=[
         CompletionChoice(text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def _completion_events(stream: RequestStream, rid: str, created: int, model: str, include_usage: bool,
-                             ident: ProgramIdentity) -> AsyncIterator[str]:
+                             ident: ProgramIdentity, cached_report: str) -> AsyncIterator[str]:
     async for out in stream:
         if out.new_text or out.finished:
             yield sse(Completion(id=rid, created=created, model=model, choices=[
@@ -75,4 +77,5 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
         if out.finished:
             log_done(rid, ident, out)
             if include_usage:
-                yield sse(Completion(id=rid, created=created, model=model, choices=[], usage=usage_of(out)))
+                yield sse(Completion(id=rid, created=created, model=model, choices=[],
+                                     usage=usage_of(out, cached_report)))

@@ -1,4 +1,5 @@
-"""Which program a request belongs to, and the client's retention hints.
+"""Which program a request belongs to, the client's retention hints, and the
+request's prefix-cache salt.
 
 The scheduler keeps KV and orders work by *program* (DESIGN.md, "Request
 identity"), so the server has to name the program of every request. Clients
@@ -7,7 +8,8 @@ differ in how they say it; the first of these that is present wins:
 1. body `program_id`
 2. header `X-Program-Id`
 3. body `session_id`, then header `X-Session-Id` (the names vLLM accepts)
-4. body `user` (OpenAI's end-user field)
+4. the agent-hint spellings of other engines (below)
+5. body `user` (OpenAI's end-user field)
 
 Without any, the request is its own program: it ends when the request ends,
 so nothing is pinned for a follow-up that cannot be recognised (its blocks
@@ -18,16 +20,38 @@ overrides the policy's learned TTL where the policy honours hints; an explicit
 release after this turn (body `release_program: true`, header
 `X-Program-Release`); and the end of the program (body `end_program: true`,
 header `X-Program-End`), after which its pin is dropped and its job completion
-time recorded. Body fields win over headers."""
+time recorded. Body fields win over headers, and ours over the spellings below.
+
+Other engines' spellings, accepted so that their clients need no change:
+
+| field | from | means here |
+|---|---|---|
+| `job_id` | Continuum (its vLLM fork) | program id |
+| `is_last_step: true` | Continuum | end of the program after this turn |
+| `agent_hint.session_id` | vLLM's agent-hint RFC (vllm#52113) | program id |
+| `agent_hint.cache_control.ttl` | vLLM's agent-hint RFC | TTL, seconds |
+| `agent_hints.workflow_id`, `.agent_id` | SGLang's agent hints (sglang#24656) | program id `workflow/agent` |
+| `agent_hints.cache_ttl_ms` | SGLang's agent hints | TTL, milliseconds |
+
+(SGLang's: either id alone when only one is sent.) Their other fields (vLLM's
+`context_management` edits, SGLang's step ids, `expected_tool_duration_ms` and
+`reuse_hint`) are ignored.
+
+With several tenants (tenants.py) a program id is scoped by its tenant
+(`tenant/id` in the engine), so a client can neither reach nor detect another
+tenant's programs, and the tenant salts the prefix cache together with the
+body's `cache_salt` (vLLM's name): requests share prefix-cache hits only when
+both are equal."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 MAX_ID_LENGTH = 256
+MAX_SALT_LENGTH = 256
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -47,6 +71,7 @@ class ProgramIdentity:
     ttl: float | None = None
     release_after: bool = False
     end_program: bool = False
+    cache_salt: Hashable = None  # the engine's prefix-cache salt: (tenant scope, body cache_salt), or None
 
     @property
     def explicit(self) -> bool:
@@ -58,14 +83,21 @@ class ProgramIdentity:
         return self.end_program or not self.explicit
 
 
-def resolve_identity(body: Any, headers: Mapping[str, str]) -> ProgramIdentity:
+def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = None) -> ProgramIdentity:
     """`body` is a parsed request (attributes `program_id`, `session_id`, `user`,
-    `ttl`, `release_program`, `end_program`); `headers` is case-insensitive."""
+    `ttl`, `release_program`, `end_program`, `cache_salt` and the spellings of
+    other engines); `headers` is case-insensitive. `scope`: the tenant that
+    program ids and the cache salt are scoped by (None: not scoped)."""
+    vllm_hint = getattr(body, "agent_hint", None)
+    sgl_hints = getattr(body, "agent_hints", None)
     pid, source = None, "request"
     for value, name in ((getattr(body, "program_id", None), "program_id"),
                         (headers.get("x-program-id"), "X-Program-Id"),
                         (getattr(body, "session_id", None), "session_id"),
                         (headers.get("x-session-id"), "X-Session-Id"),
+                        (getattr(body, "job_id", None), "job_id"),
+                        (getattr(vllm_hint, "session_id", None), "agent_hint.session_id"),
+                        (_sglang_program(sgl_hints), "agent_hints"),
                         (getattr(body, "user", None), "user")):
         if value is None:
             continue
@@ -77,26 +109,55 @@ def resolve_identity(body: Any, headers: Mapping[str, str]) -> ProgramIdentity:
         pid, source = value, name
         break
 
-    ttl = getattr(body, "ttl", None)
-    ttl_param = "ttl"
-    if ttl is None and headers.get("x-program-ttl") is not None:
-        ttl_param = "X-Program-TTL"
-        try:
-            ttl = float(headers["x-program-ttl"])
-        except ValueError:
-            raise IdentityError(f"X-Program-TTL must be a number of seconds, got {headers['x-program-ttl']!r}",
-                                ttl_param) from None
+    ttl, ttl_param, raw_ttl = _ttl(body, headers, vllm_hint, sgl_hints)
     if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
-        raise IdentityError(f"{ttl_param} must be a finite number of seconds >= 0, got {ttl!r}", ttl_param)
+        raise IdentityError(f"{ttl_param} must be a finite number >= 0, got {raw_ttl!r}", ttl_param)
 
     release = bool(getattr(body, "release_program", False)) or _flag(headers, "x-program-release", "X-Program-Release")
-    end = bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
+    end = (bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
+           or bool(getattr(body, "is_last_step", False)))
     if pid is None and (ttl is not None or release):
         # Hints about a program nobody can come back to would be silently meaningless.
         raise IdentityError("a retention hint (ttl / release_program) needs a program id: send program_id, "
-                            "X-Program-Id, session_id, X-Session-Id or user", "ttl" if ttl is not None
+                            "X-Program-Id, session_id, X-Session-Id or user", ttl_param if ttl is not None
                             else "release_program")
-    return ProgramIdentity(pid, source, ttl, release, end)
+    salt = getattr(body, "cache_salt", None)
+    if salt is not None and not 0 < len(salt) <= MAX_SALT_LENGTH:
+        raise IdentityError(f"cache_salt must be a non-empty string of at most {MAX_SALT_LENGTH} characters",
+                            "cache_salt")
+    cache_salt = None if scope is None and salt is None else (scope, salt)
+    return ProgramIdentity(scoped_program_id(scope, pid), source, ttl, release, end, cache_salt)
+
+
+def scoped_program_id(scope: str | None, program_id: str | None) -> str | None:
+    """The engine's id for a client's program id: prefixed by the tenant when scoped. Tenant
+    names hold no '/' (tenants.py), so two tenants' ids never meet."""
+    return program_id if scope is None or program_id is None else f"{scope}/{program_id}"
+
+
+def _sglang_program(hints: Any) -> str | None:
+    workflow, agent = getattr(hints, "workflow_id", None), getattr(hints, "agent_id", None)
+    parts = [p.strip() for p in (workflow, agent) if p is not None and p.strip()]
+    return "/".join(parts) or None
+
+
+def _ttl(body: Any, headers: Mapping[str, str], vllm_hint: Any, sgl_hints: Any) -> tuple[float | None, str, Any]:
+    """The TTL hint in seconds (None: none), the name of the field it came from, and its value as sent."""
+    if getattr(body, "ttl", None) is not None:
+        return body.ttl, "ttl", body.ttl
+    raw = headers.get("x-program-ttl")
+    if raw is not None:
+        try:
+            return float(raw), "X-Program-TTL", raw
+        except ValueError:
+            raise IdentityError(f"X-Program-TTL must be a number of seconds, got {raw!r}", "X-Program-TTL") from None
+    cache_control = getattr(vllm_hint, "cache_control", None)
+    if getattr(cache_control, "ttl", None) is not None:
+        return cache_control.ttl, "agent_hint.cache_control.ttl", cache_control.ttl
+    ms = getattr(sgl_hints, "cache_ttl_ms", None)
+    if ms is not None:
+        return ms / 1000.0, "agent_hints.cache_ttl_ms", ms
+    return None, "ttl", None
 
 
 def _flag(headers: Mapping[str, str], key: str, name: str) -> bool:

@@ -5,8 +5,9 @@ newer API versions or for other servers keep working; fields that would change
 the output in a way this server cannot honour (logprobs, penalties, n > 1) are
 declared here so the app can refuse them with a clear 400 instead of silently
 ignoring them. A few extensions other servers accept are declared too: `top_k`,
-`ignore_eos`, `stop_token_ids` (vLLM's names) and the program-identity fields
-of DESIGN.md ("Request identity").
+`ignore_eos`, `stop_token_ids`, `cache_salt` (vLLM's names) and the
+program-identity fields of DESIGN.md ("Request identity"), with the agent-hint
+spellings of other engines that identity.py maps to them.
 
 Responses are pydantic models dumped to JSON; a streaming delta drops its
 unset fields, as OpenAI's chunks do."""
@@ -74,6 +75,23 @@ class ResponseFormat(_Lenient):
     type: str = "text"
 
 
+class CacheControlHint(_Lenient):
+    ttl: float | None = None  # seconds
+
+
+class AgentHint(_Lenient):
+    """vLLM's agent-hint RFC (`agent_hint`); identity.py maps what is used."""
+    session_id: str | None = None
+    cache_control: CacheControlHint | None = None
+
+
+class AgentHints(_Lenient):
+    """SGLang's `agent_hints`; identity.py maps what is used."""
+    workflow_id: str | None = None
+    agent_id: str | None = None
+    cache_ttl_ms: float | None = None
+
+
 class _Common(_Lenient):
     """Fields both endpoints share: sampling, streaming, identity hints."""
 
@@ -100,6 +118,13 @@ class _Common(_Lenient):
     ttl: float | None = None
     release_program: bool = False
     end_program: bool = False
+    # the same, as other engines spell it (identity.py maps them)
+    job_id: str | None = None  # Continuum
+    is_last_step: bool = False  # Continuum
+    agent_hint: AgentHint | None = None  # vLLM's agent-hint RFC
+    agent_hints: AgentHints | None = None  # SGLang
+    # prefix-cache hits only among requests with an equal salt (vLLM's name)
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(_Common):

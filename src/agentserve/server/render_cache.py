@@ -34,6 +34,7 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,12 +128,15 @@ class RenderCache:
             return RenderCacheStats(self._hits, self._misses, self._fallbacks, self._reused, self._tokenized,
                                     len(self._entries), self._tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's token ids. Raises TemplateError as `ChatTemplate.render` does."""
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    scope: Hashable = None) -> list[int]:
+        """The prompt's token ids. Raises TemplateError as `ChatTemplate.render` does.
+        `scope`: the request's prefix-cache salt; entries are reused only within one, so
+        the time a tokenization takes tells nothing about another tenant's prompts."""
         text = self.template.render(messages, tools=tools)
         if not self.enabled:
             return self.tokenizer.encode(text)
-        keys = prefix_keys(messages, tools)
+        keys = prefix_keys(messages, tools, scope)
         with self._lock:
             found = None
             for key in reversed(keys):
@@ -208,10 +212,13 @@ class RenderCache:
             self._tokens -= len(gone.ids)
 
 
-def prefix_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[bytes]:
-    """A digest per prefix of `messages` (1..n messages), each covering the tools too.
+def prefix_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                scope: Hashable = None) -> list[bytes]:
+    """A digest per prefix of `messages` (1..n messages), each covering the tools (and the scope) too.
     String fields are hashed as they are (escaping them to JSON costs more than the digest)."""
     h = hashlib.blake2b(json.dumps(tools, ensure_ascii=False, default=str).encode(), digest_size=16)
+    if scope is not None:
+        h.update(b"\x01scope" + repr(scope).encode("utf-8", "surrogatepass"))
     keys = []
     for m in messages:
         h.update(b"\x00%d" % len(m))

@@ -9,7 +9,6 @@ must hold before anything is parsed."""
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
@@ -22,17 +21,26 @@ from agentserve.server.identity import IdentityError, ProgramIdentity, resolve_i
 from agentserve.server.server_state import ServerState, server_state
 
 
-def authorize(st: ServerState, request: Request) -> None:
-    key = st.config.api_key
-    if key is None:
-        return
+def authorize(st: ServerState, request: Request) -> str | None:
+    """The request's tenant (None when the server takes no key); a 401 without a valid key."""
+    tenants = st.config.tenants
+    if not tenants.enabled:
+        return None
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
-    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+    tenant = tenants.authenticate(token.strip())
+    if tenant is None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+    request.state.tenant = tenant
+    return tenant
+
+
+def tenant_scope(st: ServerState, request: Request) -> str | None:
+    """What the request's program ids and cache salt are scoped by (tenants.py); after `authorize`."""
+    return st.config.tenants.scope(getattr(request.state, "tenant", None))
 
 
 async def read_json(st: ServerState, request: Request) -> dict:
@@ -100,7 +108,7 @@ async def accept(request: Request, body_model: type[BaseModel]) -> tuple[ServerS
 
 def program_identity(req: Any, request: Request) -> ProgramIdentity:
     try:
-        return resolve_identity(req, request.headers)
+        return resolve_identity(req, request.headers, tenant_scope(server_state(request), request))
     except IdentityError as e:
         raise APIError(400, str(e), param=e.param) from None
 

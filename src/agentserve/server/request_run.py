@@ -38,7 +38,7 @@ async def open_request(st: ServerState, request: Request, ids: list[int], params
     return await rc.open(ids, params, request_id=rid, model=f"{st.model_name}\0{st.llm.model_source}",
                          headers=request.headers,
                          submit=lambda p: submit_request(st, ids, p, rid, ident, prompt_param),
-                         on_hit=lambda: hit_hints(st.engine, ident), variant=variant)
+                         on_hit=lambda: hit_hints(st.engine, ident), variant=variant, salt=ident.cache_salt)
 
 
 async def submit_request(st: ServerState, ids: list[int], params: SamplingParams, rid: str,
@@ -46,7 +46,7 @@ async def submit_request(st: ServerState, ids: list[int], params: SamplingParams
     try:
         return await st.engine.submit(ids, params, request_id=rid, program_id=ident.program_id,
                                       ttl_hint=ident.ttl, is_last_turn=ident.is_last_turn,
-                                      release_after=ident.release_after)
+                                      release_after=ident.release_after, cache_salt=ident.cache_salt)
     except QueueFullError as e:
         raise APIError(503, str(e), "server_error", code="queue_full") from None
     except EngineStopped as e:
@@ -129,8 +129,11 @@ def sse(obj: BaseModel | dict) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    return Usage.of(out.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
+def usage_of(out: RequestOutput, cached_tokens_report: str = "exact") -> Usage:
+    """The usage a client sees; `cached_tokens_report` "none" (the server's flag) reports no prefix hits,
+    for operators who would rather not tell clients what the cache holds."""
+    cached = out.num_cached_tokens if cached_tokens_report == "exact" else 0
+    return Usage.of(out.num_prompt_tokens, len(out.token_ids), cached)
 
 
 def log_done(rid: str, ident: ProgramIdentity, out: RequestOutput) -> None:

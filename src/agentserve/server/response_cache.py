@@ -3,7 +3,7 @@ section 3.5), opt-in with `agentserve serve --response-cache N`.
 
 Agents repeat requests exactly: retries, polling, idempotent fan-out across
 sub-agents. With the cache on, a request whose exact prompt token ids,
-sampling parameters, API key and model match a stored response gets that
+sampling parameters, API key, cache salt and model match a stored response gets that
 response back without reaching the engine; a streamed request gets the
 original's chunks again, one for one.
 
@@ -28,7 +28,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,10 +56,12 @@ class CachedResponse:
     stop_reason: str | int | None
 
 
-def signature(params: SamplingParams, tenant: str | None, model: str, variant: str = "") -> str | None:
+def signature(params: SamplingParams, tenant: str | None, model: str, variant: str = "",
+              salt: Hashable = None) -> str | None:
     """What besides the prompt decides the output; None if the request cannot be keyed
     (a constraint that does not say what it constrains to). `variant`: whatever else
-    of the request the output depends on (a chat request's tool choice)."""
+    of the request the output depends on (a chat request's tool choice). `salt`: the
+    request's prefix-cache salt, which scopes its answers as it scopes its prefix hits."""
     constraint = params.constraint
     ckey = None if constraint is None else getattr(constraint, "key", None)
     if constraint is not None and not isinstance(ckey, str):
@@ -69,7 +71,8 @@ def signature(params: SamplingParams, tenant: str | None, model: str, variant: s
     validator = getattr(params, "tool_validator", None)
     vkey = None if validator is None else getattr(validator, "cache_key", type(validator).__qualname__)
     tenant_digest = None if tenant is None else hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()
-    return repr((model, tenant_digest, params.max_tokens, params.temperature, params.top_p, params.top_k,
+    salt_digest = None if salt is None else hashlib.blake2b(repr(salt).encode(), digest_size=16).hexdigest()
+    return repr((model, tenant_digest, salt_digest, params.max_tokens, params.temperature, params.top_p, params.top_k,
                  params.seed, tuple(params.stop), tuple(params.stop_token_ids), params.ignore_eos, ckey, vkey, variant))
 
 
@@ -131,11 +134,12 @@ class ResponseCache:
 
     async def open(self, ids: list[int], params: SamplingParams, *, request_id: str, model: str,
                    headers: Mapping[str, str], submit: Callable[[SamplingParams], Awaitable[Stream]],
-                   on_hit: Callable[[], Awaitable[None]] | None = None, variant: str = "") -> Stream:
+                   on_hit: Callable[[], Awaitable[None]] | None = None, variant: str = "",
+                   salt: Hashable = None) -> Stream:
         """The request's output stream: a replay of the stored response on a hit
         (after `on_hit()`), else `submit(params)`'s engine stream - seeded from
         the prompt when the request has no seed - recorded for the cache."""
-        sig = None if bypassed(headers) else signature(params, headers.get("authorization"), model, variant)
+        sig = None if bypassed(headers) else signature(params, headers.get("authorization"), model, variant, salt)
         if sig is None:
             self.count_bypass()
             return await submit(params)

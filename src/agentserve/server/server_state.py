@@ -5,7 +5,7 @@ as `app.state.server`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from starlette.requests import Request
 
@@ -15,23 +15,31 @@ from agentserve.server.protocol import now_s
 from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
 from agentserve.server.render_cache import RenderCache
 from agentserve.server.response_cache import ResponseCache
+from agentserve.server.tenants import Tenants
 from agentserve.server.tool_validation import ValidatorConfig
 
 
 @dataclass
 class ServerConfig:
     served_model_names: list[str]  # the first is reported; any of them is accepted as `model`
-    api_key: str | None = None  # Bearer token required on /v1/* when set
+    api_key: str | None = None  # Bearer token required on /v1/* when set (tenant api-key-1)
+    api_keys: dict[str, str] = field(default_factory=dict)  # more keys: key -> tenant (tenants.py)
+    cached_tokens_report: Literal["exact", "none"] = "exact"  # none: usage says 0 cached tokens
     max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
     max_body_bytes: int = 16 * 2**20  # beyond: 413
     stats_interval: float | None = None  # seconds between the engine's stats log lines (None: none)
     tool_calls: ValidatorConfig = field(default_factory=ValidatorConfig)  # the streaming tool-call validator
     render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
     response_cache: int = 0  # finished responses kept for exact repeats (0: off); see response_cache.py
+    tenants: Tenants = field(init=False)  # api_key and api_keys, checked
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
+        if self.cached_tokens_report not in ("exact", "none"):
+            raise ValueError(f"cached_tokens_report must be 'exact' or 'none', got {self.cached_tokens_report!r}")
+        keys = {self.api_key: "api-key-1"} if self.api_key is not None else {}
+        self.tenants = Tenants({**keys, **self.api_keys})
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""Other engines' agent-hint spellings (Continuum's `job_id` / `is_last_step`,
+vLLM's agent-hint RFC `agent_hint`, SGLang's `agent_hints`), mapped to program
+id, end and TTL: on their own (resolve_identity) and end to end (pins)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from agentserve.server.identity import IdentityError, resolve_identity
+from agentserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from server_fixtures import start_tiny_server
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+NO_HEADERS = httpx.Headers({})
+
+
+def ident(headers: dict | None = None, scope: str | None = None, **body):
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    return resolve_identity(req, httpx.Headers(headers or {}), scope)
+
+
+def test_each_spelling_maps_to_program_id_end_and_ttl():
+    c = ident(job_id="job-7", is_last_step=True)
+    assert (c.program_id, c.source, c.end_program, c.is_last_turn) == ("job-7", "job_id", True, True)
+    assert ident(job_id="job-7", is_last_step=False).end_program is False
+    v = ident(agent_hint={"session_id": "worker-7", "parent_session_id": "orch-1",
+                          "cache_control": {"type": "ephemeral", "ttl": 300}})
+    assert (v.program_id, v.source, v.ttl) == ("worker-7", "agent_hint.session_id", 300.0)
+    s = ident(agent_hints={"workflow_id": "wf", "agent_id": "planner", "step_id": "3", "cache_ttl_ms": 2500,
+                           "reuse_hint": "high"})
+    assert (s.program_id, s.source, s.ttl) == ("wf/planner", "agent_hints", 2.5)
+    assert ident(agent_hints={"agent_id": "solo"}).program_id == "solo"
+    assert ident(agent_hints={"workflow_id": "wf", "agent_id": " "}).program_id == "wf"
+    # the same fields on /v1/completions
+    req = CompletionRequest.model_validate({"prompt": "x", "job_id": "j", "is_last_step": True})
+    assert resolve_identity(req, NO_HEADERS).program_id == "j" and resolve_identity(req, NO_HEADERS).end_program
+
+
+def test_ours_win_and_user_comes_last():
+    both = dict(job_id="job", agent_hint={"session_id": "vs", "cache_control": {"ttl": 9}},
+                agent_hints={"workflow_id": "wf", "cache_ttl_ms": 1000}, user="u")
+    assert ident(program_id="mine", **both).program_id == "mine"
+    assert ident({"X-Session-Id": "hdr"}, **both).program_id == "hdr"
+    assert ident(**both).program_id == "job"
+    assert ident(**{**both, "job_id": None}).program_id == "vs"
+    assert ident(**{**both, "job_id": None, "agent_hint": None}).program_id == "wf"
+    assert ident(user="u", agent_hints={"workflow_id": "wf"}).program_id == "wf"
+    # TTL: body ttl, then the header, then vLLM's, then SGLang's
+    assert ident(ttl=5, **both).ttl == 5
+    assert ident({"X-Program-TTL": "6"}, **both).ttl == 6
+    assert ident(**both).ttl == 9
+    assert ident(**{**both, "agent_hint": None}).ttl == 1.0
+
+
+def test_bad_hint_values_are_400s_naming_the_field():
+    for body, param in (({"agent_hints": {"agent_id": "a", "cache_ttl_ms": -1}}, "agent_hints.cache_ttl_ms"),
+                        ({"agent_hint": {"session_id": "s", "cache_control": {"ttl": float("inf")}}},
+                         "agent_hint.cache_control.ttl"),
+                        ({"agent_hint": {"cache_control": {"ttl": 3}}}, "agent_hint.cache_control.ttl"),
+                        ({"job_id": "j" * 300}, "job_id")):
+        with pytest.raises(IdentityError) as e:
+            ident(**body)
+        assert e.value.param == param, body
+
+
+def test_tenant_scope_prefixes_every_spelling():
+    assert ident(scope="t-a", job_id="j").program_id == "t-a/j"
+    assert ident(scope="t-a", agent_hints={"workflow_id": "w", "agent_id": "a"}).program_id == "t-a/w/a"
+    anon = ident(scope="t-a")
+    assert anon.program_id is None and anon.cache_salt == ("t-a", None)
+    assert ident(cache_salt="s").cache_salt == (None, "s") and ident().cache_salt is None
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, llm, scripted = start_tiny_server(api_key=None)
+    srv.llm, srv.scripted, srv.engine = llm, scripted, srv.app.state.server.engine
+    yield srv
+    srv.stop()
+
+
+def _turn(server, content: str, **body) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "max_tokens": 80, "temperature": 0, "tools": WEATHER,
+        "messages": [{"role": "user", "content": content}], **body})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return r.json()
+
+
+def _pin_ttl(server, pid: str) -> float | None:
+    def get():
+        p = server.llm.kv.pins.get(pid)
+        return None if p is None else p.expiry - server.llm.engine.clock.now()
+    return server.engine.call_sync(get)
+
+
+@pytest.mark.parametrize("pid,first,last", [
+    ("job-42", {"job_id": "job-42"}, {"job_id": "job-42", "is_last_step": True}),
+    ("worker-7", {"agent_hint": {"session_id": "worker-7", "cache_control": {"type": "ephemeral", "ttl": 45}}},
+     {"agent_hint": {"session_id": "worker-7"}, "end_program": True}),
+    ("wf/coder", {"agent_hints": {"workflow_id": "wf", "agent_id": "coder", "cache_ttl_ms": 45000}},
+     {"agent_hints": {"workflow_id": "wf", "agent_id": "coder"}, "end_program": True}),
+])
+def test_hinted_programs_pin_and_end(server, pid, first, last):
+    server.scripted.script(pid, CALL_TEXT)
+    body = first if "ttl" in str(first) else {**first, "ttl": 45}
+    r = _turn(server, f"First turn of {pid}.", **body)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    ttl = _pin_ttl(server, pid)
+    assert ttl is not None and 30 < ttl <= 45, "pinned under the hinted id, for the hinted TTL"
+    _turn(server, f"First turn of {pid}. And the last.", **last)
+    assert _pin_ttl(server, pid) is None, "the program ended"
+    server.engine.call_sync(server.llm.check_integrity)
