@@ -463,3 +463,29 @@ def test_assign_poisson_arrivals_keeps_subagent_offsets():
     assert 0 < by_id["x"].arrival < by_id["y"].arrival
     assert parent.arrival == 0.0  # input untouched
     assert out == assign_poisson_arrivals([parent, sub, lone], rate=1.0, seed=0)
+
+
+def test_tool_time_scale_scales_every_tool_duration():
+    from agentserve.workload.load import load_workload
+
+    base = load_workload("swebench", 20, 1.0, 3)
+    slow = load_workload("swebench", 20, 1.0, 3, tool_time_scale=30.0)
+    assert [p.arrival for p in slow] == [p.arrival for p in base]
+    pairs = [(a.tool_duration, b.tool_duration) for p, q in zip(base, slow) for a, b in zip(p.calls, q.calls)]
+    assert pairs and all(b == pytest.approx(30.0 * a) for a, b in pairs)
+    assert any(a > 0 for a, _ in pairs)
+
+
+def test_token_scale_applies_to_generated_workloads():
+    from agentserve.workload.load import load_workload
+
+    base = load_workload("swebench", 20, 1.0, 3)
+    small = load_workload("swebench", 20, 1.0, 3, token_scale=0.1)
+    big = sum(c.prompt_tokens for p in base for c in p.calls)
+    little = sum(c.prompt_tokens for p in small for c in p.calls)
+    assert little == pytest.approx(0.1 * big, rel=0.05)
+    for p in small:
+        end = 0
+        for c in p.calls:  # each prompt still extends the previous prompt and output
+            assert 0 <= c.prompt_tokens - c.new_tokens <= end and c.output_tokens >= 1
+            end = c.prompt_tokens + c.output_tokens

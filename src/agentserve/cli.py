@@ -50,6 +50,9 @@ def _add_sim(sub) -> None:
                         "(learned from the simulated steps) stays under MS, as `serve` does; 0: no cap, "
                         "every step may take the whole token budget")
     p.add_argument("--token-scale", type=float, default=1.0, help="scale every token count of the workload")
+    p.add_argument("--tool-time-scale", type=float, default=1.0,
+                   help="scale every tool call's duration (e.g. 30: tools that run for minutes, so most programs "
+                        "wait between turns and many pins live at once)")
     p.add_argument("--hang-fraction", type=float, default=0.0,
                    help="fraction of programs whose tool never returns at a random turn (robustness)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
@@ -77,6 +80,8 @@ def build_workload(args, rate: float):
         opts["path"] = args.traces
     if args.token_scale != 1.0:
         opts["token_scale"] = args.token_scale
+    if args.tool_time_scale != 1.0:
+        opts["tool_time_scale"] = args.tool_time_scale
     try:
         programs = load_workload(spec, args.programs, rate, args.seed, **opts)
     except (OSError, ValueError) as e:
@@ -115,6 +120,8 @@ def cmd_sim(args) -> int:
         raise CliError("--block-size must be >= 1 and --kv-tokens at least one block")
     if not 0 <= args.hang_fraction < 1:
         raise CliError("--hang-fraction must be in [0, 1)")
+    if not args.tool_time_scale > 0:
+        raise CliError("--tool-time-scale must be positive")
     try:
         load_profile(args.profile)
     except (ProfileError, OSError) as e:

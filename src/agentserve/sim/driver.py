@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -112,6 +113,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     overhead = 0.0
     steps = 0
     peak_running = peak_pins = 0
+    per_step: list[tuple[int, int, float]] = []  # (running, pins, scheduler seconds) of each step
     last_finish = 0.0
     by_rid: dict[str, tuple[int, int]] = {}
     wall0 = time.perf_counter()
@@ -166,10 +168,13 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         result = executor.execute(out)
         t2 = time.perf_counter()
         finished = sched.update(out, result)
-        overhead += (t1 - t0) + (time.perf_counter() - t2)
+        spent = (t1 - t0) + (time.perf_counter() - t2)
+        overhead += spent
         steps += 1
-        peak_running = max(peak_running, sched.num_running + len(finished))
+        running = sched.num_running + len(finished)
+        peak_running = max(peak_running, running)
         peak_pins = max(peak_pins, len(kv.pins))
+        per_step.append((running, len(kv.pins), spent))
         if cfg.check_integrity_every and steps % cfg.check_integrity_every == 0:
             sched.check_integrity()
         for req in finished:
@@ -205,8 +210,18 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
               "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
         capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
         decode_step_p99_s=st.decode_step_p99_s(),
-        state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins),
+        state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins, **_busiest(per_step, peak_running)),
     )
+
+
+def _busiest(per_step: list[tuple[int, int, float]], peak_running: int) -> dict:
+    """The scheduler's time a step where it has the most to do: the steps with at
+    least 90% of the peak of running requests (median, and their pins)."""
+    busy = [(pins, spent) for running, pins, spent in per_step if running >= 0.9 * peak_running]
+    if not busy:
+        return {}
+    return {"busy_steps": len(busy), "busy_pins": statistics.median(p for p, _ in busy),
+            "busy_sched_us": statistics.median(t for _, t in busy) * 1e6}
 
 
 def _state(sched: Scheduler) -> dict:

@@ -36,6 +36,9 @@ def format_learned(state: dict, truth: dict, label: str) -> str:
     lines = [f"{label}: per-program state left: {state.get('programs', 0)} programs, {state.get('pins', 0)} pins, "
              f"{state.get('pending_tools', 0)} pending tool calls, {state.get('eta_programs', 0)} programs in "
              f"the eta window; peak {state.get('peak_running', 0)} running, {state.get('peak_pins', 0)} pins"]
+    if state.get("busy_steps"):
+        lines.append(f"  scheduler time a step at >= 90% of the peak running ({state['busy_steps']} steps, "
+                     f"median {state['busy_pins']:.0f} pins): {state['busy_sched_us']:.0f} us (median)")
     eta = state.get("eta")
     if eta is not None:
         lines.append(f"  eta learned {eta:.3f}, true {truth['eta']:.3f}")

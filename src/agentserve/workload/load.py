@@ -51,6 +51,31 @@ def sample_programs(programs: list[Program], num_programs: int | None, seed: int
     return out
 
 
+def _rescaled(programs: list[Program], token_scale: float, tool_time_scale: float) -> list[Program]:
+    """Generated programs with every token count times `token_scale` (a call's
+    prompt still extends the previous prompt and output: the part it keeps is
+    scaled and clamped to them) and every tool duration times `tool_time_scale`.
+    Recorded traces scale their tokens as they load (claude_code.py)."""
+    if token_scale <= 0 or tool_time_scale <= 0:
+        raise ValueError("token_scale and tool_time_scale must be positive")
+    if token_scale == 1.0 and tool_time_scale == 1.0:
+        return programs
+    out = []
+    for p in programs:
+        calls, prev_end = [], 0
+        for c in p.calls:
+            kept = min(round((c.prompt_tokens - c.new_tokens) * token_scale), prev_end)
+            new = max(1, round(c.new_tokens * token_scale)) if c.new_tokens else 0
+            prompt = max(1, kept + new)
+            output = max(1, round(c.output_tokens * token_scale))
+            calls.append(replace(c, prompt_tokens=prompt, new_tokens=prompt - kept, output_tokens=output,
+                                 shared_prefix_tokens=min(round(c.shared_prefix_tokens * token_scale), prompt),
+                                 tool_duration=c.tool_duration * tool_time_scale))
+            prev_end = prompt + output
+        out.append(replace(p, calls=calls))
+    return out
+
+
 def load_workload(
     spec: str, num_programs: int | None, rate: float, seed: int, **opts: Any
 ) -> list[Program]:
@@ -62,7 +87,7 @@ def load_workload(
     = a session with its subagents, which come along and keep their offsets;
     num_programs=None takes each group once).
     opts: path (recorded source file/folder; default: the shared traces),
-    token_scale, max_prompt_tokens (claude-code), count_tokens (swe-smith),
+    token_scale, tool_time_scale (every tool duration times this), max_prompt_tokens (claude-code), count_tokens (swe-smith),
     keep_arrivals=True (recorded: keep recorded arrivals, no re-draw).
     Returned sorted by arrival."""
     key = str(spec).strip()
@@ -70,11 +95,13 @@ def load_workload(
     if low in ("swebench", "swe-bench"):
         if num_programs is None:
             raise ValueError("generated workloads need num_programs")
-        return generate_swebench(num_programs, rate, seed)
+        return _rescaled(generate_swebench(num_programs, rate, seed), opts.get("token_scale", 1.0),
+                         opts.get("tool_time_scale", 1.0))
     if low == "bfcl":
         if num_programs is None:
             raise ValueError("generated workloads need num_programs")
-        return generate_bfcl(num_programs, rate, seed)
+        return _rescaled(generate_bfcl(num_programs, rate, seed), opts.get("token_scale", 1.0),
+                         opts.get("tool_time_scale", 1.0))
     if low in ("claude-code", "claude_code", "claudecode"):
         base = load_claude_code(
             opts.get("path"), token_scale=opts.get("token_scale", 1.0),
@@ -88,7 +115,7 @@ def load_workload(
         base = load_jsonl(key)
     else:
         raise ValueError(f"unknown workload {spec!r}; choices: {', '.join(CHOICES)}")
-    programs = sample_programs(base, num_programs, seed)
+    programs = _rescaled(sample_programs(base, num_programs, seed), 1.0, opts.get("tool_time_scale", 1.0))
     if opts.get("keep_arrivals"):
         return sorted(programs, key=lambda p: p.arrival)
     return assign_poisson_arrivals(programs, rate, seed)
