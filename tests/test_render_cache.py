@@ -281,12 +281,12 @@ def test_stats_line_and_snapshot_fields():
                 num_pinned_programs=0, block_size=16, steps=0, preemptions=0, admitted_prompt_tokens=0,
                 hit_tokens=0, loaded_tokens=0, pins_created=0, pins_hit=0, pins_expired=0, pins_reclaimed=0,
                 pins_released_early=0, pins_released_at_end=0, executed_steps=1)
-    a = EngineSnapshot(**base, render_cache=RenderCacheStats(hits=1, misses=1, reused_tokens=10,
+    a = EngineSnapshot.of(**base, render_cache=RenderCacheStats(hits=1, misses=1, reused_tokens=10,
                                                              tokenized_tokens=10))
-    b = EngineSnapshot(**dict(base, executed_steps=5), render_cache=RenderCacheStats(
+    b = EngineSnapshot.of(**dict(base, executed_steps=5), render_cache=RenderCacheStats(
         hits=10, misses=2, fallbacks=1, reused_tokens=910, tokenized_tokens=110))
     assert "render cache 9 hits 1 misses 1 fallbacks, 90% of chat prompt tokens reused" in stats_line(a, b, 10.0)
-    assert "render cache" not in stats_line(a, EngineSnapshot(**dict(base, executed_steps=5),
+    assert "render cache" not in stats_line(a, EngineSnapshot.of(**dict(base, executed_steps=5),
                                                               render_cache=a.render_cache), 10.0)
 
 

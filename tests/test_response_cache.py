@@ -143,8 +143,8 @@ def test_stats_line_counts_hits_even_when_the_model_idles():
                 num_pinned_programs=0, block_size=16, steps=0, preemptions=0, admitted_prompt_tokens=0,
                 hit_tokens=0, loaded_tokens=0, pins_created=0, pins_hit=0, pins_expired=0, pins_reclaimed=0,
                 pins_released_early=0, pins_released_at_end=0)
-    a = EngineSnapshot(**base, response_cache=ResponseCacheStats(hits=1, misses=2, entries=2))
-    b = EngineSnapshot(**base, response_cache=ResponseCacheStats(hits=6, misses=3, entries=3))
+    a = EngineSnapshot.of(**base, response_cache=ResponseCacheStats(hits=1, misses=2, entries=2))
+    b = EngineSnapshot.of(**base, response_cache=ResponseCacheStats(hits=6, misses=3, entries=3))
     assert stats_line(a, b, 10.0) == "10 s: no model steps; response cache 5 hits 1 misses, 3 entries"
     assert stats_line(a, a, 10.0) is None
 

@@ -1,7 +1,5 @@
 """The engine's periodic stats line (server/stats_log.py)."""
 
-from dataclasses import replace
-
 from agentserve.server.engine_snapshot import EngineSnapshot
 from agentserve.server.stats_log import stats_line
 
@@ -12,19 +10,19 @@ def snap(**kw) -> EngineSnapshot:
                 hit_tokens=0, loaded_tokens=0, pins_created=0, pins_hit=0, pins_expired=0, pins_reclaimed=0,
                 pins_released_early=0, pins_released_at_end=0)
     base.update(kw)
-    return EngineSnapshot(**base)
+    return EngineSnapshot.of(**base)
 
 
 def test_nothing_ran_nothing_logged():
     s = snap(steps=5, executed_steps=3)
     assert stats_line(s, s, 10.0) is None
-    assert stats_line(s, replace(s, steps=50), 10.0) is None  # empty scheduling passes (pin review) only
+    assert stats_line(s, s.but(steps=50), 10.0) is None  # empty scheduling passes (pin review) only
 
 
 def test_interval_figures():
     a = snap(steps=10, executed_steps=10, prefill_tokens=100, decode_tokens=50, admitted_prompt_tokens=1000, hit_tokens=200,
              execute_s=1.0, pins_created=1)
-    b = replace(a, steps=130, executed_steps=110, prefill_tokens=5100, decode_tokens=450, admitted_prompt_tokens=5000, hit_tokens=3200,
+    b = a.but(steps=130, executed_steps=110, prefill_tokens=5100, decode_tokens=450, admitted_prompt_tokens=5000, hit_tokens=3200,
                 execute_s=9.0, num_running=3, num_waiting=2, num_free_blocks=25, num_pinned_blocks=40,
                 num_pinned_programs=2, pins_created=5, pins_hit=3, preemptions=2)
     line = stats_line(a, b, 10.0)
@@ -39,24 +37,24 @@ def test_interval_figures():
 
 def test_longest_step_with_decodes_and_capped_prefills():
     a = snap(executed_steps=10, decode_steps=4, capped_steps=1, recent_decode_step_s=(0.9, 0.05, 0.05, 0.05))
-    b = replace(a, executed_steps=20, decode_steps=7, capped_steps=3,
+    b = a.but(executed_steps=20, decode_steps=7, capped_steps=3,
                 recent_decode_step_s=a.recent_decode_step_s + (0.12, 0.18, 0.04))
     line = stats_line(a, b, 10.0)
     assert "longest step with decodes 180 ms, p99 180 ms (prefill capped in 2 steps)" in line  # the 0.9 s was before
-    assert "longest step" not in stats_line(a, replace(a, executed_steps=12), 10.0)  # no decodes this interval
+    assert "longest step" not in stats_line(a, a.but(executed_steps=12), 10.0)  # no decodes this interval
 
 
 def test_p99_of_steps_with_decodes_ignores_a_lone_outlier():
     a = snap(executed_steps=0, decode_steps=0, capped_steps=0, recent_decode_step_s=())
     times = (0.05,) * 198 + (0.12, 0.9)
-    b = replace(a, executed_steps=200, decode_steps=200, recent_decode_step_s=times)
+    b = a.but(executed_steps=200, decode_steps=200, recent_decode_step_s=times)
     assert "longest step with decodes 900 ms, p99 120 ms" in stats_line(a, b, 10.0)
 
 
 def test_step_model_in_the_line_once_it_has_samples():
     a = snap(executed_steps=1)
-    b = replace(a, executed_steps=5)
+    b = a.but(executed_steps=5)
     assert "step model" not in stats_line(a, b, 10.0)
-    b = replace(b, step_model=(0.004, 2e-4, 1e-8, 1e-3, 2e-6), step_margin=1.13)
+    b = b.but(step_model=(0.004, 2e-4, 1e-8, 1e-3, 2e-6), step_margin=1.13)
     assert ("step model 4.0 ms + 0.200 ms a prompt token + 10.00 ms per M attention pairs + 1.00 ms a decode "
             "+ 2.000 ms per 1k context, x1.13") in stats_line(a, b, 10.0)
