@@ -122,7 +122,7 @@ class Harness:
         self.max_running = max(self.max_running, self.s.num_running)
         if self.ex.cost is not None:
             m = self.s.step_model
-            self.predicted.append(m.predict(*step_features(out.chunks)) if m.ready else None)
+            self.predicted.append(m.predict(*step_features(out.chunks)[:4]) if m.ready else None)
         res = self.ex.execute(out)
         fin = self.s.update(out, res)
         self.s.check_integrity()
@@ -331,7 +331,8 @@ def linear_cost(out: SchedulerOutput) -> float:
     """A made-up machine whose step time has the step-time model's form: 2 ms a
     step, 20 us a prompt token, 1 us per query-key pair, 0.2 ms a decode row,
     1 us per context token a decode reads."""
-    p, a, d, k = step_features(out.chunks)
+    p, a, d, k, _, _ = step_features(out.chunks)
+    assert out.features is None or out.features[:4] == (p, a, d, k)  # the scheduler's own gathering agrees
     return 0.002 + 2e-5 * p + 1e-6 * a + 2e-4 * d + 1e-6 * k
 
 

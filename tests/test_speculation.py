@@ -316,12 +316,12 @@ def test_speculation_and_grouped_prefill_in_the_stats_line_and_metrics():
     from test_stats_log import snap
 
     a = snap(steps=10, executed_steps=10, decode_tokens=0, execute_s=1.0)
-    b = replace(a, steps=60, executed_steps=60, decode_tokens=120, execute_s=6.0,
+    b = a.but(steps=60, executed_steps=60, decode_tokens=120, execute_s=6.0,
                 speculation=SpecStats(steps=40, draft_tokens=100, accepted_tokens=70), grouped_requests=3)
     line = stats_line(a, b, 10.0)
     assert "speculation 70/100 draft tokens accepted (70%), 2.40 tokens a step" in line
     assert "3 requests waited for a shared prefix's prefill" in line
-    assert "speculation" not in stats_line(a, replace(b, speculation=SpecStats()), 10.0)
+    assert "speculation" not in stats_line(a, b.but(speculation=SpecStats()), 10.0)
     text = ServerMetrics("m").render(b).decode()
     assert 'agentserve:spec_accepted_tokens_total{model_name="m"} 70.0' in text
     assert 'agentserve:spec_draft_tokens_total{model_name="m"} 100.0' in text

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from dataclasses import replace
 
 import httpx
 import openai
@@ -480,11 +479,11 @@ def test_stats_line_and_cli_flags():
     from agentserve.policy.toolcall_stream import ValidatorCounts
 
     a = snap(executed_steps=1)
-    b = replace(a, executed_steps=5, tool_calls=ValidatorCounts(early_stops=3, grace_tokens=4, budget_left=900,
+    b = a.but(executed_steps=5, tool_calls=ValidatorCounts(early_stops=3, grace_tokens=4, budget_left=900,
                                                                  undeclared=1))
     line = stats_line(a, b, 10.0)
     assert "tool calls: 3 early stops (4 grace tokens, 900 max_tokens left), 1 undeclared" in line
-    assert "tool calls" not in stats_line(a, replace(a, executed_steps=5), 10.0)
+    assert "tool calls" not in stats_line(a, a.but(executed_steps=5), 10.0)
     ap = argparse.ArgumentParser(prog="agentserve")
     add_serve(ap.add_subparsers(dest="command"))
     args = ap.parse_args(["serve"])

@@ -4,7 +4,8 @@ agentserve and its peers in turn; `report` compares result files;
 `apc` replays a workload through the KV manager alone and compares eviction
 strategies' prefix-cache hit ratios; `agentic` runs the stateful-inference paper's
 agent workloads (6-turn bug fix, 35-turn coding, repeated prompts); `burst` runs a
-burst of agents sharing a preamble with grouped prefill on and off."""
+burst of agents sharing a preamble with grouped prefill on and off; `sched` measures
+the scheduler's own time a step with many running requests and pins."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def add_bench(sub) -> None:
     from agentserve.bench.compare import add_compare_parser
     from agentserve.bench.replay import add_run_parser
     from agentserve.bench.replay_report import add_report_parser
+    from agentserve.bench.sched_overhead import add_sched_parser
 
     p = sub.add_parser("bench", help="benchmark a server on an agent workload (run), or eviction strategies (apc)",
                        description=__doc__.split("\n\n")[0].replace("`agentserve bench`: ", ""))
@@ -26,4 +28,5 @@ def add_bench(sub) -> None:
     add_apc_parser(bsub)
     add_agentic_parser(bsub)
     add_burst_parser(bsub)
+    add_sched_parser(bsub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -208,8 +208,9 @@ class Scheduler(PinReview, Admission, StepResults):
         room = self.kv.block_size
         scheduled = step.scheduled
         rows = context = 0
+        budget = step.budget  # a local while no call can change it (it runs per row)
         for req in decoding:
-            if step.budget <= 0:
+            if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
@@ -217,19 +218,24 @@ class Scheduler(PinReview, Admission, StepResults):
             draft = drafts.get(req) if drafts else None
             if draft is None and c < len(req.block_table.blocks) * room:
                 scheduled[req] = 1  # the common case: a slot is free in its last block
-                step.budget -= 1
-            else:
+                budget -= 1
+            else:  # (a preemption here takes rows back from the step: the locals go through it)
+                step.budget, step.decode_rows, step.decode_context = budget, rows, context
                 if draft and not self._draft_slots(req, draft, step):
                     del drafts[req]
                     draft = None
-                if not self._schedule_running(req, 1, step, now, out):
+                ok = self._schedule_running(req, 1, step, now, out)
+                if ok:
+                    step.add(req, 1 + len(draft) if draft else 1)
+                    if draft:
+                        step.draft_rows += len(draft)
+                        step.draft_context += draft_context(c, len(draft))
+                budget, rows, context = step.budget, step.decode_rows, step.decode_context
+                if not ok:
                     continue
-                step.add(req, 1 + len(draft) if draft else 1)
-                if draft:
-                    step.draft_rows += len(draft)
-                    step.draft_context += draft_context(c, len(draft))
             rows += 1
             context += c + 1
+        step.budget = budget
         step.decode_rows = rows
         step.decode_context = context
         if prefilling or self.waiting:
@@ -252,15 +258,17 @@ class Scheduler(PinReview, Admission, StepResults):
 
         if step.capped:
             self.stats.capped_steps += 1
-        chunks = out.chunks
+        add = out.chunks.append
+        chunk = ScheduledChunk
         for req, n in scheduled.items():
             start = req.num_computed_tokens
             draft = drafts.get(req) if drafts else None
             if draft:
-                chunks.append(ScheduledChunk(req, start, n, True, tuple(draft)))
+                add(chunk(req, start, n, True, tuple(draft)))
             else:
-                chunks.append(ScheduledChunk(req, start, n, start + n == len(req.token_ids)))
+                add(chunk(req, start, n, start + n == len(req.token_ids)))
             req.num_computed_tokens = start + n
+        out.features = step.features
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
         return out
 

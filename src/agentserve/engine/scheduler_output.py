@@ -42,6 +42,9 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     preempted: list[Request] = field(default_factory=list)
+    # (prefill tokens, attention pairs, decode rows, decode context, draft rows, draft context),
+    # gathered by the scheduler as it scheduled (None: step_features computes them from the chunks)
+    features: tuple[int, int, int, int, int, int] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -15,7 +15,7 @@ from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.engine.spec_decode import Speculator
-from agentserve.engine.step_time import StepTimeModel, attention_pairs, draft_context
+from agentserve.engine.step_time import StepTimeModel, step_features
 from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy
@@ -57,26 +57,18 @@ class StepResults:
         bs = kv.block_size
         sampled = result.sampled
         hook = self.token_hook
+        track_service = self.policy.tracks_service
         reserve_tokens = self.policy.decode_reserve_tokens
         held = 0  # the change of the running requests' reserves (admission.py), inlined: it runs per row
         tokens_out = 0
-        # the step's features for the step-time model, gathered on the way
-        prefill = attention = decodes = context = draft_rows = draft_context_sum = 0
+        running = RequestStatus.RUNNING
         for ch in out.chunks:
             req = ch.request
-            start, n, draft = ch.start, ch.num_tokens, ch.draft
-            if (n == 1 or draft) and start >= req.num_prompt_tokens:
-                decodes += 1
-                context += start + 1
-                if draft:
-                    draft_rows += len(draft)
-                    draft_context_sum += draft_context(start, len(draft))
-            else:
-                prefill += n
-                attention += attention_pairs(start, n)
-            if req.status is not RequestStatus.RUNNING:
+            draft = ch.draft
+            if req.status is not running:
                 continue  # aborted during the step
-            req.program.attained_service += elapsed
+            if track_service:
+                req.program.attained_service += elapsed
             table = req.block_table
             if not ch.sample:
                 if req.num_computed_tokens // bs > table.num_indexed:
@@ -122,6 +114,7 @@ class StepResults:
                 req.reserve = new
         self._held += held
         stats.decode_tokens += tokens_out
+        prefill, attention, decodes, context, draft_rows, draft_ctx = out.features or step_features(out.chunks)
         stats.prefill_tokens += prefill
         if decodes:
             stats.decode_steps += 1
@@ -129,7 +122,7 @@ class StepResults:
             stats.decode_step_history.append(elapsed)
         # Steps with host copies are left out of the fit: their time is not the forward pass's.
         if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
-            self.step_model.observe(prefill, attention, decodes, context, elapsed, draft_rows, draft_context_sum)
+            self.step_model.observe(prefill, attention, decodes, context, elapsed, draft_rows, draft_ctx)
         return finished
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

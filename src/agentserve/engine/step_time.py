@@ -57,32 +57,27 @@ def attention_pairs(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 
-def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int]:
-    """(prefill tokens, attention pairs of the prefill chunks, decode rows, decode context)."""
-    p = a = d = k = 0
+def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int, int, int]:
+    """(prefill tokens, attention pairs of the prefill chunks, decode rows, decode context,
+    draft rows, draft context) of a step's chunks. The scheduler gathers the same as it
+    schedules (StepBudget.features); this is for a step put together otherwise."""
+    p = a = d = k = r = rk = 0
     for ch in chunks:
         if ch.is_decode:
             d += 1
             k += ch.start + 1
+            if ch.draft:
+                r += len(ch.draft)
+                rk += draft_context(ch.start, len(ch.draft))
         else:
             p += ch.num_tokens
             a += attention_pairs(ch.start, ch.num_tokens)
-    return p, a, d, k
+    return p, a, d, k, r, rk
 
 
 def draft_context(start: int, n: int) -> int:
     """Context the `n` draft rows after a decode at position `start` attend to."""
     return n * (start + 1) + n * (n + 1) // 2
-
-
-def draft_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int]:
-    """(speculative draft rows, the context they attend to)."""
-    r = rk = 0
-    for ch in chunks:
-        if ch.draft:
-            r += len(ch.draft)
-            rk += draft_context(ch.start, len(ch.draft))
-    return r, rk
 
 
 class StepTimeModel:
@@ -288,7 +283,7 @@ class StepBudget:
     while decodes run under a step-time target, the prefill time left."""
 
     __slots__ = ("budget", "scheduled", "decode_rows", "decode_context", "draft_rows", "draft_context", "time_left",
-                 "prefill_tokens",
+                 "prefill_tokens", "attention",
                  "capped", "model", "min_chunk")
 
     def __init__(self, budget: int, model: StepTimeModel, min_chunk: int) -> None:
@@ -300,6 +295,7 @@ class StepBudget:
         self.draft_context = 0
         self.time_left: float | None = None  # None: no cap
         self.prefill_tokens = 0
+        self.attention = 0  # attention pairs of the prefill chunks
         self.capped = False
         self.model = model
         self.min_chunk = min_chunk
@@ -309,10 +305,22 @@ class StepBudget:
         self.budget -= n
 
     def drop(self, req: Request) -> None:
-        """An already scheduled request was preempted: its tokens go back."""
+        """An already scheduled request was preempted: its tokens, and its rows in
+        the step's features, go back (its position has not advanced yet)."""
         n = self.scheduled.pop(req, None)
-        if n is not None:
-            self.budget += n
+        if n is None:
+            return
+        self.budget += n
+        c = req.num_computed_tokens
+        if c >= req.num_prompt_tokens and len(req.token_ids) - c == 1:  # a decode (and its draft)
+            self.decode_rows -= 1
+            self.decode_context -= c + 1
+            if n > 1:
+                self.draft_rows -= n - 1
+                self.draft_context -= draft_context(c, n - 1)
+        else:
+            self.prefill_tokens -= n
+            self.attention -= attention_pairs(c, n)
 
     def allow(self, start: int, want: int) -> int:
         """Prefill tokens a chunk after `start` may take of the `want` it could."""
@@ -329,5 +337,12 @@ class StepBudget:
     def add_prefill(self, req: Request, start: int, n: int) -> None:
         self.add(req, n)
         self.prefill_tokens += n
+        self.attention += attention_pairs(start, n)
         if self.time_left is not None:
             self.time_left -= self.model.chunk_time(start, n)
+
+    @property
+    def features(self) -> tuple[int, int, int, int, int, int]:
+        """The step's features for the step-time model, as `step_features` gives them."""
+        return (self.prefill_tokens, self.attention, self.decode_rows, self.decode_context, self.draft_rows,
+                self.draft_context)

@@ -60,6 +60,7 @@ _FREE = Retention("free")
 class Policy(abc.ABC):
     name: ClassVar[str]
     time_dependent: ClassVar[bool] = False  # priorities change as time passes: re-sort every step
+    tracks_service: ClassVar[bool] = False  # reads ProgramState.attained_service (kept only then: per row a step)
     # Admission headroom. 0: admit a waiting request as soon as its next chunk
     # fits, as vLLM does; under KV pressure that admits requests that later
     # preempt each other and evict the cached prefixes of programs between

@@ -17,6 +17,7 @@ from agentserve.policy.base import Policy, PolicyContext, register
 @register
 class Autellix(Policy):
     name = "autellix"
+    tracks_service = True  # levels of attained service
     time_dependent = True  # starvation promotion changes the order as time passes
 
     def __init__(self, ctx: PolicyContext, num_levels: int = 7, first_edge: float = 1.0, beta: float = 8.0) -> None:

@@ -1,0 +1,183 @@
+"""`agentserve bench sched`: the scheduler's own time a step when it holds many
+requests and pins.
+
+The real scheduler, KV manager and policy, driven by the simulator's executor
+and cost model (sim/executor.py), are held at a steady state: `running`
+requests decoding, `pins` programs pinned between turns and `waiting` requests
+queued behind the running ones. Each finished turn is pinned by the policy (the
+turns ask for a long TTL, so the pins outlive the run), and for each finished
+turn another pinned program sends its next turn (its history and a delta), so
+the counts stay where they were set. The time measured is `schedule()` plus
+`update()` per step, as CPU time of the thread (so that other processes on a
+busy machine do not count); the simulated GPU's time is not in it.
+
+A policy that does not pin (vllm-fcfs, program-fcfs, autellix) runs the same
+steps with the pins it happens to hold (none): its row says so."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from agentserve.clock import SimClock
+from agentserve.cost.cost_model import CostModel
+from agentserve.cost.profile import load_profile
+from agentserve.engine.request import Request
+from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.kv.manager import KVCacheManager
+from agentserve.sim.executor import SimExecutor
+
+DELTA_TOKENS = 96  # the new tokens of a program's next turn (a tool result)
+LONG_TTL = 1e6  # the turns' TTL hint: pins outlive the run (a policy caps it at its own maximum)
+
+
+@dataclass
+class OverheadResult:
+    policy: str
+    steps: int
+    running: float  # medians over the measured steps
+    pins: float
+    waiting: float
+    median_us: float  # scheduler time a step (schedule + update)
+    p90_us: float
+    mean_us: float
+    schedule_us: float  # the median of schedule() alone
+
+
+class _Programs:
+    """Each program's tokens so far, and its next turn."""
+
+    def __init__(self, context: int, output: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.context, self.output = context, output
+        self.history: dict[str, list[int]] = {}
+        self.turn: dict[str, int] = {}
+
+    def next_turn(self, pid: str, now: float) -> Request:
+        rng = self.rng
+        if pid in self.history:
+            prompt = self.history[pid] + [rng.randrange(1, 50_000) for _ in range(DELTA_TOKENS)]
+        else:
+            prompt = [rng.randrange(1, 50_000) for _ in range(self.context)]
+        k = self.turn.get(pid, 0)
+        self.turn[pid] = k + 1
+        # outputs of spread lengths, so that turns finish on different steps
+        max_tokens = rng.randint(max(1, self.output // 2), self.output * 3 // 2)
+        return Request(f"{pid}/{k}", pid, prompt, max_tokens, arrival_time=now, ttl_hint=LONG_TTL)
+
+    def finished(self, req: Request) -> None:
+        self.history[req.program_id] = list(req.token_ids)
+
+
+def measure(policy: str, running: int = 256, pins: int = 1000, waiting: int = 32, steps: int = 1000,
+            warmup: int = 100, context: int = 2048, output: int = 128, profile: str = "llama3.1-8b-h100",
+            block_size: int = 16, seed: int = 0) -> OverheadResult:
+    prof = load_profile(profile)
+    cost = CostModel(prof, block_size=block_size)
+    clock = SimClock()
+    programs = running + pins + waiting
+    per_program = context + 2 * output + DELTA_TOKENS * 8 + block_size  # room for a few turns each
+    kv = KVCacheManager(programs * per_program // block_size * 2, block_size)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=max(8192, context * 2),
+                                      max_step_ms_with_decodes=None), kv, policy, clock, cost.prefill_time)
+    executor = SimExecutor(clock, cost)
+    plan = _Programs(context, output, seed)
+    rng = random.Random(seed + 1)
+
+    clock_s = time.thread_time  # CPU time of this thread: what the scheduler spends, not other processes' turns
+
+    def step() -> tuple[float, float, list[Request]]:
+        t0 = clock_s()
+        out = sched.schedule()
+        t1 = clock_s()
+        result = executor.execute(out)
+        t2 = clock_s()
+        done = sched.update(out, result)
+        return t1 - t0, (t1 - t0) + (clock_s() - t2), done
+
+    # Set up: every program runs one turn (in waves of `running`), which leaves it pinned.
+    ids = [f"p{i}" for i in range(programs)]
+    for i in range(0, programs, running):
+        for pid in ids[i:i + running]:
+            sched.add_request(plan.next_turn(pid, clock.now()))
+        while sched.has_work:
+            for req in step()[2]:
+                plan.finished(req)
+    # The steady state: `running` turns of pinned programs decoding, `waiting` more queued.
+    order = [pid for pid in ids if pid in kv.pins] + [pid for pid in ids if pid not in kv.pins]
+    rng.shuffle(order)
+    for pid in order[:running + waiting]:
+        sched.add_request(plan.next_turn(pid, clock.now()))
+    free = order[running + waiting:]
+    spent, scheduling, state = [], [], []
+    for n in range(warmup + steps):
+        s_time, total, done = step()
+        for req in done:
+            plan.finished(req)
+            free.append(req.program_id)  # pinned again (or not, if the policy dropped it)
+            pid = free.pop(rng.randrange(len(free) - 1)) if len(free) > 1 else req.program_id
+            sched.add_request(plan.next_turn(pid, clock.now()))
+        if n >= warmup:
+            spent.append(total)
+            scheduling.append(s_time)
+            state.append((sched.num_running, len(kv.pins), sched.num_waiting))
+    sched.check_integrity()
+    med = statistics.median
+    return OverheadResult(
+        policy=policy, steps=steps, running=med(s[0] for s in state), pins=med(s[1] for s in state),
+        waiting=med(s[2] for s in state), median_us=med(spent) * 1e6,
+        p90_us=sorted(spent)[int(0.9 * (len(spent) - 1))] * 1e6, mean_us=statistics.fmean(spent) * 1e6,
+        schedule_us=med(scheduling) * 1e6)
+
+
+def print_table(results: list[OverheadResult]) -> None:
+    head = f"{'policy':<12} {'running':>7} {'pins':>6} {'waiting':>7} {'median us':>9} {'p90 us':>7} " \
+           f"{'mean us':>7} {'schedule us':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r.policy:<12} {r.running:>7.0f} {r.pins:>6.0f} {r.waiting:>7.0f} {r.median_us:>9.0f} "
+              f"{r.p90_us:>7.0f} {r.mean_us:>7.0f} {r.schedule_us:>11.0f}")
+
+
+def add_sched_parser(subparsers) -> argparse.ArgumentParser:
+    from agentserve.argtypes import csv_list
+
+    p = subparsers.add_parser("sched", help="the scheduler's own time a step with many running requests and pins",
+                              description=__doc__.split("\n\n")[0].replace("`agentserve bench sched`: ", ""))
+    p.add_argument("--policies", type=csv_list(str), default=["continuum", "static-ttl", "infercept", "vllm-fcfs"],
+                   help="policies to measure (default continuum,static-ttl,infercept,vllm-fcfs)")
+    p.add_argument("--running", type=int, default=256, help="requests decoding at once (default 256)")
+    p.add_argument("--pins", type=int, default=1000, help="programs pinned between turns (default 1000)")
+    p.add_argument("--waiting", type=int, default=32, help="requests queued behind the running ones (default 32)")
+    p.add_argument("--steps", type=int, default=1000, help="steps measured, after 100 of warm-up (default 1000)")
+    p.add_argument("--context", type=int, default=2048, help="tokens of a program's first prompt (default 2048)")
+    p.add_argument("--output", type=int, default=128, help="mean tokens a turn decodes (default 128)")
+    p.add_argument("--profile", default="llama3.1-8b-h100", help="the simulated GPU's cost profile")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=cmd_sched)
+    return p
+
+
+def cmd_sched(args) -> int:
+    from agentserve.cli_errors import CliError
+    from agentserve.policy.registry import policy_names
+
+    unknown = [p for p in args.policies if p not in policy_names()]
+    if unknown:
+        raise CliError(f"unknown policy {unknown[0]!r}: choose from {', '.join(policy_names())}")
+    if min(args.running, args.steps, args.context, args.output) < 1 or args.pins < 0 or args.waiting < 0:
+        raise CliError("--running, --steps, --context and --output must be >= 1; --pins and --waiting >= 0")
+    results = [measure(pol, args.running, args.pins, args.waiting, args.steps, context=args.context,
+                       output=args.output, profile=args.profile, seed=args.seed) for pol in args.policies]
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                       "results": [asdict(r) for r in results]}, f, indent=1)
+    return 0
