@@ -972,3 +972,39 @@ def test_long_randomized_sequences(eviction, host, collisions):
         if step % 500 == 499:
             m.drain()
     m.drain()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_chain_hint_gives_the_same_match_as_looking_every_block_up(seed):
+    """A program's next turn is matched from its last turn's chain (kv.chain_hint);
+    whatever happened to the index meanwhile (eviction, pruning, other programs,
+    a turn that rewrote its context, another salt) the match must be the one the
+    plain walk finds."""
+    import random
+
+    rng = random.Random(seed)
+    kv = KVCacheManager(24, BS, eviction=rng.choice(ALL_STRATEGIES), host_blocks=rng.choice([0, 6]))
+    hints: dict = {}
+    history: dict[str, list[int]] = {}
+    for step in range(60):
+        pid = rng.choice("abcd")
+        old = history.get(pid, [])
+        if old and rng.random() < 0.8:
+            keep = len(old) if rng.random() < 0.7 else rng.randrange(len(old) + 1)  # extend, or rewrite
+            toks = old[:keep] + [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
+        else:
+            toks = [rng.randrange(3) for _ in range(rng.randrange(2, 20))]
+        salt = rng.choice([None, None, "t2"])
+        plain = kv.match(toks, salt)
+        hinted = kv.match(toks, salt, hints.get(pid))  # made under this salt or another
+        assert hinted.nodes == plain.nodes, (step, pid)
+        table = kv.admit(plain, len(toks) - plain.num_tokens, float(step))
+        if table is None:
+            kv.take_copies()
+            continue
+        kv.commit(table, toks, len(toks))
+        hints[pid] = kv.chain_hint(toks, table)
+        history[pid] = toks
+        kv.free(table, float(step))
+        kv.take_copies()
+        kv.check_integrity()

@@ -285,7 +285,7 @@ class Scheduler(PinReview, Admission, StepResults):
         for req in self.waiting:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            match = self.kv.match(req.token_ids, req.cache_salt)
+            match = self.kv.match(req.token_ids, req.cache_salt, req.program.chain)
             if leaders and follows(req, match.num_tokens, leaders, bs):
                 if not req.followed:
                     req.followed = True

@@ -150,6 +150,7 @@ class StepResults:
         decision = self.policy.on_turn_end(req, prog, now)
         prog.last_tool = req.tool_name
         prog.history = req.token_ids
+        prog.chain = self.kv.chain_hint(req.token_ids, req.block_table)
         if decision.action == "pin" and decision.ttl > 0:
             self.kv.pin(pid, req.block_table, now + decision.ttl, prog.arrival_time, now)
             req.block_table = None

@@ -21,7 +21,7 @@ from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.block_table import BlockTable
 from agentserve.kv.eviction import make_strategy
 from agentserve.kv.host_tier import HostTier
-from agentserve.kv.prefix_index import Node, PrefixIndex
+from agentserve.kv.prefix_index import ChainHint, Node, PrefixIndex, common_blocks
 
 
 @dataclass
@@ -53,18 +53,6 @@ class Pin:
     expiry: float
     program_arrival: float
     num_tokens: int
-
-
-def _common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
-    """How many leading full blocks `a` and `b` share."""
-    n = min(len(a), len(b)) // block_size
-    if a[:n * block_size] == b[:n * block_size]:
-        return n
-    for i in range(n):
-        lo, hi = i * block_size, (i + 1) * block_size
-        if a[lo:hi] != b[lo:hi]:
-            return i
-    return n
 
 
 class KVCacheManager:
@@ -112,13 +100,13 @@ class KVCacheManager:
 
     # --- prefix match and admission ---
 
-    def match(self, token_ids: Sequence[int], salt: Hashable = None) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int], salt: Hashable = None, hint: ChainHint | None = None) -> PrefixMatch:
         """The reusable prefix of `token_ids` among blocks indexed under `salt`.
         At least one token is always left to compute: its logits give the first
-        output token."""
+        output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         nodes = []
-        for node in self.index.walk(token_ids, max_blocks, salt):
+        for node in self.index.walk(token_ids, max_blocks, salt, hint):
             if node.block is None and node.host_slot is None:
                 break
             nodes.append(node)
@@ -164,6 +152,15 @@ class KVCacheManager:
         st.num_indexed = len(match.nodes)
         st.last_node = match.nodes[-1] if match.nodes else self.index.root
         return st
+
+    def chain_hint(self, token_ids: Sequence[int], st: BlockTable) -> ChainHint | None:
+        """What a later `match` of a sequence that extends `token_ids` (a program's
+        next turn) needs to take the shared blocks without looking each up: the
+        chain `st` indexed them along. Taken before the table is released."""
+        node = st.last_node
+        if node is None or node is self.index.root:
+            return None
+        return ChainHint(token_ids, node, st.salt)
 
     def allocate_slots(self, st: BlockTable, num_tokens_total: int) -> bool:
         """Grow a running request's table to hold `num_tokens_total` tokens."""
@@ -306,7 +303,7 @@ class KVCacheManager:
         number of device blocks demoted (0 when the new turn extends the old).
         `salt`: the prefix cache's salt of the program's turns."""
         bs = self.block_size
-        common = _common_blocks(old_tokens, new_tokens, bs)
+        common = common_blocks(old_tokens, new_tokens, bs)
         if common >= len(old_tokens) // bs:
             return 0
         gone = self.index.walk(old_tokens, salt=salt)[common:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from dataclasses import dataclass
 
 from agentserve.kv.block import Block
 
@@ -29,6 +30,30 @@ class _SaltedKey:
     """A first block's lookup key under a salt: never equal to an unsalted key, whatever key_fn returns."""
     salt: Hashable
     key: Hashable
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int], block_size: int, limit: int | None = None) -> int:
+    """How many leading full blocks `a` and `b` share (at most `limit`)."""
+    n = min(len(a), len(b)) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    if a[:n * block_size] == b[:n * block_size]:
+        return n
+    for i in range(n):
+        lo, hi = i * block_size, (i + 1) * block_size
+        if a[lo:hi] != b[lo:hi]:
+            return i
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class ChainHint:
+    """A sequence whose full blocks were indexed along the chain ending at `node`
+    (the last indexed block of its block table), under `salt`."""
+
+    tokens: Sequence[int]
+    node: Node
+    salt: Hashable = None
 
 
 class Node:
@@ -79,16 +104,38 @@ class PrefixIndex:
             return c
         return None
 
-    def walk(self, token_ids: Sequence[int], max_blocks: int | None = None, salt: Hashable = None) -> list[Node]:
-        """The existing nodes along `token_ids`' full blocks, from the root, as far as they go."""
-        path: list[Node] = []
-        node = self.root
-        for tokens in self.blocks_of(token_ids, max_blocks):
-            node = self.child(node, tokens, salt)
+    def walk(self, token_ids: Sequence[int], max_blocks: int | None = None, salt: Hashable = None,
+             hint: ChainHint | None = None) -> list[Node]:
+        """The existing nodes along `token_ids`' full blocks, from the root, as far as they go.
+        With a `hint` (the chain of an earlier sequence, e.g. the program's last turn), the
+        blocks `token_ids` shares with it are taken from that chain without a lookup each."""
+        bs = self.block_size
+        n = len(token_ids) // bs
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        path = self._along(hint, token_ids, n, salt) if hint is not None else []
+        node = path[-1] if path else self.root
+        for i in range(len(path), n):
+            node = self.child(node, tuple(token_ids[i * bs:(i + 1) * bs]), salt)
             if node is None:
                 break
             path.append(node)
         return path
+
+    def _along(self, hint: ChainHint, token_ids: Sequence[int], n: int, salt: Hashable) -> list[Node]:
+        """The first nodes of `hint`'s chain that `token_ids` shares (none if the chain
+        was cut since: a node on it was pruned; or it was made under another salt)."""
+        if hint.salt != salt:
+            return []
+        chain = []
+        node = hint.node
+        while node is not None and node is not self.root:
+            chain.append(node)
+            node = node.parent
+        if node is not self.root:
+            return []
+        chain.reverse()
+        return chain[:common_blocks(token_ids, hint.tokens, self.block_size, min(n, len(chain)))]
 
     def get_or_create(self, parent: Node, tokens: tuple[int, ...], salt: Hashable = None) -> Node | None:
         """The child of `parent` for `tokens`, created if absent. None when a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -19,6 +20,7 @@ class ProgramState:
     ended: bool = False
     anonymous: bool = False  # a request without a program id: not a sample of program behaviour
     history: list[int] | None = None  # token ids of its last finished turn, which the next should extend
+    chain: Any = None  # where its last turn's blocks lie in the prefix index (kv ChainHint): its next match's start
 
 
 class ProgramTable:
