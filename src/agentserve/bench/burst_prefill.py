@@ -14,10 +14,9 @@ computed once per agent admitted before the first one has finished them."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -115,7 +114,6 @@ def cmd_burst(args) -> int:
     results = run_burst(args.model, args.agents, args.preamble, args.own, args.max_tokens, args.budgets, args.seed)
     print_table(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                       "results": [asdict(r) for r in results]}, f, indent=1)
+        from agentserve.bench.replay_results import write_run_json
+        write_run_json(args, results, args.json)
     return 0

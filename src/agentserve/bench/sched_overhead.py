@@ -17,11 +17,10 @@ steps with the pins it happens to hold (none): its row says so."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from agentserve.clock import SimClock
 from agentserve.cost.cost_model import CostModel
@@ -124,7 +123,7 @@ def measure(policy: str, running: int = 256, pins: int = 1000, waiting: int = 32
         if n >= warmup:
             spent.append(total)
             scheduling.append(s_time)
-            state.append((sched.num_running, len(kv.pins), sched.num_waiting))
+            state.append((sched.num_running + len(done), len(kv.pins), sched.num_waiting - len(done)))
     sched.check_integrity()
     med = statistics.median
     return OverheadResult(
@@ -177,7 +176,6 @@ def cmd_sched(args) -> int:
                        output=args.output, profile=args.profile, seed=args.seed) for pol in args.policies]
     print_table(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                       "results": [asdict(r) for r in results]}, f, indent=1)
+        from agentserve.bench.replay_results import write_run_json
+        write_run_json(args, results, args.json)
     return 0
