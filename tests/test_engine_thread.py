@@ -111,7 +111,7 @@ def test_a_failed_integrity_check_is_logged_counted_and_serving_goes_on(caplog):
                    for r in errors), caplog.text
         _complete(server, "still serving")
         _wait_for(lambda: engine.integrity_failures == 2)
-        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer test-key"}, timeout=30).text
         assert 'agentserve:kv_integrity_failures_total{model_name="tiny"} 2.0' in metrics
         snap = engine.call_sync(engine._snapshot)
         assert snap.kv_integrity_failures == 2

@@ -348,7 +348,7 @@ def test_concurrent_mixed_traffic_leaks_nothing(server, client):
 
 def test_metrics_endpoint(server, client):
     chat(client, "metrics please", max_tokens=4)
-    r = httpx.get(server.url + "/metrics")
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})  # behind the key
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     fams = {f.name: f for f in text_string_to_metric_families(r.text)}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "pinned_blocks",

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions (chat_endpoint.py), POST /v1/completions
 (completions_endpoint.py), GET /v1/models, POST /v1/programs/{id}/release and
 /end (explicit retention control, DESIGN.md "Request identity"), GET /health,
-GET /metrics.
+GET /metrics (behind the API key when there is one: its counters describe
+everyone's traffic).
 
 Every error is OpenAI's JSON shape (api_errors.py). A request is checked
 completely (auth, size, JSON, schema, model, tools, sampling values, prompt
@@ -29,16 +30,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentserve.server.api_errors import APIError, api_error_handler, http_error_handler, internal_error_handler
+from agentserve.server.api_errors import (RETRY_AFTER_S, APIError, api_error_handler, http_error_handler,
+                                          internal_error_handler)
 from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.chat_endpoint import chat_completions
 from agentserve.server.completions_endpoint import completions
 from agentserve.server.engine_thread import EngineThread
+from agentserve.server.input_checks import InputError, check_path_id
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from agentserve.server.protocol import ModelCard, ModelList
+from agentserve.server.protocol import Health, ModelCard, ModelList, ProgramEnded, ProgramReleased
 from agentserve.server.render_cache import RenderCache
 from agentserve.server.identity import scoped_program_id
-from agentserve.server.request_checks import authorize, tenant_scope
+from agentserve.server.request_checks import authorize, input_error, tenant_scope
 from agentserve.server.response_cache import ResponseCache
 from agentserve.server.server_state import ServerConfig, ServerState, server_state
 
@@ -84,12 +87,14 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
 async def health(request: Request) -> Response:
     st = server_state(request)
     if st.engine.alive:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse(Health(status="ok").model_dump())
+    return JSONResponse(Health(status="engine not running").model_dump(), status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def metrics_endpoint(request: Request) -> Response:
     st = server_state(request)
+    authorize(st, request)
     snap = await st.engine.snapshot() if st.engine.alive else None
     return Response(st.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
@@ -105,15 +110,24 @@ async def list_models(request: Request) -> Response:
 async def release_program(request: Request) -> Response:
     st = server_state(request)
     authorize(st, request)
-    pid = request.path_params["program_id"]
+    pid = _path_program_id(request)
     # another tenant's program is out of reach, and answers exactly as an unknown one
     released = await st.engine.release_program(scoped_program_id(tenant_scope(st, request), pid))
-    return JSONResponse({"program_id": pid, "released": released})
+    return JSONResponse(ProgramReleased(program_id=pid, released=released).model_dump())
 
 
 async def end_program(request: Request) -> Response:
     st = server_state(request)
     authorize(st, request)
-    pid = request.path_params["program_id"]
+    pid = _path_program_id(request)
     known = await st.engine.end_program(scoped_program_id(tenant_scope(st, request), pid))
-    return JSONResponse({"program_id": pid, "ended": True, "known": known})
+    return JSONResponse(ProgramEnded(program_id=pid, known=known).model_dump())
+
+
+def _path_program_id(request: Request) -> str:
+    pid = request.path_params["program_id"]
+    try:
+        check_path_id(pid)
+    except InputError as e:
+        raise input_error(e) from None
+    return pid

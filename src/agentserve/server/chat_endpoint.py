@@ -19,9 +19,11 @@ from agentserve.engine.sampling_params import SamplingParams
 from agentserve.server.api_errors import APIError, engine_failure
 from agentserve.server.chat_template import TemplateError
 from agentserve.server.identity import ProgramIdentity
+from agentserve.server.input_checks import InputError
+from agentserve.server.message_checks import check_chat
 from agentserve.server.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                         ChatCompletionRequest, ChunkChoice, Delta, NamedToolChoice, now_s)
-from agentserve.server.request_checks import accept, program_identity, reject, sampling_params
+from agentserve.server.request_checks import accept, input_error, program_identity, reject, sampling_params
 from agentserve.server.request_run import (EventStream, collect, log_done, open_request, sse, submit_request,
                                            usage_of)
 from agentserve.server.request_stream import EngineError, EngineStopped, RequestStream
@@ -94,6 +96,10 @@ def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = N
 
 async def chat_completions(request: Request) -> Response:
     st, req, model = await accept(request, ChatCompletionRequest)
+    try:
+        check_chat(req)
+    except InputError as e:
+        raise input_error(e) from None
     reject(bool(req.logprobs) or bool(req.top_logprobs), "logprobs are not supported", "logprobs")
     reject(req.response_format is not None and req.response_format.type != "text",
            "response_format other than text is not supported yet", "response_format")

@@ -9,122 +9,185 @@ ignoring them. A few extensions other servers accept are declared too: `top_k`,
 program-identity fields of DESIGN.md ("Request identity"), with the agent-hint
 spellings of other engines that identity.py maps to them.
 
+Declared fields are strict: a value of the wrong JSON type is a 400, never
+coerced (`"8"` is not a number, `"yes"` not a boolean), because a silently
+converted value is a request the client did not send. Ranges are OpenAI's
+documented ones; every id is at most MAX_ID_LENGTH characters. Messages are
+told apart by role, each with the fields OpenAI requires of it, and these same
+models generate the OpenAPI document (openapi.py).
+
 Responses are pydantic models dumped to JSON; a streaming delta drops its
 unset fields, as OpenAI's chunks do."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from agentserve.server.identity import MAX_ID_LENGTH, MAX_SALT_LENGTH
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+Id = Annotated[str, Field(max_length=MAX_ID_LENGTH)]
+NonEmptyId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
+ToolName = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 # --- requests -----------------------------------------------------------------
 
 
-class FunctionCallIn(_Lenient):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
+class TextPart(_Strict):
+    """A content part. Only text parts reach the model; another type is refused
+    by name when the messages are rendered (chat_template.py)."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> TextPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs `text`")
+        return self
 
 
-class ToolCallIn(_Lenient):
-    id: str | None = None
+Content = Union[str, list[TextPart]]
+
+
+class FunctionCallIn(_Strict):
+    name: ToolName
+    arguments: str | dict[str, Any] = "{}"  # a JSON object as a string (OpenAI's format), or the object
+
+
+class ToolCallIn(_Strict):
+    id: NonEmptyId
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+class _Message(_Strict):
+    name: str | None = Field(None, max_length=256)
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]  # developer: OpenAI's newer name for the system role
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessageIn(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None
     tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessageIn:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs `content` or `tool_calls`")
+        return self
 
 
-class FunctionDef(_Lenient):
-    name: str = Field(min_length=1, max_length=256)
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: NonEmptyId
+
+
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessageIn, ToolMessage],
+                        Field(discriminator="role")]
+
+
+class FunctionDef(_Strict):
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Lenient):
+class ToolDef(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedFunction(_Lenient):
-    name: str
+class NamedFunction(_Strict):
+    name: ToolName
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(_Strict):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(_Strict):
     type: str = "text"
 
 
-class CacheControlHint(_Lenient):
-    ttl: float | None = None  # seconds
+class CacheControlHint(_Strict):
+    ttl: float | None = Field(None, ge=0.0, allow_inf_nan=False)  # seconds
 
 
-class AgentHint(_Lenient):
+class AgentHint(_Strict):
     """vLLM's agent-hint RFC (`agent_hint`); identity.py maps what is used."""
-    session_id: str | None = None
+    session_id: Id | None = None
     cache_control: CacheControlHint | None = None
 
 
-class AgentHints(_Lenient):
+class AgentHints(_Strict):
     """SGLang's `agent_hints`; identity.py maps what is used."""
-    workflow_id: str | None = None
-    agent_id: str | None = None
-    cache_ttl_ms: float | None = None
+    workflow_id: Id | None = None
+    agent_id: Id | None = None
+    cache_ttl_ms: float | None = Field(None, ge=0.0, allow_inf_nan=False)
 
 
-class _Common(_Lenient):
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenCount = Annotated[int, Field(ge=1)]
+
+
+class _Common(_Strict):
     """Fields both endpoints share: sampling, streaming, identity hints."""
 
-    model: str | None = None
+    model: Id | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    max_tokens: TokenCount | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)
+    stop: str | list[str] | None = None  # at most 16 strings (SamplingParams)
+    n: int | None = Field(1, ge=1, le=128)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: Id | None = None
     # extensions (vLLM's names)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # program identity and retention hints (DESIGN.md, "Request identity")
-    program_id: str | None = None
-    session_id: str | None = None
-    ttl: float | None = None
+    program_id: Id | None = None
+    session_id: Id | None = None
+    ttl: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     release_program: bool = False
     end_program: bool = False
     # the same, as other engines spell it (identity.py maps them)
-    job_id: str | None = None  # Continuum
+    job_id: Id | None = None  # Continuum
     is_last_step: bool = False  # Continuum
     agent_hint: AgentHint | None = None  # vLLM's agent-hint RFC
     agent_hints: AgentHints | None = None  # SGLang
     # prefix-cache hits only among requests with an equal salt (vLLM's name)
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_LENGTH)
 
 
 class ChatCompletionRequest(_Common):
@@ -132,9 +195,9 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
 
 
@@ -142,8 +205,8 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=5)
 
 
 # --- responses ----------------------------------------------------------------
@@ -265,6 +328,21 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ProgramReleased(BaseModel):
+    program_id: str
+    released: bool  # whether a pin was dropped
+
+
+class ProgramEnded(BaseModel):
+    program_id: str
+    ended: Literal[True] = True
+    known: bool  # whether the server held anything of the program
+
+
+class Health(BaseModel):
+    status: str  # "ok", or why not
 
 
 class ErrorBody(BaseModel):

@@ -1,7 +1,8 @@
 """The checks a request passes before it reaches the engine: API key, body
-size and JSON, the body's schema, the model name, unsupported fields, the
-program identity, and sampling values and lengths as OpenAI checks them
-(prompt + completion within the context). Each failure is an `APIError`.
+size and JSON, valid Unicode text throughout, the body's schema (strict
+types, OpenAI's ranges), the model name, unsupported fields, the program
+identity, and sampling values and lengths as OpenAI checks them (prompt +
+completion within the context). Each failure is an `APIError`.
 
 The body is parsed by hand rather than by FastAPI's dependency injection: the
 error replies must be OpenAI's 400s, not FastAPI's 422s, and the body limit
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.server.api_errors import APIError
 from agentserve.server.identity import IdentityError, ProgramIdentity, resolve_identity
+from agentserve.server.input_checks import InputError, check_id_headers, check_text, error_text, param_of
 from agentserve.server.server_state import ServerState, server_state
 
 
@@ -61,7 +63,15 @@ async def read_json(st: ServerState, request: Request) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
+    try:
+        check_text(obj)
+    except InputError as e:
+        raise input_error(e) from None
     return obj
+
+
+def input_error(e: InputError) -> APIError:
+    return APIError(400, str(e), param=e.param)
 
 
 def validate_body(model: type[BaseModel], obj: dict) -> Any:
@@ -69,10 +79,12 @@ def validate_body(model: type[BaseModel], obj: dict) -> Any:
         return model.model_validate(obj)
     except ValidationError as e:
         errs = e.errors(include_url=False)
-        first = errs[0]
-        loc = ".".join(str(x) for x in first["loc"])
+        # the deepest error is the most specific one: for a value that matches no
+        # branch of a union, the branch the client meant is the one it got furthest in
+        first = max(errs, key=lambda err: len(err["loc"]))
+        param = param_of(first["loc"])
         more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
-        raise APIError(400, f"{loc or 'body'}: {first['msg']}{more}", param=loc or None) from None
+        raise APIError(400, f"{param or 'body'}: {error_text(first['msg'])}{more}", param=param or None) from None
 
 
 def check_model(st: ServerState, name: str | None) -> str:
@@ -108,7 +120,10 @@ async def accept(request: Request, body_model: type[BaseModel]) -> tuple[ServerS
 
 def program_identity(req: Any, request: Request) -> ProgramIdentity:
     try:
+        check_id_headers(request.headers)
         return resolve_identity(req, request.headers, tenant_scope(server_state(request), request))
+    except InputError as e:
+        raise input_error(e) from None
     except IdentityError as e:
         raise APIError(400, str(e), param=e.param) from None
 
@@ -134,8 +149,6 @@ def sampling_params(st: ServerState, req: Any, num_prompt: int, max_tokens: int 
                             f"were requested ({num_prompt} in the {prompt_param}, {max_tokens} in the completion); "
                             f"reduce the {prompt_param} or {max_param}", param=max_param,
                        code="context_length_exceeded")
-    if req.seed is not None and not -2**63 <= req.seed < 2**64:
-        raise APIError(400, "seed must fit in 64 bits", param="seed")
     vocab = st.llm.config.vocab_size
     bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
     if bad:
