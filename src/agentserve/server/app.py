@@ -4,7 +4,7 @@ Endpoints: POST /v1/chat/completions (chat_endpoint.py), POST /v1/completions
 (completions_endpoint.py), GET /v1/models, POST /v1/programs/{id}/release and
 /end (explicit retention control, DESIGN.md "Request identity"), GET /health,
 GET /metrics (behind the API key when there is one: its counters describe
-everyone's traffic).
+everyone's traffic), GET /openapi.json (openapi.py).
 
 Every error is OpenAI's JSON shape (api_errors.py). A request is checked
 completely (auth, size, JSON, schema, model, tools, sampling values, prompt
@@ -38,6 +38,7 @@ from agentserve.server.completions_endpoint import completions
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.input_checks import InputError, check_path_id
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from agentserve.server.openapi import openapi_document
 from agentserve.server.protocol import Health, ModelCard, ModelList, ProgramEnded, ProgramReleased
 from agentserve.server.render_cache import RenderCache
 from agentserve.server.identity import scoped_program_id
@@ -71,6 +72,7 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -90,6 +92,13 @@ async def health(request: Request) -> Response:
         return JSONResponse(Health(status="ok").model_dump())
     return JSONResponse(Health(status="engine not running").model_dump(), status_code=503,
                         headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def openapi_endpoint(request: Request) -> Response:
+    st = server_state(request)
+    if st.openapi is None:
+        st.openapi = openapi_document(st.config.served_model_names, auth=st.config.tenants.enabled)
+    return JSONResponse(st.openapi)
 
 
 async def metrics_endpoint(request: Request) -> Response:

@@ -22,7 +22,7 @@ from agentserve.server.tool_validation import ValidatorConfig
 @dataclass
 class ServerConfig:
     served_model_names: list[str]  # the first is reported; any of them is accepted as `model`
-    api_key: str | None = None  # Bearer token required on /v1/* when set (tenant api-key-1)
+    api_key: str | None = None  # Bearer token required on /v1/* and /metrics when set (tenant api-key-1)
     api_keys: dict[str, str] = field(default_factory=dict)  # more keys: key -> tenant (tenants.py)
     cached_tokens_report: Literal["exact", "none"] = "exact"  # none: usage says 0 cached tokens
     max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
@@ -52,6 +52,7 @@ class ServerState:
     warned_unconstrained: bool = False
     render_cache: RenderCache | None = None
     response_cache: ResponseCache | None = None
+    openapi: dict[str, Any] | None = None  # the OpenAPI document, built on its first request
 
     @property
     def model_name(self) -> str:
