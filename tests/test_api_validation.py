@@ -142,6 +142,7 @@ OUT_OF_RANGE = [
     ({"top_logprobs": 21}, "top_logprobs"), ({"logit_bias": {"5": 101}}, "logit_bias.5"),
     ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"top_k": -2}, "top_k"),
     ({"stop_token_ids": [-1]}, "stop_token_ids[0]"), ({"ttl": -1, "program_id": "p"}, "ttl"),
+    ({"top_k": 2**70}, "top_k"),  # was a failed engine step: a 500, and every request in that step aborted
 ]
 
 
@@ -152,7 +153,7 @@ def test_openai_ranges(server, extra, param):
 
 def test_range_edges_and_ints_for_floats_pass(server):
     for extra in ({"temperature": 2}, {"temperature": 0}, {"top_p": 1}, {"presence_penalty": 0},
-                  {"seed": 2**64 - 1}, {"seed": -2**63}, {"n": 1}, {"top_k": -1}):
+                  {"seed": 2**64 - 1}, {"seed": -2**63}, {"n": 1}, {"top_k": -1}, {"top_k": 2**63 - 1}):
         r = post(server, {**CHAT, **extra})
         assert r.status_code == 200, (extra, r.text)
     refused(post(server, {**COMPLETION, "logprobs": 6}, "/v1/completions"), "logprobs")
@@ -220,6 +221,35 @@ def test_duplicate_tool_names_are_refused(server):
     err = refused(post(server, {**CHAT, "tools": [WEATHER, other, WEATHER]}), "tools[2].function.name")
     assert "'get_weather'" in err["message"] and "tools[0]" in err["message"]
     assert post(server, {**CHAT, "tools": [WEATHER, other]}).status_code == 200
+
+
+def _nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_tool_parameters_nest_at_most_64_levels(server):
+    def tools(levels: int) -> list:
+        return [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "default": _nested(levels - 1)}}}]  # the schema object is a level too
+
+    assert post(server, {**CHAT, "tools": tools(64)}).status_code == 200
+    err = refused(post(server, {**CHAT, "tools": tools(65)}), "tools[0].function.parameters")
+    assert "64 levels" in err["message"]
+
+
+def test_a_schema_xgrammar_refuses_only_when_compiling_is_a_400(server):
+    """A negative minLength passes xgrammar's schema conversion and fails its grammar
+    compilation; that failure used to read as 'xgrammar is not installed', so the
+    call went out unconstrained."""
+    pytest.importorskip("xgrammar")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "minLength": -1}}, "required": ["x"]}}}
+    err = refused(post(server, {**CHAT, "tools": [tool], "tool_choice": "required"}), "tools")
+    assert "not a usable JSON schema" in err["message"] and ".cc" not in err["message"]
+    still_serving(server)
 
 
 # --- ids ----------------------------------------------------------------------------------

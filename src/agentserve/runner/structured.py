@@ -89,11 +89,13 @@ class ToolGrammars:
         xgr = _xgr()
         try:
             body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-        except Exception as e:  # xgrammar reports unsupported schema features as plain errors
+            grammar = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
+                                         xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+            compiled = self._compiler.compile_grammar(grammar)
+        except Exception as e:  # xgrammar reports unsupported schema features as plain errors, some only
+            # when the grammar compiles (a negative minLength): either way the client's schema is at fault
             raise ValueError(f"a tool's parameters are not a usable JSON schema: {e}") from None
-        grammar = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
-                                     xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
-        c = ToolCallConstraint(self._compiler.compile_grammar(grammar), key)
+        c = ToolCallConstraint(compiled, key)
         self._cache[key] = c
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

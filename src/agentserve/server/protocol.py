@@ -172,7 +172,7 @@ class _Common(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: Id | None = None
     # extensions (vLLM's names)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it as a 64-bit integer
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # program identity and retention hints (DESIGN.md, "Request identity")
