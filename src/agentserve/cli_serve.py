@@ -57,8 +57,8 @@ def add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible API: POST /v1/chat/completions (tools, streaming), "
-                    "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus), and "
-                    "POST /v1/programs/{id}/release|end. Requests of one agent program are tied together by "
+                    "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus), "
+                    "POST /v1/programs/{id}/release|end, and GET /openapi.json. Requests of one agent program are tied together by "
                     "the X-Program-Id header (or program_id / session_id / user); the scheduler keeps a "
                     "program's KV across its tool calls for a learned TTL.",
         formatter_class=_HelpFormatter)
@@ -70,10 +70,10 @@ def add_serve(sub) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open); give it "
-                        "several times for several tenants (api-key-1, api-key-2, ... in order). With two or more "
-                        "tenants each one's prefix-cache hits, cached responses and program ids are its own: no "
-                        "tenant can hit, detect, release or end another's")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (health and /openapi.json stay "
+                        "open); give it several times for several tenants (api-key-1, api-key-2, ... in order). With "
+                        "two or more tenants each one's prefix-cache hits, cached responses and program ids are its "
+                        "own: no tenant can hit, detect, release or end another's")
     g.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="keys and their tenants, one 'KEY TENANT' per line (a tenant name: letters, digits, '.', "
                         "'_', '-'; several keys may name one tenant; blank lines and lines starting with # are "
