@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None, help="the key of the server at --url")
     p.add_argument("--examples", type=int, default=100, help="requests per operation and generation mode, at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds one request may take (a generated request without max_tokens decodes to the "
+                        "end of the context: minutes on a busy CPU)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: positive (valid by the schema), "
                                                             "negative (invalid by it)")
     p.add_argument("--max-model-len", type=int, default=256, help="context of the started server")
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         server = _serve(args, key)
         url = server.base_url
     try:
-        report = fuzz(url.rstrip("/"), api_key=key, examples=args.examples, seed=args.seed, modes=modes)
+        report = fuzz(url.rstrip("/"), api_key=key, examples=args.examples, seed=args.seed, modes=modes,
+                      timeout_s=args.timeout)
         if server is not None and not server.alive:
             report.alive_after = False
     finally:
