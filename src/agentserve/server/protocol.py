@@ -134,21 +134,23 @@ class ResponseFormat(_Strict):
     type: str = "text"
 
 
+# The other engines' hints are typed here; their values (ids within MAX_ID_LENGTH,
+# finite TTLs >= 0) are checked where they are mapped, in identity.py.
 class CacheControlHint(_Strict):
-    ttl: float | None = Field(None, ge=0.0, allow_inf_nan=False)  # seconds
+    ttl: float | None = None  # seconds
 
 
 class AgentHint(_Strict):
     """vLLM's agent-hint RFC (`agent_hint`); identity.py maps what is used."""
-    session_id: Id | None = None
+    session_id: str | None = None
     cache_control: CacheControlHint | None = None
 
 
 class AgentHints(_Strict):
     """SGLang's `agent_hints`; identity.py maps what is used."""
-    workflow_id: Id | None = None
-    agent_id: Id | None = None
-    cache_ttl_ms: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    workflow_id: str | None = None
+    agent_id: str | None = None
+    cache_ttl_ms: float | None = None
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -182,7 +184,7 @@ class _Common(_Strict):
     release_program: bool = False
     end_program: bool = False
     # the same, as other engines spell it (identity.py maps them)
-    job_id: Id | None = None  # Continuum
+    job_id: str | None = None  # Continuum (its length: identity.py)
     is_last_step: bool = False  # Continuum
     agent_hint: AgentHint | None = None  # vLLM's agent-hint RFC
     agent_hints: AgentHints | None = None  # SGLang
