@@ -24,6 +24,7 @@ from server_fixtures import start_tiny_server
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install '.[test]')")
 
 from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
@@ -60,6 +61,7 @@ def _call(tool: str) -> str:
 
 @pytest.fixture(scope="module")
 def browser():
+    offline = os.environ.get("SE_OFFLINE")
     os.environ["SE_OFFLINE"] = "true"  # Selenium Manager, should anything call it, stays off the network
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
@@ -69,10 +71,16 @@ def browser():
                 # loopback only: any other name resolves to nothing
                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"):
         opts.add_argument(arg)
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
+    try:
+        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
+        driver.set_page_load_timeout(30)
+        yield driver
+        driver.quit()
+    finally:
+        if offline is None:
+            del os.environ["SE_OFFLINE"]
+        else:
+            os.environ["SE_OFFLINE"] = offline
 
 
 def _wait(driver, what, timeout: float = 30.0, message: str = ""):
@@ -188,7 +196,6 @@ def test_dashboard_updates_live_and_writes_a_screenshot(browser):
 def test_with_an_api_key_the_page_asks_for_it(browser):
     srv, _, _ = start_tiny_server(api_key="browser-key")
     try:
-        browser.execute_script("sessionStorage.clear()") if browser.current_url.startswith("http") else None
         browser.get(srv.url + "/dashboard")
         form = _wait(browser, lambda d: d.find_element(By.ID, "keyform") if d.find_element(By.ID, "keyform")
                      .is_displayed() else None, message="the page did not ask for the key")
