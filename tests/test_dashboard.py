@@ -33,10 +33,11 @@ def _out(rid: str, pid: str, *, finished: bool = False, arrival: float = 0.0, to
                          None, 10, 4, arrival, arrival + 0.2, finish_time, 0.1)
 
 
-def _live(rid: str, pid: str, status: str, arrival: float = 0.0, anonymous: bool = False):
+def _live(rid: str, pid: str, status: str, arrival: float = 0.0, anonymous: bool = False, blocks=()):
+    table = SimpleNamespace(blocks=[SimpleNamespace(block_id=b) for b in blocks], released=False) if blocks else None
     return SimpleNamespace(request_id=rid, program_id=pid, anonymous=anonymous, arrival_time=arrival,
                            num_prompt_tokens=10, first_scheduled_time=None if status == "waiting" else arrival + 0.1,
-                           status=SimpleNamespace(value=status))
+                           status=SimpleNamespace(value=status), block_table=table)
 
 
 # --- the timeline, alone ---------------------------------------------------------------
@@ -112,11 +113,11 @@ def _scheduler():
     decisions = DecisionLog()
     decisions.add(Decision(9.0, "ra", "a/1", "search", "pin", 30.0, 2.0, 3))
     decisions.add(Decision(9.5, "rb", "b/1", "secret_tool", "pin", 20.0, 1.0, 5))
-    running = [_live("ra2", "a/1", "running", 9.8), _live("rb2", "b/2", "running", 9.9)]
+    running = [_live("ra2", "a/1", "running", 9.8, blocks=[6, 7]),
+               _live("rb2", "b/2", "running", 9.9, blocks=[8, 9])]
     kv = SimpleNamespace(pins={"a/1": _Pin([1, 2], 40.0), "b/1": _Pin([3, 4, 5], 30.0)}, num_blocks=20,
                          block_size=4, num_free_blocks=10, num_pinned_blocks=5,
-                         pool=SimpleNamespace(num_cached_free=6), host=SimpleNamespace(enabled=False),
-                         num_blocks_of=lambda rid: 2, block_ids=lambda rid: {"ra2": [6, 7], "rb2": [8, 9]}[rid])
+                         pool=SimpleNamespace(num_cached_free=6), host=SimpleNamespace(enabled=False))
     return SimpleNamespace(waiting=[], running=running, kv=kv, programs={"a/1", "b/1", "b/2"},
                            policy=SimpleNamespace(name="continuum", decisions=decisions),
                            stats=SimpleNamespace(pins_created=2, pins_hit=0, pins_expired=0, pins_reclaimed=0))
@@ -124,24 +125,27 @@ def _scheduler():
 
 def test_a_tenant_sees_only_its_own_programs_pins_decisions_and_blocks():
     sched = _scheduler()
-    source = DashboardSource(tenant_of=lambda pid: pid.split("/")[0])
+    source = DashboardSource()
     source.timeline.on_request_output(_out("ra", "a/1", finished=True, arrival=5.0, finish_time=9.0, reason="stop"),
                                       9.0, None)
     source.timeline.on_request_output(_out("rb", "b/1", finished=True, arrival=5.0, finish_time=9.5, reason="stop"),
                                       9.5, None)
-    a = build_state(sched, source, 10.0, "a")
-    assert [p["id"] for p in a["programs"]] == ["a/1"]
-    assert [p["program_id"] for p in a["pins"]] == ["a/1"] and a["pins"][0]["ttl_left"] == 30.0
-    assert [d["program_id"] for d in a["decisions"]] == ["a/1"]
+    source.timeline.on_request_output(_out("anon", "anon"), 9.6, None)  # no program id: nobody's
+    a = build_state(sched, source, 10.0, "a", "a")
+    assert (a["tenant"], a["scoped"]) == ("a", True)
+    assert [p["id"] for p in a["programs"]] == ["1"]  # the id its client sent, without the tenant
+    assert [p["program_id"] for p in a["pins"]] == ["1"] and a["pins"][0]["ttl_left"] == 30.0
+    assert [d["program_id"] for d in a["decisions"]] == ["1"]
     assert a["kv"]["states"] == {"running": 2, "pinned": 2, "other": 16}
-    assert a["requests"] == {"running": 1, "waiting": 0} and "counters" not in a
+    assert a["requests"] == {"running": 1, "waiting": 0} and "counters" not in a and a["one_shot"] == []
     assert "secret_tool" not in json.dumps(a) and "b/" not in json.dumps(a)
     # the turn of a/1 carries its decision: the tool that followed and the TTL kept for it
     (turn,) = [t for t in a["programs"][0]["turns"] if t["id"] == "ra"]
     assert (turn["tool"], turn["action"], turn["ttl"], turn["end"]) == ("search", "pin", 30.0, -1.0)
-    # without a tenant (a server without keys): everything, and the whole pool by state
-    everyone = build_state(sched, source, 10.0, None)
-    assert {p["id"] for p in everyone["programs"]} == {"a/1", "b/1", "b/2"}
+    # unscoped (one tenant or none): everything, and the whole pool by state
+    everyone = build_state(sched, source, 10.0, None, "a")
+    assert {p["id"] for p in everyone["programs"]} == {"a/1", "b/1", "b/2"} and not everyone["scoped"]
+    assert [t["id"] for t in everyone["one_shot"]] == ["anon"]
     assert everyone["kv"]["states"] == {"running": 5, "pinned": 5, "cached": 6, "free": 4}
     assert everyone["counters"]["decisions"] == 2
 
@@ -169,7 +173,7 @@ def test_the_page_is_served_and_the_state_needs_the_key(server):
     assert _state(server, "wrong").status_code == 401
     r = _state(server)
     assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
-    assert r.json()["tenant"] == "default"
+    assert r.json()["tenant"] == "api-key-1" and not r.json()["scoped"]  # one tenant: nobody to hide from
 
 
 def test_a_program_shows_its_turns_tool_gap_pin_and_decision(server):
@@ -224,3 +228,33 @@ def test_an_abandoned_stream_shows_as_aborted(server):
             break
         time.sleep(0.05)
     assert prog["turns"][0]["outcome"] == "abort" and prog["turns"][0]["end"] is not None
+
+
+def test_with_two_tenants_a_caller_sees_its_own_running_blocks_and_programs_only():
+    srv, llm, _ = start_tiny_server(api_key="key-a", config={"api_keys": {"key-b": "team-b"}})
+    try:
+        def long_answer(key: str, pid: str) -> None:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            c.completions.create(model="tiny", prompt="a long story " * 20, max_tokens=400,
+                                 extra_body={"ignore_eos": True}, extra_headers={"X-Program-Id": pid})
+
+        import threading
+        threads = [threading.Thread(target=long_answer, args=a) for a in (("key-a", "a-long"), ("key-b", "b-long"))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while True:
+            a = _state(srv, "key-a").json()
+            if (a["kv"]["states"]["running"] > 0 and a["requests"]["running"] == 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        for t in threads:
+            t.join(60)
+        assert (a["tenant"], a["scoped"]) == ("api-key-1", True)
+        assert a["requests"]["running"] == 1 and a["kv"]["states"]["running"] > 0
+        assert set(a["kv"]["states"]) == {"running", "pinned", "other"} and "counters" not in a
+        assert [p["id"] for p in a["programs"]] == ["a-long"] and "b-long" not in json.dumps(a)
+        b = _state(srv, "key-b").json()
+        assert b["tenant"] == "team-b" and [p["id"] for p in b["programs"]] == ["b-long"]
+    finally:
+        srv.stop()

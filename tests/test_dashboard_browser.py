@@ -153,7 +153,7 @@ def test_dashboard_updates_live_and_writes_a_screenshot(browser):
     try:
         browser.get(srv.url + "/dashboard")
         _wait(browser, lambda d: d.find_element(By.ID, "status").text == "live", message="the page never went live")
-        assert browser.find_element(By.ID, "scope").text == "all tenants"
+        assert browser.find_element(By.ID, "scope").text == "all programs (no API key)"
         assert not browser.find_elements(By.CSS_SELECTOR, "#timeline g.program")
         Select(browser.find_element(By.ID, "window")).select_by_value("15")
         threads = _traffic(srv.url, scripted, stop, errors)
@@ -193,9 +193,13 @@ def test_dashboard_updates_live_and_writes_a_screenshot(browser):
     assert not errors, errors
 
 
-def test_with_an_api_key_the_page_asks_for_it(browser):
-    srv, _, _ = start_tiny_server(api_key="browser-key")
+def test_with_api_keys_the_page_asks_for_one_and_shows_only_its_tenant(browser):
+    srv, _, _ = start_tiny_server(api_key="key-a", config={"api_keys": {"key-b": "team-b"}})
     try:
+        for key, pid in (("key-a", "mine-1"), ("key-b", "theirs-1")):
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           extra_headers={"X-Program-Id": pid})
         browser.get(srv.url + "/dashboard")
         form = _wait(browser, lambda d: d.find_element(By.ID, "keyform") if d.find_element(By.ID, "keyform")
                      .is_displayed() else None, message="the page did not ask for the key")
@@ -206,13 +210,17 @@ def test_with_an_api_key_the_page_asks_for_it(browser):
         assert not browser.find_element(By.ID, "main").is_displayed()
         key = browser.find_element(By.ID, "key")
         key.clear()
-        key.send_keys("browser-key")
+        key.send_keys("key-a")
         browser.find_element(By.ID, "keysubmit").click()
         try:
             _wait(browser, lambda d: d.find_element(By.ID, "main").is_displayed(), timeout=10)
         except TimeoutException:
             pytest.fail("the right key did not open the dashboard")
-        assert browser.find_element(By.ID, "scope").text == "tenant default"
+        assert browser.find_element(By.ID, "scope").text == "tenant api-key-1 (its programs only)"
+        _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#timeline g.program[data-program="mine-1"]'),
+              message="the tenant's own program is not shown")
+        shown = {g.get_attribute("data-program") for g in browser.find_elements(By.CSS_SELECTOR, "#timeline g.program")}
+        assert shown == {"mine-1"} and "theirs" not in browser.page_source
         legend = browser.find_element(By.ID, "kv-legend").text
         assert "other" in legend and "cached" not in legend  # a tenant sees only its own blocks
     finally:

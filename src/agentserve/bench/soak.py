@@ -266,7 +266,7 @@ def add_soak_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic (default 1800)")
     p.add_argument("--max-turns", type=int, default=6, help="turns of a program at most (default 6)")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each turn (default 16)")
-    p.add_argument("--tenants", type=int, default=1, help="API keys the programs take in turn (default 1; the "
+    p.add_argument("--tenants", type=int, default=2, help="API keys the programs take in turn (default 2; the "
                    "started server gets each as --api-key; 0: no key)")
     p.add_argument("--keys", type=csv_list(str), default=None,
                    help="with --url: the server's API keys, comma-separated")

@@ -4,7 +4,8 @@ the page polls, dashboard_view.py).
 
 The page holds no data, so it is served to anyone; the state needs the API
 key when the server has one (the page asks for it and keeps it for the
-browser tab), and shows the caller only their tenant's programs."""
+browser tab), and on a server with several tenants shows the caller only
+their tenant's programs (dashboard_view.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from agentserve.server.api_errors import APIError
-from agentserve.server.dashboard_view import DEFAULT_TENANT, build_state
+from agentserve.server.dashboard_view import build_state
 from agentserve.server.request_checks import authorize
 from agentserve.server.request_stream import EngineStopped
 from agentserve.server.server_state import ServerState, server_state
@@ -28,23 +29,17 @@ def page() -> str:
     return resources.files("agentserve.server").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 
-def caller_tenant(st: ServerState, request: Request) -> str | None:
-    """Whose data the caller sees: None (everything) on a server without an API
-    key; otherwise the tenant the key belongs to (one key today: one tenant)."""
-    authorize(st, request)
-    return None if st.config.api_key is None else DEFAULT_TENANT
-
-
 async def dashboard_page(request: Request) -> Response:
     return HTMLResponse(page(), headers={"Cache-Control": "no-cache"})
 
 
 async def dashboard_state(request: Request) -> Response:
     st = server_state(request)
-    tenant = caller_tenant(st, request)
+    tenant = authorize(st, request)  # None: the server takes no key
+    scope = st.config.tenants.scope(tenant)  # None: one tenant or none, nobody to hide from
     eng = st.engine
     try:
-        state = await eng.call(lambda: build_state(eng.scheduler, st.dashboard, eng.clock.now(), tenant,
+        state = await eng.call(lambda: build_state(eng.scheduler, st.dashboard, eng.clock.now(), scope, tenant,
                                                    eng.integrity_failures))
     except EngineStopped as e:
         raise APIError(503, str(e), "server_error", code="engine_unavailable") from None

@@ -59,14 +59,22 @@ class ProgramTimeline:
 
     def on_request_output(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:
         turn = self._open.get(out.request_id)
+        req = out.request  # the engine's record (None from an engine that does not attach it)
         if turn is None:  # its first output (or its program had left the ring: active again)
-            turn = self._turn(out.request_id, out.program_id, out.arrival_time, now)
+            anonymous = req.anonymous if req is not None else out.program_id == out.request_id
+            turn = self._turn(out.request_id, out.request_id if anonymous else out.program_id, out.arrival_time, now)
         if turn.admitted is None:
-            turn.admitted = out.arrival_time + out.queue_time
+            scheduled = req.first_scheduled_time if req is not None else None
+            turn.admitted = scheduled if scheduled is not None else out.arrival_time + out.queue_time
         turn.outcome = "running"
         if turn.first_token is None:
             turn.first_token = out.first_token_time
-        turn.output_tokens = len(out.token_ids)
+        if req is not None:
+            turn.output_tokens = req.num_output_tokens
+        elif out.finished and out.token_ids:  # the whole output comes with the last output only
+            turn.output_tokens = len(out.token_ids)
+        else:
+            turn.output_tokens += len(out.new_token_ids)
         turn.prompt_tokens = out.num_prompt_tokens
         turn.cached_tokens = max(out.num_cached_tokens, 0)
         if out.finished:
@@ -115,9 +123,10 @@ class ProgramTimeline:
     # --- bookkeeping ---
 
     def _turn(self, request_id: str, program_id: str, arrival: float, now: float) -> Turn:
+        """A new turn; `program_id` is the request's own id when it named no program."""
         turn = Turn(request_id, program_id, arrival)
         self._open[request_id] = turn
-        if program_id == request_id:  # no program named: the engine names it after the request
+        if program_id == request_id:
             self._append(self.one_shot, turn)
             return turn
         track = self._programs.get(program_id)
