@@ -5,7 +5,8 @@ agentserve and its peers in turn; `report` compares result files;
 strategies' prefix-cache hit ratios; `agentic` runs the stateful-inference paper's
 agent workloads (6-turn bug fix, 35-turn coding, repeated prompts); `burst` runs a
 burst of agents sharing a preamble with grouped prefill on and off; `sched` measures
-the scheduler's own time a step with many running requests and pins."""
+the scheduler's own time a step with many running requests and pins; `soak` runs
+misbehaving agent programs for a long time and reports leaks, lost responses and RSS."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def add_bench(sub) -> None:
     from agentserve.bench.replay import add_run_parser
     from agentserve.bench.replay_report import add_report_parser
     from agentserve.bench.sched_overhead import add_sched_parser
+    from agentserve.bench.soak import add_soak_parser
 
     p = sub.add_parser("bench", help="benchmark a server on an agent workload (run), or eviction strategies (apc)",
                        description=__doc__.split("\n\n")[0].replace("`agentserve bench`: ", ""))
@@ -29,4 +31,5 @@ def add_bench(sub) -> None:
     add_agentic_parser(bsub)
     add_burst_parser(bsub)
     add_sched_parser(bsub)
+    add_soak_parser(bsub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from agentserve.policy.decision_log import Decision, DecisionLog, TTLInputs
 from agentserve.policy.program import ProgramState, ProgramTable
 from agentserve.policy.tool_stats import NO_TOOL_CALL, ToolDurationStats
 from agentserve.policy.toolcalls import first_tool_name
@@ -23,6 +24,7 @@ class Request(Protocol):
     The engine's `engine.request.Request` is the record that has them; it is
     declared here so that `policy/` stays below `engine/` (no import of it)."""
 
+    request_id: str
     program_id: str
     arrival_time: float
     waiting_since: float  # when it last started to wait (arrival, or its preemption)
@@ -48,6 +50,7 @@ class PolicyContext:
 class Retention:
     action: str  # "free" (end-of-turn eviction), "pin" (keep for ttl seconds), "swap" (copy to host now, then free)
     ttl: float = 0.0
+    inputs: TTLInputs | None = field(default=None, compare=False)  # what a TTL model decided from (the dashboard)
 
     @staticmethod
     def free() -> Retention:
@@ -74,6 +77,7 @@ class Policy(abc.ABC):
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
         self.tool_stats = ToolDurationStats()
+        self.decisions = DecisionLog()  # the latest retention decisions with their inputs
 
     # --- events (the scheduler calls these) ---
 
@@ -95,8 +99,13 @@ class Policy(abc.ABC):
         """A non-final turn finished: record its tool call, then decide."""
         if req.tool_name is None and req.output_text:
             req.tool_name = first_tool_name(req.output_text)
-        self.tool_stats.on_finish(req.program_id, req.tool_name or NO_TOOL_CALL, now)
-        return self.retention(req, program, now)
+        tool = req.tool_name or NO_TOOL_CALL
+        self.tool_stats.on_finish(req.program_id, tool, now)
+        decision = self.retention(req, program, now)
+        self.decisions.add(Decision(now, req.request_id, req.program_id, tool, decision.action,
+                                    decision.ttl if decision.action == "pin" else 0.0, self.tool_stats.mean(tool),
+                                    self.tool_stats.count(tool), decision.inputs))
+        return decision
 
     def on_program_end(self, program: ProgramState) -> None:
         self.tool_stats.forget_program(program.program_id)

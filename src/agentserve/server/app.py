@@ -4,7 +4,8 @@ Endpoints: POST /v1/chat/completions (chat_endpoint.py), POST /v1/completions
 (completions_endpoint.py), GET /v1/models, POST /v1/programs/{id}/release and
 /end (explicit retention control, DESIGN.md "Request identity"), GET /health,
 GET /metrics (behind the API key when there is one: its counters describe
-everyone's traffic), GET /openapi.json (openapi.py).
+everyone's traffic), GET /openapi.json (openapi.py), GET /dashboard (a live page
+of programs, KV and TTL decisions: dashboard_endpoint.py).
 
 Every error is OpenAI's JSON shape (api_errors.py). A request is checked
 completely (auth, size, JSON, schema, model, tools, sampling values, prompt
@@ -35,6 +36,9 @@ from agentserve.server.api_errors import (RETRY_AFTER_S, APIError, api_error_han
 from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.chat_endpoint import chat_completions
 from agentserve.server.completions_endpoint import completions
+from agentserve.server.dashboard_endpoint import dashboard_routes
+from agentserve.server.dashboard_view import DashboardSource
+from agentserve.server.engine_listeners import Listeners
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.input_checks import InputError, check_path_id
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -53,10 +57,11 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
     on `thread` if given (the thread that built `llm`: see engine_thread.py);
     `app.state.server` (a ServerState) gives tests the engine and the metrics."""
     metrics = ServerMetrics(config.served_model_names[0])
-    if engine is None:
-        engine = AsyncEngine(llm, max_queue=config.max_queue, listener=metrics, thread=thread,
-                             stats_interval=config.stats_interval)
-    state = ServerState(llm, engine, metrics, config)
+    dashboard = DashboardSource()
+    if engine is None:  # (an engine given has its own listener: the dashboard sees live requests only)
+        engine = AsyncEngine(llm, max_queue=config.max_queue, listener=Listeners(metrics, dashboard.timeline),
+                             thread=thread, stats_interval=config.stats_interval)
+    state = ServerState(llm, engine, metrics, config, dashboard=dashboard)
     if config.render_cache > 0:
         state.render_cache = engine.render_cache = RenderCache(llm.chat_template, llm.tokenizer, config.render_cache)
     if config.response_cache > 0:
@@ -79,6 +84,7 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/programs/{program_id:path}/release", release_program, methods=["POST"]),
         Route("/v1/programs/{program_id:path}/end", end_program, methods=["POST"]),
+        *dashboard_routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: api_error_handler, HTTPException: http_error_handler, Exception: internal_error_handler})

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from starlette.requests import Request
 
 from agentserve.server.async_engine import AsyncEngine
+from agentserve.server.dashboard_view import DashboardSource
 from agentserve.server.metrics import ServerMetrics
 from agentserve.server.protocol import now_s
 from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
@@ -53,6 +54,7 @@ class ServerState:
     render_cache: RenderCache | None = None
     response_cache: ResponseCache | None = None
     openapi: dict[str, Any] | None = None  # the OpenAPI document, built on its first request
+    dashboard: DashboardSource = field(default_factory=DashboardSource)  # what /dashboard/state reads
 
     @property
     def model_name(self) -> str:

@@ -5,7 +5,10 @@ whole prompt and some output fit beside the running requests' own reserves."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from agentserve.policy.base import Policy, PolicyContext, Retention, register
+from agentserve.policy.decision_log import TTLInputs
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 from agentserve.policy.ttl import EtaEstimator, QueueDelayWindow, TTLModel
 
@@ -42,11 +45,26 @@ class Continuum(Policy):
     def retention(self, req, program, now):
         if req.ttl_hint is not None:  # the client knows better than the statistics
             ttl = min(max(req.ttl_hint, 0.0), self.max_ttl)
-            return Retention("pin", ttl) if ttl > 0 else Retention.free()
-        # A turn without a parsable tool call is still followed by another (the
-        # client did not end the program): its gap is learned like a tool's.
-        ttl = min(self.ttl_for(req), self.max_ttl)
-        return Retention("pin", ttl) if ttl > 0 else Retention.free()
+            why = TTLInputs("hint", capped=req.ttl_hint > self.max_ttl)
+        else:
+            # A turn without a parsable tool call is still followed by another (the
+            # client did not end the program): its gap is learned like a tool's.
+            solved, why = self.solve(req)
+            ttl = min(solved, self.max_ttl)
+            if solved > ttl:
+                why = replace(why, capped=True)
+        return Retention("pin", ttl, why) if ttl > 0 else Retention("free", 0.0, why)
 
     def ttl_for(self, req) -> float:
-        return self.model.ttl(req.tool_name or NO_TOOL_CALL, self.ctx.reload_cost(req.num_computed_tokens))
+        return self.solve(req)[0]
+
+    def solve(self, req) -> tuple[float, TTLInputs]:
+        """Eq. 2's TTL for this turn (before the cap), and what it was solved from."""
+        tool = req.tool_name or NO_TOOL_CALL
+        reload_s = self.ctx.reload_cost(req.num_computed_tokens)
+        m = self.model
+        tau, regime = m.decide(tool, reload_s)
+        default = regime == "default"
+        return tau, TTLInputs(regime, eta=1.0 if default else m.eta.value(), queue_delay_s=m.queue.mean(),
+                              reload_s=reload_s, benefit_s=m.last_benefit,
+                              mean_used_s=m.default_mean(tool) if default else None)

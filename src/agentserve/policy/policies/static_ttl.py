@@ -5,6 +5,7 @@ times, eta = 1) instead of the learned per-tool optimum."""
 from __future__ import annotations
 
 from agentserve.policy.base import register
+from agentserve.policy.decision_log import TTLInputs
 from agentserve.policy.policies.continuum import Continuum
 from agentserve.policy.ttl import exp_optimal_ttl
 
@@ -13,6 +14,10 @@ from agentserve.policy.ttl import exp_optimal_ttl
 class StaticTTL(Continuum):
     name = "static-ttl"
 
-    def ttl_for(self, req) -> float:
-        benefit = self.queue_delays.mean() + self.ctx.reload_cost(req.num_computed_tokens)
-        return exp_optimal_ttl(self.model.default_mean(), benefit)
+    def solve(self, req) -> tuple[float, TTLInputs]:
+        queue_delay = self.queue_delays.mean()
+        reload_s = self.ctx.reload_cost(req.num_computed_tokens)
+        mean = self.model.default_mean()
+        benefit = queue_delay + reload_s
+        return exp_optimal_ttl(mean, benefit), TTLInputs("default", eta=1.0, queue_delay_s=queue_delay,
+                                                         reload_s=reload_s, benefit_s=benefit, mean_used_s=mean)
