@@ -786,6 +786,46 @@ def test_failed_copies_never_hand_out_unwritten_kv(seed):
     assert not h.kv.host.pending
 
 
+def test_a_step_that_raises_confirms_none_of_its_copies():
+    """The executor raises in a step that carries reloads (the server then fails
+    that step's requests): none of its copies count, the KV stays consistent and
+    the engine runs on (it used to be refused: the copies were never finished)."""
+    from agentserve.engine.llm_engine import LLMEngine
+    from agentserve.engine.sampling_params import SamplingParams
+
+    class _NoText:
+        def push(self, token_id: int) -> str:
+            return ""
+
+    h = Harness("vllm-fcfs", num_blocks=8, host=16)
+    engine = LLMEngine(h.s, h.ex, h.clock, detokenizer=lambda: _NoText())
+    first = engine.add_request(prompt_of(1, 18), SamplingParams(max_tokens=5), program_id="P")
+    while engine.num_unfinished:
+        engine.step()
+    engine.add_request(prompt_of(2, 30), SamplingParams(max_tokens=1), program_id="Q")  # evicts P's blocks
+    while engine.num_unfinished:
+        engine.step()
+    turn2 = engine.add_request(first.token_ids + [1, 2, 3], SamplingParams(max_tokens=2), program_id="P")
+    real = h.ex.execute
+
+    def crash(out):
+        assert out.blocks_to_load  # the step that reloads P's prefix
+        raise RuntimeError("device lost")
+
+    h.ex.execute = crash
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert h.kv.host.num_used == 0  # the reloads failed: their host copies are not trusted
+    h.s.abort(turn2.request_id)  # as the server does with a failed step's requests
+    h.s.check_integrity()
+    h.ex.execute = real
+    again = engine.add_request(turn2.prompt_token_ids, SamplingParams(max_tokens=2), program_id="P")
+    while engine.num_unfinished:
+        engine.step()
+    assert again.output_token_ids == expected(again.prompt_token_ids, 2)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
 # ---------------------------------------------------------------- continuum pins
 
 

@@ -129,6 +129,12 @@ class StepResults:
             self.step_model.observe(prefill, attention, decodes, context, elapsed, draft_rows, draft_ctx)
         return finished
 
+    def copies_lost(self, out: SchedulerOutput) -> None:
+        """The executor failed the whole step: none of its copies count (the
+        engine's caller fails the step's requests; the KV stays consistent)."""
+        self._finish_copies(ExecutorResult(failed_offloads=range(len(out.blocks_to_offload)),
+                                           failed_loads=range(len(out.blocks_to_load))), self.clock.now())
+
     def _finish_copies(self, result: ExecutorResult, now: float) -> None:
         """The step's copies count now; a request whose reload failed (the
         executor computed nothing of it) recomputes from its last block with KV."""
