@@ -69,6 +69,12 @@ class Named:
     def pin(self, program_id: str, rid: str, expiry: float, program_arrival: float, now: float) -> None:
         self.kv.pin(program_id, self.tables.pop(rid), expiry, program_arrival, now)
 
+    def take_copies(self):
+        """Hand the queued copies to an executor for which every copy succeeds."""
+        copies = self.kv.take_copies()
+        self.kv.finish_copies()
+        return copies
+
     def block_ids(self, rid: str) -> list[int]:
         return self.tables[rid].block_ids
 
@@ -345,10 +351,12 @@ def test_superseded_host_copies_are_evicted_first():
     admit(kv, "f", filler)  # evicts the cached device blocks: all four on the host now
     compute(kv, "f", filler)
     kv.free("f", 2.0)
+    kv.take_copies()
     assert kv.host.num_used == 4
     assert kv.supersede("P", old, [5] * (3 * BS), now=3.0) == 0  # no device block of it left
     g = list(range(2000, 2000 + 3 * BS - 1))
     admit(kv, "g", g)  # evicts two of f's blocks to the host: two host slots must go
+    kv.take_copies()
     accounting_ok(kv)
     assert kv.match(other + [0]).num_host_blocks == 2  # other's copies kept, old's dropped
     assert kv.match(old + [0]).num_tokens == 0
@@ -452,6 +460,79 @@ def test_swap_out():
     accounting_ok(kv2)
 
 
+def test_a_host_copy_counts_once_its_copy_is_confirmed():
+    """A host slot is not matched while its copy is queued or in flight; a
+    failed copy frees the slot and prunes the node; taking copies again before
+    the last batch finished is refused."""
+    raw = KVCacheManager(4, BS, host_blocks=8)
+    kv = Named(raw)
+    toks = list(range(2 * BS + 1))
+    admit(kv, "a", toks)
+    compute(kv, "a", toks)
+    second = kv.block_ids("a")[1]
+    kv.free("a", 1.0)
+    admit(kv, "f", list(range(900, 900 + 4 * BS - 1)))  # evicts a's two blocks: offloads queued
+    assert raw.host.num_used == 2
+    assert kv.match(toks).num_tokens == 0  # queued: not a hit yet
+    off, _ = raw.take_copies()
+    assert len(off) == 2
+    assert kv.match(toks).num_tokens == 0  # in flight: still not a hit
+    with pytest.raises(RuntimeError):
+        raw.take_copies()
+    failed = [i for i, (d, _) in enumerate(off) if d == second]
+    assert raw.finish_copies(failed_offloads=failed) == set()  # the second block's copy failed
+    accounting_ok(kv)
+    assert raw.host.num_used == 1 and not raw.host.pending
+    assert kv.match(toks).num_tokens == BS and kv.match(toks).num_host_blocks == 1
+    assert kv.index.num_nodes == 1  # the failed block's node held nothing: pruned
+    # a failed reload: the block leaves its node, the host copy is dropped, the request is cut back
+    kv.free("f", 2.0)
+    table = raw.admit(kv.match(toks), 2 * BS + 1 - BS, 3.0)
+    _, ld = raw.take_copies()
+    assert [d for _, d in ld] == [table.blocks[0].block_id]
+    unloaded = raw.finish_copies(failed_loads=[0])
+    assert unloaded == {table.blocks[0].block_id}
+    assert raw.cut_unloaded(table, unloaded, 3.0) == 0
+    assert table.block_ids == list(unloaded) and table.num_indexed == 0 and table.last_node is raw.index.root
+    assert raw.host.num_used == 0 and kv.index.num_nodes == 0
+    assert kv.match(toks).num_tokens == 0
+    raw.check_integrity([table])
+    # the request recomputes and indexes its blocks again
+    assert raw.allocate_slots(table, len(toks))
+    raw.commit(table, toks, len(toks))
+    raw.check_integrity([table])
+    assert kv.match(toks).num_tokens == 2 * BS
+    raw.free(table, 4.0)
+    raw.check_integrity()
+
+
+def test_a_failed_reload_in_the_middle_keeps_the_blocks_before_it():
+    raw = KVCacheManager(6, BS, host_blocks=16)
+    kv = Named(raw)
+    toks = list(range(13))  # 3 full blocks
+    _fill_and_evict(kv, toks)
+    kv.take_copies()
+    table = raw.admit(kv.match(toks + [1]), 2, 3.0)
+    nodes = [b.node for b in table.blocks[:3]]
+    _, ld = raw.take_copies()
+    assert len(ld) == 3
+    unloaded = raw.finish_copies(failed_loads=[1])
+    assert raw.cut_unloaded(table, unloaded, 3.0) == BS
+    assert table.block_ids[1:] == list(unloaded)  # kept, private, to recompute into
+    assert len(table.blocks) == 2 and table.num_indexed == 1 and table.last_node is nodes[0]
+    raw.check_integrity([table])
+    # block 0 stays on the device with this request, block 2's reload stood: cached, free
+    assert nodes[0].block is table.blocks[0] and nodes[2].block is not None and nodes[2].block.ref_cnt == 0
+    assert nodes[1].block is None and nodes[1].host_slot is None
+    assert kv.match(toks + [1]).num_tokens == BS  # nothing is reachable past the lost block
+    assert raw.allocate_slots(table, 14)
+    raw.commit(table, toks + [1], 13)
+    raw.check_integrity([table])
+    assert kv.match(toks + [1]).num_tokens == 3 * BS  # the chain is whole again
+    raw.free(table, 4.0)
+    raw.check_integrity()
+
+
 def test_host_tier_capacity_eviction():
     kv = mk(4, host_blocks=2)
     toks = list(range(4 * BS))  # 4 blocks, the last not indexed fully computed
@@ -461,7 +542,9 @@ def test_host_tier_capacity_eviction():
     kv.take_copies()
     admit(kv, "f", list(range(900, 900 + 4 * BS - 1)))
     off, _ = kv.take_copies()
-    assert len(off) == 4  # every eviction offloads, the host evicts LRU entries
+    # every eviction offloads, the host evicts LRU entries: the copies of the
+    # first two were taken back (their slots reused) before they ran
+    assert len(off) == 2 and len({h for _, h in off}) == 2
     assert kv.host.num_used == 2
     assert kv.host.num_evicted == 2
     accounting_ok(kv)
@@ -635,9 +718,12 @@ class KVModel:
     Operations take explicit arguments; the state machine and the seeded
     driver below pick them."""
 
-    def __init__(self, eviction: str, host: int, collisions: bool, num_blocks: int = 24) -> None:
+    def __init__(self, eviction: str, host: int, collisions: bool, num_blocks: int = 24, fail: float = 0.0) -> None:
+        import random
         self.kv = Named(KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host,
                                              key_fn=collide if collisions else None))
+        self.fail = fail  # the chance that the fake executor fails a copy
+        self.rng = random.Random(f"{eviction}-{host}-{collisions}-{fail}")
         self.reqs: dict[str, dict] = {}
         self.n = 0
         self.now = 0.0
@@ -648,17 +734,31 @@ class KVModel:
     # --- the fake executor ---
 
     def flush(self):
-        off, ld = self.kv.take_copies()
-        for d, h in off:
-            self.host[h] = list(self.dev.get(d, [None] * BS))
-        for h, d in ld:
+        """The fake executor runs the queued copies; with `fail`, some fail and
+        leave garbage where they were to write (a torn copy), so a slot or a
+        block the manager trusted without its copy shows up as wrong KV."""
+        kv = self.kv.kv
+        off, ld = kv.take_copies()
+        failed_off = [i for i in range(len(off)) if self.rng.random() < self.fail]
+        failed_ld = [i for i in range(len(ld)) if self.rng.random() < self.fail]
+        for i, (d, h) in enumerate(off):
+            self.host[h] = ["torn"] * BS if i in failed_off else list(self.dev.get(d, [None] * BS))
+        for i, (h, d) in enumerate(ld):
             assert h in self.host, "load from a slot nothing was written to"
-            self.dev[d] = list(self.host[h])
+            self.dev[d] = ["torn"] * BS if i in failed_ld else list(self.host[h])
+        unloaded = kv.finish_copies(failed_off, failed_ld)
+        assert unloaded == {ld[i][1] for i in failed_ld}
+        for rid, r in self.reqs.items():
+            kept = kv.cut_unloaded(self.kv.tables[rid], unloaded, self.now)
+            if kept is not None:
+                assert kept < r["computed"]
+                r["computed"] = kept
         # every cached block / host copy holds exactly its node's tokens
         for node in self.kv.index.iter_nodes():
             if node.block is not None:
                 assert tuple(self.dev[node.block.block_id]) == node.tokens
             if node.host_slot is not None:
+                assert node not in kv.host.pending
                 assert tuple(self.host[node.host_slot]) == node.tokens
 
     def tick(self, dt=0.25):
@@ -712,6 +812,7 @@ class KVModel:
         """One step for one request: compute some of its tokens (`frac` of what
         remains, at least one), commit, and when it caught up sample a token
         (generated tokens are indexed too)."""
+        self.flush()  # the reloads its admission queued: a failed one cuts it back
         r = self.reqs[rid]
         toks = r["tokens"]
         remaining = len(toks) - r["computed"]
@@ -829,9 +930,9 @@ def _has_reqs(self):
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(eviction=st.sampled_from(ALL_STRATEGIES), host=st.sampled_from([0, 10]),
-                collisions=st.booleans())
-    def setup(self, eviction, host, collisions):
-        self.m = KVModel(eviction, host, collisions)
+                collisions=st.booleans(), fail=st.sampled_from([0.0, 0.3]))
+    def setup(self, eviction, host, collisions, fail):
+        self.m = KVModel(eviction, host, collisions, fail=fail)
 
     def _rid(self, data):
         return data.draw(st.sampled_from(sorted(self.m.reqs)))
@@ -920,13 +1021,16 @@ NB = 16
 @pytest.mark.parametrize("eviction", ALL_STRATEGIES)
 @pytest.mark.parametrize("host", [0, 10])
 @pytest.mark.parametrize("collisions", [False, True])
-def test_long_randomized_sequences(eviction, host, collisions):
+@pytest.mark.parametrize("fail", [0.0, 0.2])
+def test_long_randomized_sequences(eviction, host, collisions, fail):
     """The same operations driven by a seeded RNG for a long run, so every
-    strategy / host / collision setting gets long sequences regardless of
-    hypothesis' draws."""
+    strategy / host / collision / copy-failure setting gets long sequences
+    regardless of hypothesis' draws."""
     import random
+    if fail and not host:
+        pytest.skip("no copies without a host tier")
     rng = random.Random(f"{eviction}-{host}-{collisions}")
-    m = KVModel(eviction, host, collisions, num_blocks=NB)
+    m = KVModel(eviction, host, collisions, num_blocks=NB, fail=fail)
     for step in range(4000):
         ops = ["allocate", "expire", "take_copies", "pressure"]
         if m.reqs:
@@ -1001,10 +1105,12 @@ def test_a_chain_hint_gives_the_same_match_as_looking_every_block_up(seed):
         table = kv.admit(plain, len(toks) - plain.num_tokens, float(step))
         if table is None:
             kv.take_copies()
+            kv.finish_copies()
             continue
         kv.commit(table, toks, len(toks))
         hints[pid] = kv.chain_hint(toks, table)
         history[pid] = toks
         kv.free(table, float(step))
         kv.take_copies()
+        kv.finish_copies()
         kv.check_integrity()

@@ -91,6 +91,30 @@ def test_swap_out_and_reload_from_host_tier(hf):
     llm.check_integrity()
 
 
+def test_a_failed_reload_is_recomputed_never_read(hf):
+    """Every reload fails and leaves garbage in its device block: the executor
+    computes nothing of the request that wanted it, the scheduler cuts it back,
+    it recomputes, and its output is still transformers'."""
+    llm = make_llm(hf, kv_cache_tokens=160, host_kv_tokens=1024)
+    p1 = prompt(11, 37)
+    first = llm.generate([p1], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True), program_ids=["A"])[0]
+    filler = [prompt(100 + i, 60) for i in range(4)]
+    llm.generate(filler, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    cache = llm.kv_cache
+
+    def failing_load(pairs):
+        dev = torch.tensor([d for _, d in pairs])
+        cache.device_kv[:, :, :, dev] = float("nan")  # a torn copy
+        return list(range(len(pairs)))
+
+    cache.load = failing_load
+    turn2 = p1 + first.token_ids + prompt(12, 5)
+    out = llm.generate([turn2], GREEDY, program_ids=["A"])[0]
+    assert llm.scheduler.stats.reload_failed_blocks >= 8
+    assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
+    llm.check_integrity()
+
+
 def test_swap_on_preemption_restores_exact_kv(hf, references):
     """InferCept swaps a preempted request's KV to the host and back."""
     prompts, refs = references

@@ -265,3 +265,18 @@ def test_required_tool_choice_forces_a_valid_call_even_from_a_random_model(hf, c
     llm.check_integrity()
     with pytest.raises(ValueError, match="not among the tools"):
         llm.chat([{"role": "user", "content": "x"}], tools=WEATHER_TOOLS, tool_choice="nope")
+
+
+def test_kv_cache_copies_report_failures():
+    from agentserve.runner.config import ModelConfig
+    from agentserve.runner.kv_cache import PagedKVCache
+    cfg = ModelConfig(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, vocab_size=10)
+    cache = PagedKVCache(cfg, 4, 2, 3, torch.float32, torch.device("cpu"))
+    cache.device_kv.normal_()
+    assert cache.offload([(1, 0), (3, 2)]) == []
+    cache.device_kv[:, :, :, 0].zero_()
+    assert cache.load([(2, 0)]) == []
+    assert torch.equal(cache.device_kv[:, :, :, 0], cache.device_kv[:, :, :, 3])
+    cache.host_kv = torch.zeros(2, 2, 1, 3, 2, cfg.head_dim + 1)  # a copy that cannot run
+    assert cache.offload([(1, 0), (2, 1)]) == [0, 1]
+    assert cache.load([(0, 2)]) == [0]

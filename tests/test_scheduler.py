@@ -17,7 +17,7 @@ import pytest
 
 from agentserve.clock import SimClock
 from agentserve.engine import step_time
-from agentserve.engine.executor import Executor, ExecutorResult
+from agentserve.engine.executor import Executor, ExecutorResult, readable, run_copies
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.engine.scheduler_output import SchedulerOutput
@@ -57,17 +57,34 @@ class FakeExecutor(Executor):
         self.cost = cost  # SchedulerOutput -> seconds; None: every step takes `step_time`
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
+        self.fail_load = None  # (host slot, device block) -> whether that reload fails (leaving junk)
+        self.fail_offload = None  # (device block, host slot) -> whether that offload fails
+
+    def _offload(self, pairs):
+        failed = []
+        for i, (d, h) in enumerate(pairs):
+            bad = self.fail_offload is not None and self.fail_offload((d, h))
+            self.host[h] = ["junk"] * self.bs if bad else list(self.dev.get(d, [None] * self.bs))
+            if bad:
+                failed.append(i)
+        return failed
+
+    def _load(self, pairs):
+        failed = []
+        for i, (h, d) in enumerate(pairs):
+            assert h in self.host, f"load from host slot {h} that holds nothing"
+            bad = self.fail_load is not None and self.fail_load((h, d))
+            self.dev[d] = ["junk"] * self.bs if bad else list(self.host[h])
+            if bad:
+                failed.append(i)
+        return failed
 
     def execute(self, out: SchedulerOutput) -> ExecutorResult:
         bs = self.bs
-        for d, h in out.blocks_to_offload:
-            self.host[h] = list(self.dev.get(d, [None] * bs))
-        for h, d in out.blocks_to_load:
-            assert h in self.host, f"load from host slot {h} that holds nothing"
-            self.dev[d] = list(self.host[h])
+        failed_off, failed_ld, unloaded = run_copies(out, self._offload, self._load)
         sampled = {}
         seen = set()
-        for ch in out.chunks:
+        for ch in readable(out.chunks, unloaded):
             req = ch.request
             rid = req.request_id
             assert rid not in seen, "a request scheduled twice in one step"
@@ -87,7 +104,7 @@ class FakeExecutor(Executor):
                 sampled[rid] = [tok_fn(req.token_ids)]
         elapsed = self.step_time if self.cost is None else self.cost(out)
         self.clock.advance(elapsed)
-        return ExecutorResult(sampled, elapsed)
+        return ExecutorResult(sampled, elapsed, failed_off, failed_ld)
 
 
 class Harness:
@@ -145,6 +162,9 @@ class Harness:
         out = self.s.schedule()
         self.s.check_integrity()
         assert not out.chunks
+        if not out.is_empty:  # copies (of a pin released at expiry): the engine runs them, as a step
+            self.s.update(out, self.ex.execute(out))
+            self.s.check_integrity()
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
@@ -740,6 +760,70 @@ def test_host_tier_reload_counts_loaded_tokens():
     h.run()
     assert r2.output_token_ids == expected(r2.prompt_token_ids, 2)
     assert filler.output_token_ids == expected(filler.prompt_token_ids, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_failed_copies_never_hand_out_unwritten_kv(seed):
+    """The executor fails some offloads and reloads, leaving junk where they
+    were to write: the requests that wanted a failed reload recompute (the
+    fake executor checks every position a chunk reads), the outputs are the
+    expected ones, and nothing leaks."""
+    rng = random.Random(seed)
+    h = Harness("vllm-fcfs", num_blocks=12, host=24, budget=16)
+    h.ex.fail_load = lambda pair: rng.random() < 0.4
+    h.ex.fail_offload = lambda pair: rng.random() < 0.2
+    reqs = []
+    for turn in range(4):
+        for p in range(3):
+            prev = next((r for r in reversed(reqs) if r.program_id == f"P{p}"), None)
+            prompt = (prev.token_ids if prev else prompt_of(p, 9)) + prompt_of(100 * turn + p, 3)
+            reqs.append(h.req(f"r{turn}{p}", f"P{p}", prompt, max_tokens=3))
+            h.run()
+    assert h.s.stats.reload_failed_blocks > 0 and h.s.stats.loaded_tokens > 0
+    for r in reqs:
+        assert r.output_token_ids == expected(r.prompt_token_ids, 3)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+    assert not h.kv.host.pending
+
+
+def test_a_step_that_raises_confirms_none_of_its_copies():
+    """The executor raises in a step that carries reloads (the server then fails
+    that step's requests): none of its copies count, the KV stays consistent and
+    the engine runs on (it used to be refused: the copies were never finished)."""
+    from agentserve.engine.llm_engine import LLMEngine
+    from agentserve.engine.sampling_params import SamplingParams
+
+    class _NoText:
+        def push(self, token_id: int) -> str:
+            return ""
+
+    h = Harness("vllm-fcfs", num_blocks=8, host=16)
+    engine = LLMEngine(h.s, h.ex, h.clock, detokenizer=lambda: _NoText())
+    first = engine.add_request(prompt_of(1, 18), SamplingParams(max_tokens=5), program_id="P")
+    while engine.num_unfinished:
+        engine.step()
+    engine.add_request(prompt_of(2, 30), SamplingParams(max_tokens=1), program_id="Q")  # evicts P's blocks
+    while engine.num_unfinished:
+        engine.step()
+    turn2 = engine.add_request(first.token_ids + [1, 2, 3], SamplingParams(max_tokens=2), program_id="P")
+    real = h.ex.execute
+
+    def crash(out):
+        assert out.blocks_to_load  # the step that reloads P's prefix
+        raise RuntimeError("device lost")
+
+    h.ex.execute = crash
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert h.kv.host.num_used == 0  # the reloads failed: their host copies are not trusted
+    h.s.abort(turn2.request_id)  # as the server does with a failed step's requests
+    h.s.check_integrity()
+    h.ex.execute = real
+    again = engine.add_request(turn2.prompt_token_ids, SamplingParams(max_tokens=2), program_id="P")
+    while engine.num_unfinished:
+        engine.step()
+    assert again.output_token_ids == expected(again.prompt_token_ids, 2)
+    assert h.kv.num_free_blocks == h.kv.num_blocks
 
 
 # ---------------------------------------------------------------- continuum pins

@@ -1,12 +1,21 @@
 """The seam between the scheduler and whatever computes: the real model runner
-or the simulator's cost model."""
+or the simulator's cost model.
+
+An executor reports the tier copies that failed (positions in the output's
+`blocks_to_offload` / `blocks_to_load`) and computes no chunk of a request
+whose table holds a block whose reload failed (`run_copies`, `readable`): the
+scheduler then cuts that request back to the KV it really has."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+# runs a list of copies (pairs of block ids); returns the positions of those that failed
+CopyFn = Callable[[list[tuple[int, int]]], Sequence[int]]
 
 
 @dataclass
@@ -14,6 +23,23 @@ class ExecutorResult:
     # request_id -> sampled token ids (one per chunk with sample=True; more with speculation)
     sampled: dict[str, list[int]] = field(default_factory=dict)
     elapsed: float = 0.0  # seconds the step took (measured, or modelled in simulation)
+    failed_offloads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_offload
+    failed_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load
+
+
+def run_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn) -> tuple[list[int], list[int], set[int]]:
+    """The step's offloads, then its reloads: (failed offload positions, failed
+    reload positions, the device blocks those reloads were to fill)."""
+    failed_off = list(offload(out.blocks_to_offload)) if out.blocks_to_offload else []
+    failed_ld = list(load(out.blocks_to_load)) if out.blocks_to_load else []
+    return failed_off, failed_ld, {out.blocks_to_load[i][1] for i in failed_ld}
+
+
+def readable(chunks: list[ScheduledChunk], unloaded: set[int]) -> list[ScheduledChunk]:
+    """The chunks whose request holds none of the `unloaded` device blocks."""
+    if not unloaded:
+        return chunks
+    return [c for c in chunks if unloaded.isdisjoint(c.request.block_table.block_ids)]
 
 
 class Executor(abc.ABC):

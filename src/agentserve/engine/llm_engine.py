@@ -133,7 +133,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        result = self.executor.execute(out)
+        try:
+            result = self.executor.execute(out)
+        except BaseException:
+            self.scheduler.copies_lost(out)  # the step's copies cannot be trusted; its requests fail with it
+            raise
         self.scheduler.update(out, result)
         outputs = []
         for ch in out.chunks:

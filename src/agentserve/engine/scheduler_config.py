@@ -39,6 +39,7 @@ class SchedulerStats:
     admitted_prompt_tokens: int = 0  # tokens of requests at admission
     hit_tokens: int = 0  # of those, found in the prefix cache (device or host)
     loaded_tokens: int = 0  # of the hits, reloaded from the host tier
+    reload_failed_blocks: int = 0  # reloads from the host tier that failed (their requests recompute)
     pins_created: int = 0
     pins_hit: int = 0  # the program's next turn was admitted while its pin held
     pins_expired: int = 0

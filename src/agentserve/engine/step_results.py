@@ -44,9 +44,13 @@ class StepResults:
 
         def _stop_running(self, req: Request) -> None: ...  # scheduler.py
 
+        def _rereserve(self, req: Request) -> None: ...  # admission.py
+
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
         """Apply sampled tokens; returns the requests that finished this step."""
         now = self.clock.now()
+        if out.blocks_to_offload or out.blocks_to_load:
+            self._finish_copies(result, now)
         finished = []
         limit = self.config.max_model_len
         stats = self.stats
@@ -124,6 +128,25 @@ class StepResults:
         if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
             self.step_model.observe(prefill, attention, decodes, context, elapsed, draft_rows, draft_ctx)
         return finished
+
+    def copies_lost(self, out: SchedulerOutput) -> None:
+        """The executor failed the whole step: none of its copies count (the
+        engine's caller fails the step's requests; the KV stays consistent)."""
+        self._finish_copies(ExecutorResult(failed_offloads=range(len(out.blocks_to_offload)),
+                                           failed_loads=range(len(out.blocks_to_load))), self.clock.now())
+
+    def _finish_copies(self, result: ExecutorResult, now: float) -> None:
+        """The step's copies count now; a request whose reload failed (the
+        executor computed nothing of it) recomputes from its last block with KV."""
+        unloaded = self.kv.finish_copies(result.failed_offloads, result.failed_loads)
+        if not unloaded:
+            return
+        self.stats.reload_failed_blocks += len(unloaded)
+        for req in self.running:
+            kept = self.kv.cut_unloaded(req.block_table, unloaded, now)
+            if kept is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, kept)
+                self._rereserve(req)
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         """End a running request early (a stop string matched outside the engine)."""

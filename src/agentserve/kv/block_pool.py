@@ -118,11 +118,28 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         """Drop a free cached block's content so the block can be reused."""
-        node = block.node
-        assert node is not None and block.ref_cnt == 0
+        assert block.node is not None and block.ref_cnt == 0
         if self.on_evict is not None:
             self.on_evict(block)
         self.num_evictions += 1
+        self._unlink(block)
+
+    def detach(self, block: Block) -> None:
+        """`block` does not hold its node's KV after all (a reload into it
+        failed): the node loses it, the block keeps its holders as a private
+        block (or, free, becomes empty), and nothing is copied anywhere."""
+        if block.node is None:
+            return
+        if block.ref_cnt == 0:
+            if block.strategy_data is self._cold:
+                self._cold.unlink(block)
+            else:
+                self.strategy.remove(block)
+            self._empty.append(block)
+        self._unlink(block)
+
+    def _unlink(self, block: Block) -> None:
+        node = block.node
         node.block = None
         for c in node.children.values():
             if c.block is not None:

@@ -3,7 +3,12 @@
 Device blocks evicted from the prefix cache are copied here (write-back on
 eviction, as LMCache-style offloading does), and a later prefix match that runs
 past the device-resident part reloads them instead of recomputing. The tier
-only keeps the accounting; the executor performs the copies it is handed."""
+only keeps the accounting; the executor performs the copies it is handed.
+
+A slot given to a node is *pending* until the executor confirms its copy
+(`confirm`): a pending slot is never matched or reloaded, and a failed copy
+gives the slot back (`drop`), so the index never points at a slot that was not
+written."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ class HostTier:
         self.index = index
         self._free = list(range(num_slots - 1, -1, -1))
         self._lru: OrderedDict[Node, None] = OrderedDict()  # least recently used first
+        self.pending: set[Node] = set()  # slot given, copy not confirmed yet
         self.num_evicted = 0
 
     @property
@@ -45,7 +51,27 @@ class HostTier:
         slot = self._free.pop()
         node.host_slot = slot
         self._lru[node] = None
+        self.pending.add(node)
         return slot
+
+    def readable(self, node: Node) -> bool:
+        """`node` has a host copy whose write was confirmed."""
+        return node.host_slot is not None and node not in self.pending
+
+    def confirm(self, node: Node) -> None:
+        """The copy into `node`'s slot succeeded: it holds the node's KV."""
+        self.pending.discard(node)
+
+    def drop(self, node: Node) -> None:
+        """Forget `node`'s host copy (its write or a read of it failed) and
+        free the slot; the node is pruned if nothing else holds it."""
+        if node.host_slot is None:
+            return
+        self.pending.discard(node)
+        del self._lru[node]
+        self._free.append(node.host_slot)
+        node.host_slot = None
+        self.index.prune(node)
 
     def touch(self, node: Node) -> None:
         if node.host_slot is not None:
@@ -61,6 +87,7 @@ class HostTier:
             if node in protect:
                 continue
             del self._lru[node]
+            self.pending.discard(node)  # a queued copy into it is void (kv/copies.py)
             self._free.append(node.host_slot)
             node.host_slot = None
             self.num_evicted += 1
@@ -72,3 +99,4 @@ class HostTier:
         assert len(set(slots)) == len(slots), "host slot used twice"
         assert not set(slots) & set(self._free), "host slot both used and free"
         assert len(slots) + len(self._free) == self.num_slots, "host slots leaked"
+        assert all(n in self._lru for n in self.pending), "a pending copy without a slot"

@@ -6,7 +6,9 @@ turn. A block table lives on its request (kv/block_table.py); the manager keeps
 no map of requests, only the block pool, the prefix index, the host tier and
 the pins. Pins hold a finished request's blocks for its program until they are
 released, expire or are reclaimed; the manager never decides when, the
-scheduler and its policy do."""
+scheduler and its policy do. Copies between tiers count only once the
+executor confirms them (kv/copies.py); `cut_unloaded` shrinks a request whose
+reload failed to what really holds KV."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.block_table import BlockTable
+from agentserve.kv.copies import CopyQueue
 from agentserve.kv.eviction import make_strategy
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.prefix_index import ChainHint, Node, PrefixIndex, common_blocks
@@ -71,9 +74,8 @@ class KVCacheManager:
         # pins without scanning them all; entries of released or extended pins are skipped
         self._expiries: list[tuple[float, int, Pin]] = []
         self._pin_numbers = itertools.count()
-        self._offloads: list[tuple[int, int]] = []
-        self._loads: list[tuple[int, int]] = []
-        self._loading: set[Node] = set()
+        self.copies = CopyQueue(self.pool, self.host)
+        self._loading = self.copies.loading
 
     # --- sizes ---
 
@@ -106,9 +108,13 @@ class KVCacheManager:
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         nodes = []
+        loading, pending = self._loading, self.host.pending
         for node in self.index.walk(token_ids, max_blocks, salt, hint):
-            if node.block is None and node.host_slot is None:
-                break
+            if node.block is None:
+                if node.host_slot is None or node in pending:
+                    break
+            elif loading and node in loading:
+                break  # its reload is not confirmed yet
             nodes.append(node)
         return PrefixMatch(nodes, self.block_size, salt)
 
@@ -137,7 +143,7 @@ class KVCacheManager:
                 self.pool.strategy.on_hit(n.block)
         loads = [n for n in match.nodes if n.block is None]
         n_new = self.blocks_for(match.num_tokens + num_new_tokens) - len(match.nodes)
-        self._loading.update(loads)
+        self._loading.update(loads)  # their host copies are not evicted by this allocation
         fresh = self.pool.allocate(len(loads) + n_new)
         assert fresh is not None  # checked above
         it = iter(fresh)
@@ -145,7 +151,7 @@ class KVCacheManager:
             if n.block is None:
                 b = next(it)
                 self.pool.attach(b, n)
-                self._loads.append((n.host_slot, b.block_id))
+                self.copies.load(n, b)
                 self.host.touch(n)
             st.blocks.append(n.block)
         st.blocks.extend(it)
@@ -239,7 +245,7 @@ class KVCacheManager:
                 if node is not None and node.block is b and node.host_slot is None:
                     slot = self.host.store(node, self._loading)
                     if slot is not None:
-                        self._offloads.append((b.block_id, slot))
+                        self.copies.offload(b, slot, node)
                         copied += 1
         self.free(st, now)
         return copied
@@ -336,14 +342,36 @@ class KVCacheManager:
         if self.host.enabled and node is not None and node.host_slot is None:
             slot = self.host.store(node, self._loading)
             if slot is not None:
-                self._offloads.append((block.block_id, slot))
+                self.copies.offload(block, slot, node)
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(offloads, loads) queued since the last call; offloads run first."""
-        off, ld = self._offloads, self._loads
-        self._offloads, self._loads = [], []
-        self._loading.clear()
-        return off, ld
+        """(offloads, loads) queued since the last call; offloads run first.
+        They count once `finish_copies` reports how they went."""
+        return self.copies.take()
+
+    def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = ()) -> set[int]:
+        """The copies `take_copies` handed out ran; those at the positions given
+        (in its two lists) failed. Returns the ids of the device blocks whose
+        reload failed: the request holding one must be cut back (`cut_unloaded`)."""
+        return self.copies.finish(failed_offloads, failed_loads)
+
+    def cut_unloaded(self, st: BlockTable, bad: set[int], now: float) -> int | None:
+        """If `st` holds a block of `bad` (a reload that failed), keep that block
+        as a private one to recompute into and give back every block after it;
+        returns the tokens still backed by KV (the request recomputes from there).
+        None: `st` holds none of them."""
+        for i, b in enumerate(st.blocks):
+            if b.block_id in bad:
+                break
+        else:
+            return None
+        tail = st.blocks[i + 1:]
+        del st.blocks[i + 1:]
+        self.pool.release(tail, now)
+        st.num_indexed = min(st.num_indexed, i)
+        st.last_node = st.blocks[i - 1].node if i else self.index.root
+        assert st.last_node is not None
+        return i * self.block_size
 
     # --- checks ---
 
@@ -369,3 +397,4 @@ class KVCacheManager:
         assert n == self.index.num_nodes, f"index counts {self.index.num_nodes} nodes, found {n}"
         if self.host.enabled:
             self.host.check_integrity()
+        self.copies.check_integrity()

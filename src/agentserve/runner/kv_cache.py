@@ -13,9 +13,13 @@ slot (block * block_size + offset) into the per-layer view
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from agentserve.runner.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class PagedKVCache:
@@ -48,22 +52,34 @@ class PagedKVCache:
         """K and V of layer i, each [kv_heads, blocks, block_size, head_dim]."""
         return self._k[i], self._v[i]
 
-    def offload(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host slots: pairs of (device block, host block)."""
+    def offload(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Copy device blocks to host slots: pairs of (device block, host block).
+        Returns the positions of the copies that failed (all of them, or none)."""
         if not pairs:
-            return
+            return []
         if self.host_kv is None:
             raise RuntimeError("offload asked but the cache has no host tier")
-        dev = torch.tensor([d for d, _ in pairs], device=self.device)
-        host = torch.tensor([h for _, h in pairs])
-        self.host_kv[:, :, :, host] = self.device_kv[:, :, :, dev].to("cpu")
+        try:
+            dev = torch.tensor([d for d, _ in pairs], device=self.device)
+            host = torch.tensor([h for _, h in pairs])
+            self.host_kv[:, :, :, host] = self.device_kv[:, :, :, dev].to("cpu")
+        except (RuntimeError, MemoryError) as e:
+            log.warning("offload of %d KV blocks failed: %s", len(pairs), e)
+            return list(range(len(pairs)))
+        return []
 
-    def load(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host slots back into device blocks: pairs of (host block, device block)."""
+    def load(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Copy host slots back into device blocks: pairs of (host block, device block).
+        Returns the positions of the copies that failed (all of them, or none)."""
         if not pairs:
-            return
+            return []
         if self.host_kv is None:
             raise RuntimeError("reload asked but the cache has no host tier")
-        host = torch.tensor([h for h, _ in pairs])
-        dev = torch.tensor([d for _, d in pairs], device=self.device)
-        self.device_kv[:, :, :, dev] = self.host_kv[:, :, :, host].to(self.device)
+        try:
+            host = torch.tensor([h for h, _ in pairs])
+            dev = torch.tensor([d for _, d in pairs], device=self.device)
+            self.device_kv[:, :, :, dev] = self.host_kv[:, :, :, host].to(self.device)
+        except (RuntimeError, MemoryError) as e:
+            log.warning("reload of %d KV blocks failed: %s", len(pairs), e)
+            return list(range(len(pairs)))
+        return []
