@@ -35,14 +35,11 @@ class PrefixMatch:
     nodes: list[Node]
     block_size: int
     salt: Hashable = None  # the prefix cache's salt the match was made under (prefix_index.py)
+    num_host_blocks: int = 0  # of the nodes, those with only a host copy (when matched: admit reloads them)
 
     @property
     def num_tokens(self) -> int:
         return len(self.nodes) * self.block_size
-
-    @property
-    def num_host_blocks(self) -> int:
-        return sum(1 for n in self.nodes if n.block is None)
 
     @property
     def num_host_tokens(self) -> int:
@@ -108,15 +105,17 @@ class KVCacheManager:
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         nodes = []
+        host = 0
         loading, pending = self._loading, self.host.pending
         for node in self.index.walk(token_ids, max_blocks, salt, hint):
             if node.block is None:
                 if node.host_slot is None or node in pending:
                     break
+                host += 1
             elif loading and node in loading:
                 break  # its reload is not confirmed yet
             nodes.append(node)
-        return PrefixMatch(nodes, self.block_size, salt)
+        return PrefixMatch(nodes, self.block_size, salt, host)
 
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         return self.admit_need(match, num_new_tokens) <= self.pool.num_free
