@@ -158,3 +158,58 @@ def test_step_time_target_in_the_simulator():
     assert off.completed == on.completed == 2
     assert off.capped_steps == 0 and off.decode_step_max_s > 0.12
     assert on.capped_steps > 10 and on.decode_step_max_s < 0.08
+
+
+def _small_host_profile(tmp_path, **changes):
+    """The default profile with a host tier small enough for the workload to overflow it."""
+    from agentserve.cost.profile import load_profile
+
+    d = load_profile("llama3.1-8b-h100").to_dict()
+    d.update(host_kv_capacity_tokens=20_000, **changes)
+    path = tmp_path / f"p{len(changes)}.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_disk_tier_spills_host_evictions_and_reloads_them(small_workload, tmp_path):
+    prof = _small_host_profile(tmp_path)
+    host = simulate(small_workload, SimConfig(policy="continuum", profile=prof, kv_tokens=60_000, host_tier=True))
+    disk = simulate(small_workload, SimConfig(policy="continuum", profile=prof, kv_tokens=60_000, disk_tier=True,
+                                              check_integrity_every=50))
+    assert disk.completed == len(small_workload)
+    assert host.tiers["spilled"] == 0 and host.tiers["disk_loaded"] == 0
+    assert disk.tiers["spilled"] > 0 and disk.tiers["disk_loaded"] > 0
+    assert disk.hit_ratio > host.hit_ratio  # blocks the host tier dropped are found on disk
+    slow = _small_host_profile(tmp_path, disk_read_bandwidth_bytes_s=1e6)
+    crawl = simulate(small_workload, SimConfig(policy="continuum", profile=slow, kv_tokens=60_000, disk_tier=True))
+    assert mean_jct(crawl) > mean_jct(disk)  # disk reloads are priced at the profile's SSD bandwidth
+
+
+def mean_jct(r):
+    return sum(r.jct) / len(r.jct)
+
+
+def test_cli_sim_disk_tier(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["sim", "--workload", "swebench", "--programs", "12", "--rates", "2", "--policies", "continuum",
+               "--kv-tokens", "40000", "--jobs", "1", "--disk-tier", "--profile", _small_host_profile(tmp_path),
+               "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())
+    assert row["tiers"]["spilled"] > 0
+
+
+def test_cost_model_prices_disk_copies_at_the_ssd_bandwidth():
+    from agentserve.cost.cost_model import CostModel
+    from agentserve.cost.profile import load_profile
+    from agentserve.engine.scheduler_output import SchedulerOutput
+
+    p = load_profile("llama3.1-8b-h100")
+    assert p.disk_read_bandwidth_bytes_s == p.disk_write_bandwidth_bytes_s == 3e9  # the defaults
+    cost = CostModel(p, block_size=16)
+    block = p.kv_bytes_per_token * 16
+    spill = cost.step_time(SchedulerOutput(blocks_to_spill=[(i, i) for i in range(10)]))
+    assert spill == pytest.approx(10 * block / 3e9)
+    load = cost.step_time(SchedulerOutput(blocks_to_load_disk=[(i, i) for i in range(10)]))
+    assert load == pytest.approx(10 * block / 3e9 + cost.copy_blocks_time(10))
+    assert p.disk_num_blocks(16) == int(2e12 // block)

@@ -43,6 +43,9 @@ def _add_sim(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--eviction", default="lru", help="prefix-cache eviction: lru, leaf-lru, lfu, arc")
     p.add_argument("--host-tier", action="store_true", help="add the profile's host-DRAM KV tier (swap/reload)")
+    p.add_argument("--disk-tier", action="store_true",
+                   help="add the profile's disk (SSD) KV tier below the host tier, which it implies: blocks the "
+                        "host tier evicts are written there and reloaded at the profile's disk bandwidth")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default: profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
     p.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
@@ -131,7 +134,7 @@ def cmd_sim(args) -> int:
         programs = build_workload(args, rate)
         for pol in args.policies:
             cfg = SimConfig(profile=args.profile, policy=pol, block_size=args.block_size, eviction=args.eviction,
-                            host_tier=args.host_tier, kv_tokens=args.kv_tokens,
+                            host_tier=args.host_tier, disk_tier=args.disk_tier, kv_tokens=args.kv_tokens,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                             seed=args.seed, check_integrity_every=args.check_integrity_every,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-kv-tokens", type=int, default=0,
                    help="host-memory KV tier in tokens: evicted prefixes are written there and reloaded "
                         "instead of recomputed (0: off)")
+    g.add_argument("--disk-kv-bytes", type=int, default=0,
+                   help="disk KV tier below the host tier, in bytes: blocks the host tier evicts are written "
+                        "to files under --disk-kv-dir and reloaded from there (0: off; needs --host-kv-tokens)")
+    g.add_argument("--disk-kv-dir", default=None,
+                   help="directory of the disk KV tier's files (created if missing; this server's old block "
+                        "files in it are removed at start)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once, at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -74,9 +81,11 @@ def build_llm(args):
 
     if args.policy not in policy_names():
         raise CliError(f"unknown policy {args.policy!r}; choose from {', '.join(policy_names())}")
+    check_disk_args(args)
     try:
         return LLM(None if args.model == "default" else args.model, dtype=args.dtype, device=args.device,
                    kv_cache_tokens=args.kv_cache_tokens, host_kv_tokens=args.host_kv_tokens,
+                   disk_kv_bytes=args.disk_kv_bytes, disk_kv_dir=args.disk_kv_dir,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
@@ -85,6 +94,20 @@ def build_llm(args):
                    group_prefill=args.group_prefill)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
+
+
+def check_disk_args(args) -> None:
+    """The disk-tier flags make sense together (before the model is loaded)."""
+    if args.disk_kv_bytes < 0:
+        raise CliError(f"--disk-kv-bytes must be 0 (off) or positive, got {args.disk_kv_bytes}")
+    if args.disk_kv_bytes and not args.disk_kv_dir:
+        raise CliError("--disk-kv-bytes needs --disk-kv-dir (where the disk tier's files go)")
+    if args.disk_kv_dir and not args.disk_kv_bytes:
+        raise CliError("--disk-kv-dir needs --disk-kv-bytes (the disk tier's byte budget)")
+    if args.disk_kv_bytes and args.host_kv_tokens <= 0:
+        raise CliError("--disk-kv-bytes needs --host-kv-tokens: the disk tier is filled from the host tier")
+    if args.disk_kv_dir and os.path.exists(args.disk_kv_dir) and not os.path.isdir(args.disk_kv_dir):
+        raise CliError(f"--disk-kv-dir {args.disk_kv_dir!r} is not a directory")
 
 
 def _setup_logging(level: str = "INFO") -> None:

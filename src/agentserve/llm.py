@@ -44,6 +44,7 @@ class ChatOutput:
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, *, dtype: str = "auto", device: str = "auto",
                  kv_cache_tokens: int | None = None, host_kv_tokens: int = 0, block_size: int = 16,
+                 disk_kv_bytes: int = 0, disk_kv_dir: str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
@@ -84,7 +85,8 @@ class LLM:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} gives no block of {block_size} tokens")
         host_blocks = host_kv_tokens // block_size
         self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.dtype, self.device)
-        self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks)
+        disk_blocks = self._disk_tier(disk_kv_bytes, disk_kv_dir)
+        self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks, disk_blocks=disk_blocks)
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,
@@ -103,6 +105,27 @@ class LLM:
                  devices.dtype_name(self.dtype), self._weights_summary(), cfg.num_layers, cfg.num_params() / 1e6,
                  num_blocks * block_size, self.kv_cache.bytes / 2**20, block_size, host_blocks * block_size,
                  self.scheduler.policy.name)
+
+    def _disk_tier(self, disk_kv_bytes: int, disk_kv_dir: str | None) -> int:
+        """Set up the disk KV tier (below the host tier): its number of block files."""
+        if not disk_kv_bytes:
+            return 0
+        if disk_kv_bytes < 0 or not disk_kv_dir:
+            raise ValueError("the disk KV tier needs a byte budget > 0 and a directory")
+        if self.kv_cache.host_kv is None:
+            raise ValueError("the disk KV tier needs a host tier (set the host KV tokens too)")
+        try:
+            store = self.kv_cache.attach_disk(disk_kv_dir)
+            probe = store.dir / ".agentserve-write-probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"disk KV directory {disk_kv_dir!r} is not usable: {e.strerror or e}") from None
+        blocks = disk_kv_bytes // store.file_bytes
+        if blocks < 1:
+            raise ValueError(f"disk KV budget of {disk_kv_bytes} bytes holds no block file ({store.file_bytes} bytes)")
+        log.info("disk KV tier: %d blocks (%.1f MiB) in %s", blocks, blocks * store.file_bytes / 2**20, disk_kv_dir)
+        return blocks
 
     def _weights_summary(self) -> str:
         m = self.model

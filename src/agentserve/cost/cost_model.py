@@ -20,10 +20,13 @@ so a decode batch is memory-bound (weights + KV), a large prefill chunk is
 compute-bound, and a decode token also pays its FLOPs once the batch is large.
 Host<->device copies are priced at the profile's copy bandwidth:
 
-    step = max(forward, offload_copy) + load_copy
+    step = max(forward, spill + offload_copy) + load_copy + disk_load
 
 offloads run on a copy stream overlapped with the forward pass; loads must land
-before the forward pass reads them, so they add. Every term is non-decreasing
+before the forward pass reads them, so they add. With a disk tier, a spill (a
+host slot written to the SSD at the profile's disk write bandwidth) runs before
+the offload that reuses its slot, and a disk reload reads the SSD at the disk
+read bandwidth and then copies to the device. Every term is non-decreasing
 in tokens, context, sequences and blocks.
 """
 
@@ -55,6 +58,9 @@ class CostModel:
         self._copy_latency = p.host_copy_latency_s
         self._copy_s_per_token = p.kv_bytes_per_token / p.host_copy_bandwidth_bytes_s
         self._copy_s_per_block = self._copy_s_per_token * block_size
+        block_bytes = p.kv_bytes_per_token * block_size
+        self._disk_write_s_per_block = block_bytes / p.disk_write_bandwidth_bytes_s
+        self._disk_read_s_per_block = block_bytes / p.disk_read_bandwidth_bytes_s
 
     # ---- estimates used by policies (TTL model's Prefill-Reload(r)) ----
 
@@ -111,4 +117,7 @@ class CostModel:
         forward = self.forward_time(output)
         offload = self.copy_blocks_time(len(output.blocks_to_offload))
         load = self.copy_blocks_time(len(output.blocks_to_load))
-        return max(forward, offload) + load
+        spill = len(output.blocks_to_spill) * self._disk_write_s_per_block
+        n = len(output.blocks_to_load_disk)
+        disk_load = n * self._disk_read_s_per_block + self.copy_blocks_time(n)
+        return max(forward, spill + offload) + load + disk_load

@@ -17,6 +17,9 @@ Schema (all times in seconds, sizes in bytes or tokens):
     host_kv_capacity_tokens                 host DRAM KV pool (0: no host tier)
     host_copy_bandwidth_bytes_s             effective device<->host copy bandwidth
     host_copy_latency_s                     optional (0): fixed cost of one batch of copies
+    disk_kv_capacity_bytes                  optional (2e12): the disk tier's byte budget (sim --disk-tier)
+    disk_read_bandwidth_bytes_s             optional (3e9): SSD read bandwidth of the disk tier
+    disk_write_bandwidth_bytes_s            optional (3e9): SSD write bandwidth of the disk tier
     max_num_batched_tokens, max_num_seqs    scheduler defaults
     step_overhead_s                         c of t(L) = a*L^2 + b*L + c: fixed cost of a step
     per_seq_overhead_s                      optional (0): extra cost per sequence beyond the first
@@ -85,6 +88,10 @@ class Profile:
     # optional
     per_seq_overhead_s: float = 0.0
     host_copy_latency_s: float = 0.0
+    # the disk tier below the host tier (an NVMe SSD): used with `agentserve sim --disk-tier`
+    disk_kv_capacity_bytes: float = 2e12
+    disk_read_bandwidth_bytes_s: float = 3e9
+    disk_write_bandwidth_bytes_s: float = 3e9
     gpu: str = ""
     num_gpus: int = 1
 
@@ -95,6 +102,10 @@ class Profile:
     def host_num_blocks(self, block_size: int) -> int:
         """Host KV capacity in whole blocks of `block_size` tokens."""
         return self.host_kv_capacity_tokens // _check_block_size(block_size)
+
+    def disk_num_blocks(self, block_size: int) -> int:
+        """Disk-tier capacity in whole blocks of `block_size` tokens."""
+        return int(self.disk_kv_capacity_bytes // self.block_bytes(block_size))
 
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * _check_block_size(block_size)
@@ -136,6 +147,9 @@ _PROFILE_FIELDS: dict[str, tuple[str, bool]] = {
     "kv_read_s_per_token": ("num", True),
     "per_seq_overhead_s": ("num", False),
     "host_copy_latency_s": ("num", False),
+    "disk_kv_capacity_bytes": ("num", False),
+    "disk_read_bandwidth_bytes_s": ("pos_num", False),
+    "disk_write_bandwidth_bytes_s": ("pos_num", False),
     "gpu": ("str", False),
     "num_gpus": ("pos_int", False),
 }

@@ -25,6 +25,8 @@ class ExecutorResult:
     elapsed: float = 0.0  # seconds the step took (measured, or modelled in simulation)
     failed_offloads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_offload
     failed_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load
+    failed_spills: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_spill
+    failed_disk_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load_disk
 
 
 def run_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn) -> tuple[list[int], list[int], set[int]]:
@@ -33,6 +35,19 @@ def run_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn) -> tuple[lis
     failed_off = list(offload(out.blocks_to_offload)) if out.blocks_to_offload else []
     failed_ld = list(load(out.blocks_to_load)) if out.blocks_to_load else []
     return failed_off, failed_ld, {out.blocks_to_load[i][1] for i in failed_ld}
+
+
+def run_all_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn, spill: CopyFn,
+                   load_disk: CopyFn) -> tuple[ExecutorResult, set[int]]:
+    """The step's spills (before the offloads that may overwrite their host
+    slots), offloads, reloads and disk reloads: a result carrying the failed
+    positions, and the device blocks the failed reloads were to fill."""
+    failed_sp = list(spill(out.blocks_to_spill)) if out.blocks_to_spill else []
+    failed_off, failed_ld, unloaded = run_copies(out, offload, load)
+    failed_dl = list(load_disk(out.blocks_to_load_disk)) if out.blocks_to_load_disk else []
+    unloaded |= {out.blocks_to_load_disk[i][1] for i in failed_dl}
+    return ExecutorResult(failed_offloads=failed_off, failed_loads=failed_ld, failed_spills=failed_sp,
+                          failed_disk_loads=failed_dl), unloaded
 
 
 def readable(chunks: list[ScheduledChunk], unloaded: set[int]) -> list[ScheduledChunk]:

@@ -270,6 +270,7 @@ class Scheduler(PinReview, Admission, StepResults):
             req.num_computed_tokens = start + n
         out.features = step.features
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
+        out.blocks_to_spill, out.blocks_to_load_disk = self.kv.take_disk_copies()
         return out
 
     def _admit_waiting(self, step: StepBudget, now: float, prefilling: list[Request]) -> None:

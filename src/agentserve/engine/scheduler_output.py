@@ -41,6 +41,9 @@ class SchedulerOutput:
     # Copies the executor performs before the forward pass.
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    # the disk tier's (kv/disk_tier.py): spills run before the offloads, disk reloads after the reloads
+    blocks_to_spill: list[tuple[int, int]] = field(default_factory=list)  # (host block, disk slot)
+    blocks_to_load_disk: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, device block)
     preempted: list[Request] = field(default_factory=list)
     # (prefill tokens, attention pairs, decode rows, decode context, draft rows, draft context),
     # gathered by the scheduler as it scheduled (None: step_features computes them from the chunks)
@@ -48,7 +51,11 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.blocks_to_load and not self.blocks_to_offload
+        return not (self.chunks or self.has_copies)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.blocks_to_load or self.blocks_to_offload or self.blocks_to_spill or self.blocks_to_load_disk)
 
     @property
     def num_prefill_tokens(self) -> int:

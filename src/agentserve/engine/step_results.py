@@ -49,7 +49,7 @@ class StepResults:
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
         """Apply sampled tokens; returns the requests that finished this step."""
         now = self.clock.now()
-        if out.blocks_to_offload or out.blocks_to_load:
+        if out.has_copies:
             self._finish_copies(result, now)
         finished = []
         limit = self.config.max_model_len
@@ -125,7 +125,7 @@ class StepResults:
             stats.decode_step_max_s = max(stats.decode_step_max_s, elapsed)
             stats.decode_step_history.append(elapsed)
         # Steps with host copies are left out of the fit: their time is not the forward pass's.
-        if self.config.max_step_ms_with_decodes and not out.blocks_to_load and not out.blocks_to_offload:
+        if self.config.max_step_ms_with_decodes and not out.has_copies:
             self.step_model.observe(prefill, attention, decodes, context, elapsed, draft_rows, draft_ctx)
         return finished
 
@@ -133,12 +133,16 @@ class StepResults:
         """The executor failed the whole step: none of its copies count (the
         engine's caller fails the step's requests; the KV stays consistent)."""
         self._finish_copies(ExecutorResult(failed_offloads=range(len(out.blocks_to_offload)),
-                                           failed_loads=range(len(out.blocks_to_load))), self.clock.now())
+                                           failed_loads=range(len(out.blocks_to_load)),
+                                           failed_spills=range(len(out.blocks_to_spill)),
+                                           failed_disk_loads=range(len(out.blocks_to_load_disk))),
+                            self.clock.now())
 
     def _finish_copies(self, result: ExecutorResult, now: float) -> None:
         """The step's copies count now; a request whose reload failed (the
         executor computed nothing of it) recomputes from its last block with KV."""
-        unloaded = self.kv.finish_copies(result.failed_offloads, result.failed_loads)
+        unloaded = self.kv.finish_copies(result.failed_offloads, result.failed_loads,
+                                         result.failed_spills, result.failed_disk_loads)
         if not unloaded:
             return
         self.stats.reload_failed_blocks += len(unloaded)

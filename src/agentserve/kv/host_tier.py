@@ -13,6 +13,7 @@ written."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from agentserve.kv.prefix_index import Node, PrefixIndex
 
@@ -27,6 +28,9 @@ class HostTier:
         self._lru: OrderedDict[Node, None] = OrderedDict()  # least recently used first
         self.pending: set[Node] = set()  # slot given, copy not confirmed yet
         self.num_evicted = 0
+        # called with a confirmed copy's node and slot as it is evicted, before the
+        # slot is freed (the disk tier spills it: kv/disk_tier.py)
+        self.on_evict: Callable[[Node, int], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -87,7 +91,10 @@ class HostTier:
             if node in protect:
                 continue
             del self._lru[node]
-            self.pending.discard(node)  # a queued copy into it is void (kv/copies.py)
+            if node in self.pending:
+                self.pending.discard(node)  # a queued copy into it is void (kv/copies.py)
+            elif self.on_evict is not None:
+                self.on_evict(node, node.host_slot)
             self._free.append(node.host_slot)
             node.host_slot = None
             self.num_evicted += 1

@@ -22,6 +22,7 @@ from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.block_table import BlockTable
 from agentserve.kv.copies import CopyQueue
+from agentserve.kv.disk_tier import DiskCopies, DiskTier
 from agentserve.kv.eviction import make_strategy
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.prefix_index import ChainHint, Node, PrefixIndex, common_blocks
@@ -35,7 +36,8 @@ class PrefixMatch:
     nodes: list[Node]
     block_size: int
     salt: Hashable = None  # the prefix cache's salt the match was made under (prefix_index.py)
-    num_host_blocks: int = 0  # of the nodes, those with only a host copy (when matched: admit reloads them)
+    num_host_blocks: int = 0  # of the nodes, those with no device block (admit reloads them: host or disk)
+    num_disk_blocks: int = 0  # of those, the ones read from the disk tier
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +59,7 @@ class Pin:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
-                 host_blocks: int = 0,
+                 host_blocks: int = 0, disk_blocks: int = 0,
                  key_fn: Callable[[tuple[int, ...]], Hashable] | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -73,6 +75,10 @@ class KVCacheManager:
         self._pin_numbers = itertools.count()
         self.copies = CopyQueue(self.pool, self.host)
         self._loading = self.copies.loading
+        self.disk = DiskTier(disk_blocks, self.index)  # below the host tier (kv/disk_tier.py)
+        self.disk_copies = DiskCopies(self.pool, self.disk)
+        if self.disk.enabled:
+            self.host.on_evict = self.disk_copies.spill
 
     # --- sizes ---
 
@@ -105,17 +111,19 @@ class KVCacheManager:
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         nodes = []
-        host = 0
-        loading, pending = self._loading, self.host.pending
+        host = disk = 0
+        loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         for node in self.index.walk(token_ids, max_blocks, salt, hint):
             if node.block is None:
                 if node.host_slot is None or node in pending:
-                    break
+                    if not self.disk.readable(node):
+                        break
+                    disk += 1
                 host += 1
-            elif loading and node in loading:
+            elif (loading and node in loading) or (dloading and node in dloading):
                 break  # its reload is not confirmed yet
             nodes.append(node)
-        return PrefixMatch(nodes, self.block_size, salt, host)
+        return PrefixMatch(nodes, self.block_size, salt, host, disk)
 
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         return self.admit_need(match, num_new_tokens) <= self.pool.num_free
@@ -142,7 +150,8 @@ class KVCacheManager:
                 self.pool.strategy.on_hit(n.block)
         loads = [n for n in match.nodes if n.block is None]
         n_new = self.blocks_for(match.num_tokens + num_new_tokens) - len(match.nodes)
-        self._loading.update(loads)  # their host copies are not evicted by this allocation
+        self._loading.update(n for n in loads if self.host.readable(n))  # not evicted by this allocation
+        self.disk_copies.loading.update(n for n in loads if not self.host.readable(n))
         fresh = self.pool.allocate(len(loads) + n_new)
         assert fresh is not None  # checked above
         it = iter(fresh)
@@ -150,8 +159,11 @@ class KVCacheManager:
             if n.block is None:
                 b = next(it)
                 self.pool.attach(b, n)
-                self.copies.load(n, b)
-                self.host.touch(n)
+                if self.host.readable(n):
+                    self.copies.load(n, b)
+                    self.host.touch(n)
+                else:
+                    self.disk_copies.load(n, b)
             st.blocks.append(n.block)
         st.blocks.extend(it)
         st.num_indexed = len(match.nodes)
@@ -348,11 +360,17 @@ class KVCacheManager:
         They count once `finish_copies` reports how they went."""
         return self.copies.take()
 
-    def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = ()) -> set[int]:
-        """The copies `take_copies` handed out ran; those at the positions given
-        (in its two lists) failed. Returns the ids of the device blocks whose
-        reload failed: the request holding one must be cut back (`cut_unloaded`)."""
-        return self.copies.finish(failed_offloads, failed_loads)
+    def take_disk_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(spills, disk reloads) queued since the last call (kv/disk_tier.py)."""
+        return self.disk_copies.take()
+
+    def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = (),
+                      failed_spills: Iterable[int] = (), failed_disk_loads: Iterable[int] = ()) -> set[int]:
+        """The copies `take_copies` and `take_disk_copies` handed out ran; those at
+        the positions given (in their lists) failed. Returns the ids of the device
+        blocks whose reload failed: the request holding one must be cut back (`cut_unloaded`)."""
+        return self.disk_copies.finish(failed_spills, failed_disk_loads) | self.copies.finish(
+            failed_offloads, failed_loads)
 
     def cut_unloaded(self, st: BlockTable, bad: set[int], now: float) -> int | None:
         """If `st` holds a block of `bad` (a reload that failed), keep that block
@@ -397,3 +415,4 @@ class KVCacheManager:
         if self.host.enabled:
             self.host.check_integrity()
         self.copies.check_integrity()
+        self.disk_copies.check_integrity()

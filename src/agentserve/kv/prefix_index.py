@@ -2,8 +2,8 @@
 verified by content.
 
 Each node stands for one block of `block_size` tokens at one position after one
-exact prefix. A node may hold a device block, a host-tier slot, both, or
-neither (an interior node whose KV was evicted while its descendants' was not;
+exact prefix. A node may hold a device block, a host-tier slot, a disk-tier slot,
+any of them together, or none (an interior node whose KV was evicted while its descendants' was not;
 when the prefix is recomputed, the descendants become reachable again).
 
 A child is found by `key_fn(tokens)` in its parent's table and then compared
@@ -57,7 +57,8 @@ class ChainHint:
 
 
 class Node:
-    __slots__ = ("tokens", "parent", "children", "key", "block", "host_slot", "lookup_key", "__weakref__")
+    __slots__ = ("tokens", "parent", "children", "key", "block", "host_slot", "disk_slot", "lookup_key",
+                 "__weakref__")
 
     def __init__(self, tokens: tuple[int, ...], parent: Node | None, key: int, lookup_key: Hashable) -> None:
         self.tokens = tokens
@@ -67,10 +68,11 @@ class Node:
         self.lookup_key = lookup_key
         self.block: Block | None = None
         self.host_slot: int | None = None
+        self.disk_slot: int | None = None
 
     @property
     def is_empty(self) -> bool:
-        return self.block is None and self.host_slot is None and not self.children
+        return self.block is None and self.host_slot is None and self.disk_slot is None and not self.children
 
 
 def _default_key_fn(tokens: tuple[int, ...]) -> Hashable:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from agentserve.engine.executor import Executor, ExecutorResult, readable, run_copies
+from agentserve.engine.executor import Executor, ExecutorResult, readable, run_all_copies
 from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.kv_cache import PagedKVCache
@@ -31,11 +31,12 @@ class ModelExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> ExecutorResult:
         t0 = time.perf_counter()
-        # offloads first: a block written out this step may be reused by a load
-        failed_off, failed_ld, unloaded = run_copies(out, self.kv.offload, self.kv.load)
+        # spills, then offloads: a block written out this step may be reused by a load
+        res, unloaded = run_all_copies(out, self.kv.offload, self.kv.load, self.kv.spill, self.kv.load_disk)
         chunks = readable(out.chunks, unloaded)  # a request whose reload failed computes nothing
         if not chunks:
-            return ExecutorResult({}, time.perf_counter() - t0, failed_off, failed_ld)
+            res.elapsed = time.perf_counter() - t0
+            return res
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         ids: list[int] = []
@@ -76,4 +77,5 @@ class ModelExecutor(Executor):
         if rows:
             for rid, tok in zip(rids, self.sampler.sample(logits, params, rids, steps, verifies)):
                 sampled.setdefault(rid, []).append(tok)
-        return ExecutorResult(sampled, time.perf_counter() - t0, failed_off, failed_ld)
+        res.sampled, res.elapsed = sampled, time.perf_counter() - t0
+        return res

@@ -1,4 +1,5 @@
-"""The paged KV cache tensors: device blocks and the host-memory tier.
+"""The paged KV cache tensors: device blocks and the host-memory tier, and
+the copies to and from the disk tier's files (runner/disk_store.py).
 
 Layout: one tensor per tier of shape [2, layers, kv_heads, blocks, block_size,
 head_dim] (K then V). The KV head comes before the block so that gathering a
@@ -18,6 +19,7 @@ import logging
 import torch
 
 from agentserve.runner.config import ModelConfig
+from agentserve.runner.disk_store import DiskBlockError, DiskStore, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,10 @@ class PagedKVCache:
             # pinned host memory makes the device<->host copies asynchronous DMA on CUDA
             pin = self.device.type == "cuda"
             self.host_kv = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
+        self.block_shape = (2, cfg.num_layers, cfg.num_kv_heads, block_size, cfg.head_dim)
+        self.block_bytes = self.device_kv[:, :, :, 0].numel() * self.device_kv.element_size()
+        self.fingerprint = fingerprint(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, str(dtype))
+        self.disk: DiskStore | None = None  # the disk tier's files (`attach_disk`)
         self._k = [self.device_kv[0, i] for i in range(cfg.num_layers)]
         self._v = [self.device_kv[1, i] for i in range(cfg.num_layers)]
 
@@ -67,6 +73,53 @@ class PagedKVCache:
             log.warning("offload of %d KV blocks failed: %s", len(pairs), e)
             return list(range(len(pairs)))
         return []
+
+    def attach_disk(self, directory) -> DiskStore:
+        """Use `directory` for the disk tier's files (cleaned of this server's old files)."""
+        if self.host_kv is None:
+            raise ValueError("the disk KV tier needs a host tier (it is filled from the host tier's evictions)")
+        store = DiskStore(directory, self.fingerprint, self.block_bytes)
+        removed = store.clean()
+        if removed:
+            log.info("disk KV tier: removed %d block files of an earlier run from %s", removed, directory)
+        self.disk = store
+        return store
+
+    def spill(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Write host slots to disk-tier files: pairs of (host block, disk slot).
+        Returns the positions of the writes that failed."""
+        if not pairs:
+            return []
+        if self.disk is None or self.host_kv is None:
+            raise RuntimeError("spill asked but the cache has no disk tier")
+        failed = []
+        for i, (h, d) in enumerate(pairs):
+            try:
+                block = self.host_kv[:, :, :, h].contiguous()
+                self.disk.write(d, block.view(torch.uint8).reshape(-1).numpy().data)
+            except (OSError, RuntimeError, ValueError) as e:
+                log.warning("spill of host KV block %d to disk slot %d failed: %s", h, d, e)
+                failed.append(i)
+        return failed
+
+    def load_disk(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Read disk-tier files into device blocks: pairs of (disk slot, device block).
+        Returns the positions of the reads that failed or were rejected (torn,
+        foreign, corrupt): their device blocks were not written."""
+        if not pairs:
+            return []
+        if self.disk is None:
+            raise RuntimeError("disk reload asked but the cache has no disk tier")
+        failed = []
+        for i, (d, dev) in enumerate(pairs):
+            try:
+                payload = self.disk.read(d)
+                block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(self.block_shape)
+                self.device_kv[:, :, :, dev] = block.to(self.device)
+            except (DiskBlockError, RuntimeError, MemoryError) as e:
+                log.warning("reload of disk slot %d failed: %s", d, e)
+                failed.append(i)
+        return failed
 
     def load(self, pairs: list[tuple[int, int]]) -> list[int]:
         """Copy host slots back into device blocks: pairs of (host block, device block).

@@ -39,6 +39,7 @@ class SimConfig:
     block_size: int = 16
     eviction: str = "lru"
     host_tier: bool = False  # use the profile's host DRAM tier (swap and reload)
+    disk_tier: bool = False  # and the profile's disk tier below it (implies host_tier)
     kv_tokens: int | None = None  # device KV capacity; default: the profile's
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -70,6 +71,7 @@ class SimResult:
     decode_step_max_s: float = 0.0  # the longest step with decodes running
     decode_step_p99_s: float = 0.0  # p99 of the latest such steps
     state: dict = field(default_factory=dict)  # learned statistics and per-program state left at the end
+    tiers: dict = field(default_factory=dict)  # blocks copied between the KV tiers (offloaded, loaded, spilled, ...)
 
     @property
     def throughput(self) -> float:
@@ -85,10 +87,12 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     bs = cfg.block_size
     clock = SimClock()
     num_blocks = (cfg.kv_tokens // bs) if cfg.kv_tokens else profile.num_blocks(bs)
-    host_blocks = profile.host_num_blocks(bs) if cfg.host_tier else 0
-    kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks)
+    host_tier = cfg.host_tier or cfg.disk_tier
+    host_blocks = profile.host_num_blocks(bs) if host_tier else 0
+    disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
+    kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks)
     cost = CostModel(profile, block_size=bs)
-    reload_cost = cost.reload_time if cfg.host_tier else cost.prefill_time
+    reload_cost = cost.reload_time if host_tier else cost.prefill_time
     sconf = SchedulerConfig(
         max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
@@ -210,6 +214,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
               "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
         capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
         decode_step_p99_s=st.decode_step_p99_s(),
+        tiers={"offloaded": executor.stats.offloaded_blocks, "loaded": executor.stats.loaded_blocks,
+               "spilled": executor.stats.spilled_blocks, "disk_loaded": executor.stats.disk_loaded_blocks},
         state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins, **_busiest(per_step, peak_running)),
     )
 

@@ -24,6 +24,8 @@ class SimStats:
     sampled_tokens: int = 0
     loaded_blocks: int = 0
     offloaded_blocks: int = 0
+    spilled_blocks: int = 0  # host slots written to the disk tier
+    disk_loaded_blocks: int = 0  # blocks reloaded from the disk tier
 
 
 class SimExecutor(Executor):
@@ -56,4 +58,6 @@ class SimExecutor(Executor):
         stats.sampled_tokens += len(sampled)
         stats.loaded_blocks += len(output.blocks_to_load)
         stats.offloaded_blocks += len(output.blocks_to_offload)
+        stats.spilled_blocks += len(output.blocks_to_spill)
+        stats.disk_loaded_blocks += len(output.blocks_to_load_disk)
         return ExecutorResult(sampled=sampled, elapsed=elapsed)

@@ -21,7 +21,7 @@ def result_row(workload: str, profile: str, rate: float, r: SimResult) -> dict:
         "steps": r.steps, "sched_overhead_us": r.sched_overhead_s * 1e6, "sim_wall_s": r.wall_s,
         "pins": r.pins, "capped_steps": r.capped_steps,
         "max_decode_step_ms": r.decode_step_max_s * 1e3, "p99_decode_step_ms": r.decode_step_p99_s * 1e3,
-        "state": r.state,
+        "state": r.state, "tiers": r.tiers,
     }
 
 
