@@ -148,6 +148,13 @@ def test_corrupt_disk_files_are_recomputed_never_read(hf, tmp_path):
     assert llm.scheduler.stats.reload_failed_blocks >= 8
     assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
     llm.check_integrity()
+    # what /metrics and the stats read: the tiers' sizes, what went to disk, the copies that failed
+    from agentserve.policy.toolcall_stream import ValidatorCounts
+    from agentserve.server.engine_snapshot import take_snapshot
+    snap = take_snapshot(llm.scheduler, ValidatorCounts())
+    assert snap.host_blocks == llm.kv.host.num_slots > 0 and snap.disk_blocks == llm.kv.disk.num_slots > 0
+    assert 0 < snap.disk_blocks_used <= snap.disk_blocks and snap.disk_blocks_written >= 8
+    assert snap.tier_copy_failures >= 8
 
 
 def test_llm_cleans_the_directory_at_start_and_checks_the_budget(hf, tmp_path):

@@ -355,7 +355,8 @@ def test_metrics_endpoint(server, client):
                  "pinned_programs", "prompt_tokens", "prefix_hit_tokens", "pins_expired", "pins_hit",
                  "pins_reclaimed", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "program_jct_seconds",
-                 "pin_ttl_seconds", "request_success", "generation_tokens"):
+                 "pin_ttl_seconds", "request_success", "generation_tokens", "host_kv_blocks", "disk_kv_blocks",
+                 "disk_kv_blocks_written", "kv_tier_copy_failures"):
         assert "agentserve:" + name in fams, name
 
     def value(name, suffix=""):

@@ -59,6 +59,13 @@ class EngineSnapshot:
     response_cache: Any = None
     # block-accounting checks (Scheduler.check_integrity) that failed when the engine went idle
     kv_integrity_failures: int = 0
+    # the tiers below the device: slots in all and in use, blocks written to disk, copies that failed
+    host_blocks: int = 0
+    host_blocks_used: int = 0
+    disk_blocks: int = 0
+    disk_blocks_used: int = 0
+    disk_blocks_written: int = 0
+    tier_copy_failures: int = 0
 
     def __getattr__(self, name: str) -> Any:
         if name in _STAT_FIELDS:
@@ -98,4 +105,7 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         speculation=replace(scheduler.speculator.stats),
         render_cache=None if render_cache is None else render_cache.stats(),
         response_cache=None if response_cache is None else response_cache.stats(),
-        kv_integrity_failures=kv_integrity_failures)
+        kv_integrity_failures=kv_integrity_failures,
+        host_blocks=kv.host.num_slots, host_blocks_used=kv.host.num_used, disk_blocks=kv.disk.num_slots,
+        disk_blocks_used=kv.disk.num_used, disk_blocks_written=kv.disk_copies.num_spilled,
+        tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed)

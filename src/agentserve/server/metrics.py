@@ -94,6 +94,15 @@ class _SnapshotCollector(Collector):
                       t.regenerations)
         yield counter("tool_call_validator_fallbacks", "Requests whose validator turned off on an inconsistency "
                       "(they decoded plainly).", t.fallbacks)
+        yield gauge("host_kv_blocks", "Host-tier KV block slots in all (0: no host tier).", s.host_blocks)
+        yield gauge("host_kv_blocks_used", "Host-tier slots holding a copy of a block.", s.host_blocks_used)
+        yield gauge("disk_kv_blocks", "Disk-tier KV block files the byte budget allows (0: no disk tier).",
+                    s.disk_blocks)
+        yield gauge("disk_kv_blocks_used", "Disk-tier block files holding a block.", s.disk_blocks_used)
+        yield counter("disk_kv_blocks_written", "Blocks written to the disk tier (host copies it evicted).",
+                      s.disk_blocks_written)
+        yield counter("kv_tier_copy_failures", "Copies between the device, host and disk tiers that failed (their "
+                      "tokens are recomputed, never read).", s.tier_copy_failures)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
         yield counter("kv_integrity_failures", "Block-accounting checks (run each time the engine goes idle) "
                       "that failed: a bug, logged with its details; should stay 0.", s.kv_integrity_failures)
