@@ -74,13 +74,14 @@ class _Programs:
 
 def measure(policy: str, running: int = 256, pins: int = 1000, waiting: int = 32, steps: int = 1000,
             warmup: int = 100, context: int = 2048, output: int = 128, profile: str = "llama3.1-8b-h100",
-            block_size: int = 16, seed: int = 0) -> OverheadResult:
+            block_size: int = 16, seed: int = 0, kv_factor: float = 2.0) -> OverheadResult:
     prof = load_profile(profile)
     cost = CostModel(prof, block_size=block_size)
     clock = SimClock()
     programs = running + pins + waiting
     per_program = context + 2 * output + DELTA_TOKENS * 8 + block_size  # room for a few turns each
-    kv = KVCacheManager(programs * per_program // block_size * 2, block_size)
+    # kv_factor times what the programs need (about 1.2: the cache is full and every new block evicts one)
+    kv = KVCacheManager(int(programs * per_program // block_size * kv_factor), block_size)
     sched = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=max(8192, context * 2),
                                       max_step_ms_with_decodes=None), kv, policy, clock, cost.prefill_time)
     executor = SimExecutor(clock, cost)
@@ -157,6 +158,9 @@ def add_sched_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=2048, help="tokens of a program's first prompt (default 2048)")
     p.add_argument("--output", type=int, default=128, help="mean tokens a turn decodes (default 128)")
     p.add_argument("--profile", default="llama3.1-8b-h100", help="the simulated GPU's cost profile")
+    p.add_argument("--kv-factor", type=float, default=2.0,
+                   help="KV blocks as a multiple of what the programs need (default 2: nothing is evicted; "
+                        "about 1.2: the cache is full and every new block evicts a cached one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_sched)
@@ -172,8 +176,11 @@ def cmd_sched(args) -> int:
         raise CliError(f"unknown policy {unknown[0]!r}: choose from {', '.join(policy_names())}")
     if min(args.running, args.steps, args.context, args.output) < 1 or args.pins < 0 or args.waiting < 0:
         raise CliError("--running, --steps, --context and --output must be >= 1; --pins and --waiting >= 0")
+    if not args.kv_factor >= 1.1:
+        raise CliError("--kv-factor must be at least 1.1 (the programs' turns must fit)")
     results = [measure(pol, args.running, args.pins, args.waiting, args.steps, context=args.context,
-                       output=args.output, profile=args.profile, seed=args.seed) for pol in args.policies]
+                       output=args.output, profile=args.profile, seed=args.seed, kv_factor=args.kv_factor)
+               for pol in args.policies]
     print_table(results)
     if args.json:
         from agentserve.bench.replay_results import write_run_json
