@@ -15,89 +15,17 @@ budget in slots is the byte budget over one file's size."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
 from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
-from agentserve.kv.prefix_index import Node, PrefixIndex
+from agentserve.kv.prefix_index import Node
+from agentserve.kv.slot_tier import SlotTier
 
 
-class DiskTier:
-    def __init__(self, num_slots: int, index: PrefixIndex) -> None:
-        if num_slots < 0:
-            raise ValueError("disk tier size must be >= 0")
-        self.num_slots = num_slots
-        self.index = index
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._lru: OrderedDict[Node, None] = OrderedDict()  # least recently used first
-        self.pending: set[Node] = set()  # slot given, spill not confirmed yet
-        self.num_evicted = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_slots > 0
-
-    @property
-    def num_used(self) -> int:
-        return len(self._lru)
-
-    def store(self, node: Node, protect: frozenset[Node] | set[Node] = frozenset()) -> int | None:
-        """Give `node` a disk slot (evicting the least recently used entry not in
-        `protect` if full). None: disabled, already on disk, or nothing evictable."""
-        if not self.enabled:
-            return None
-        if node.disk_slot is not None:
-            self._lru.move_to_end(node)
-            return None
-        if not self._free:
-            self._evict_one(protect)
-            if not self._free:
-                return None
-        slot = self._free.pop()
-        node.disk_slot = slot
-        self._lru[node] = None
-        self.pending.add(node)
-        return slot
-
-    def readable(self, node: Node) -> bool:
-        return node.disk_slot is not None and node not in self.pending
-
-    def confirm(self, node: Node) -> None:
-        self.pending.discard(node)
-
-    def drop(self, node: Node) -> None:
-        """Forget `node`'s disk copy (its spill or a read of it failed)."""
-        if node.disk_slot is None:
-            return
-        self.pending.discard(node)
-        del self._lru[node]
-        self._free.append(node.disk_slot)
-        node.disk_slot = None
-        self.index.prune(node)
-
-    def touch(self, node: Node) -> None:
-        if node.disk_slot is not None:
-            self._lru.move_to_end(node)
-
-    def _evict_one(self, protect) -> None:
-        for node in self._lru:
-            if node in protect:
-                continue
-            del self._lru[node]
-            self.pending.discard(node)  # a queued spill into it is void (DiskCopies.spill)
-            self._free.append(node.disk_slot)
-            node.disk_slot = None
-            self.num_evicted += 1
-            self.index.prune(node)
-            return
-
-    def check_integrity(self) -> None:
-        slots = [n.disk_slot for n in self._lru]
-        assert len(set(slots)) == len(slots), "disk slot used twice"
-        assert not set(slots) & set(self._free), "disk slot both used and free"
-        assert len(slots) + len(self._free) == self.num_slots, "disk slots leaked"
-        assert all(n in self._lru for n in self.pending), "a pending spill without a slot"
+class DiskTier(SlotTier):
+    name = "disk"
+    slot_attr = "disk_slot"
 
 
 class DiskCopies:

@@ -1,0 +1,118 @@
+"""A tier of block slots below the device (host memory, disk): the accounting
+both share. A node of the prefix index holds its slot in the tier's own
+attribute (`Node.host_slot`, `Node.disk_slot`); the tier keeps the free slots,
+the LRU order of the used ones and the slots whose copy is still *pending*.
+
+A slot given to a node is pending until the executor confirms its copy
+(`confirm`): a pending slot is never matched or read, and a failed copy gives
+the slot back (`drop`), so the index never points at a slot that was not
+written. An evicted slot's node is pruned if nothing else holds it; a
+confirmed copy being evicted is first offered to `on_evict` (the host tier
+spills it to the disk tier)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import ClassVar
+
+from agentserve.kv.prefix_index import Node, PrefixIndex
+
+
+class SlotTier:
+    name: ClassVar[str]  # for errors: "host", "disk"
+    slot_attr: ClassVar[str]  # the Node attribute that holds a node's slot in this tier
+
+    def __init__(self, num_slots: int, index: PrefixIndex) -> None:
+        if num_slots < 0:
+            raise ValueError(f"{self.name} tier size must be >= 0")
+        self.num_slots = num_slots
+        self.index = index
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lru: OrderedDict[Node, None] = OrderedDict()  # least recently used first
+        self.pending: set[Node] = set()  # slot given, copy not confirmed yet
+        self.num_evicted = 0
+        # called with a confirmed copy's node and slot as it is evicted, before the slot is freed
+        self.on_evict: Callable[[Node, int], None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_slots > 0
+
+    @property
+    def num_used(self) -> int:
+        return len(self._lru)
+
+    def slot(self, node: Node) -> int | None:
+        return getattr(node, self.slot_attr)
+
+    def store(self, node: Node, protect: frozenset[Node] | set[Node] = frozenset()) -> int | None:
+        """Give `node` a slot (evicting the least recently used entry not in
+        `protect` if full); the caller copies the block into it. None when
+        disabled, already held (nothing to copy) or nothing is evictable."""
+        if not self.enabled:
+            return None
+        if self.slot(node) is not None:
+            self._lru.move_to_end(node)
+            return None
+        if not self._free:
+            self._evict_one(protect)
+            if not self._free:
+                return None
+        slot = self._free.pop()
+        setattr(node, self.slot_attr, slot)
+        self._lru[node] = None
+        self.pending.add(node)
+        return slot
+
+    def readable(self, node: Node) -> bool:
+        """`node` has a copy here whose write was confirmed."""
+        return self.slot(node) is not None and node not in self.pending
+
+    def confirm(self, node: Node) -> None:
+        """The copy into `node`'s slot succeeded: it holds the node's KV."""
+        self.pending.discard(node)
+
+    def drop(self, node: Node) -> None:
+        """Forget `node`'s copy (its write or a read of it failed) and free the
+        slot; the node is pruned if nothing else holds it."""
+        slot = self.slot(node)
+        if slot is None:
+            return
+        self.pending.discard(node)
+        del self._lru[node]
+        self._free.append(slot)
+        setattr(node, self.slot_attr, None)
+        self.index.prune(node)
+
+    def touch(self, node: Node) -> None:
+        if self.slot(node) is not None:
+            self._lru.move_to_end(node)
+
+    def demote(self, node: Node) -> None:
+        """`node`'s copy is dead weight: next to be evicted."""
+        if self.slot(node) is not None:
+            self._lru.move_to_end(node, last=False)
+
+    def _evict_one(self, protect) -> None:
+        for node in self._lru:
+            if node in protect:
+                continue
+            del self._lru[node]
+            slot = self.slot(node)
+            if node in self.pending:
+                self.pending.discard(node)  # a queued copy into it is void
+            elif self.on_evict is not None:
+                self.on_evict(node, slot)
+            self._free.append(slot)
+            setattr(node, self.slot_attr, None)
+            self.num_evicted += 1
+            self.index.prune(node)
+            return
+
+    def check_integrity(self) -> None:
+        slots = [self.slot(n) for n in self._lru]
+        assert len(set(slots)) == len(slots), f"{self.name} slot used twice"
+        assert not set(slots) & set(self._free), f"{self.name} slot both used and free"
+        assert len(slots) + len(self._free) == self.num_slots, f"{self.name} slots leaked"
+        assert all(n in self._lru for n in self.pending), "a pending copy without a slot"
