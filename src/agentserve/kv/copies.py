@@ -9,7 +9,12 @@ which copies failed; only then do they count (`finish`): a written host slot
 holds KV from then on, a failed one is freed, and a failed reload's device
 block leaves its node (and its host copy is dropped, not trusted again), so
 the prefix index never points at KV that was not written. Until `finish`, a
-node whose host copy or reload is in flight is not matched."""
+node whose host copy or reload is in flight is not matched.
+
+`TierCopies` is that mechanism for any tier of slots (kv/slot_tier.py): writes
+into the tier's slots, reloads from them into device blocks. `CopyQueue` is the
+host tier's (its writes: offloads of device blocks); kv/disk_tier.py's
+`DiskCopies` is the disk tier's (its writes: spills of host slots)."""
 
 from __future__ import annotations
 
@@ -19,67 +24,77 @@ from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.prefix_index import Node
+from agentserve.kv.slot_tier import SlotTier
 
 
-class CopyQueue:
-    def __init__(self, pool: BlockPool, host: HostTier) -> None:
+class TierCopies:
+    what: str = "copy"  # for messages
+
+    def __init__(self, pool: BlockPool, tier: SlotTier) -> None:
         self.pool = pool
-        self.host = host
-        self.offloads: list[tuple[int, int]] = []  # (device block, host slot)
-        self.loads: list[tuple[int, int]] = []  # (host slot, device block)
-        self._offload_nodes: list[Node] = []  # the node of each queued offload
+        self.tier = tier
+        self.writes: list[tuple[int, int]] = []  # (source, tier slot)
+        self.loads: list[tuple[int, int]] = []  # (tier slot, device block)
+        self._write_nodes: list[Node] = []  # the node of each queued write
         self._load_nodes: list[tuple[Node, Block]] = []  # the node and device block of each queued load
         self._inflight: tuple[list[Node], list[tuple[Node, Block]]] | None = None  # taken, not finished
         self.loading: set[Node] = set()  # nodes whose reload is queued or in flight
-        self._slot_pos: dict[int, int] = {}  # host slot -> position of its queued offload
-        self._void: set[int] = set()  # positions of queued offloads whose slot was taken back
+        self._slot_pos: dict[int, int] = {}  # tier slot -> position of its queued write
+        self._void: set[int] = set()  # positions of queued writes whose slot was taken back
+        self.num_written = 0  # writes confirmed
         self.num_failed = 0
 
-    def offload(self, block: Block, slot: int, node: Node) -> None:
-        """Queue a copy of `block` into host slot `slot`, just given to `node`. A
+    def write(self, source: int, slot: int, node: Node) -> None:
+        """Queue a copy of `source` into tier slot `slot`, just given to `node`. A
         queued copy into the same slot is dropped: the tier took the slot back
         from its node (a full tier evicts its oldest entry, pending or not), and
         two writes of one slot in one batch would race."""
         i = self._slot_pos.get(slot)
         if i is not None:
             self._void.add(i)
-        self._slot_pos[slot] = len(self.offloads)
-        self.offloads.append((block.block_id, slot))
-        self._offload_nodes.append(node)
+        self._slot_pos[slot] = len(self.writes)
+        self.writes.append((source, slot))
+        self._write_nodes.append(node)
 
     def load(self, node: Node, block: Block) -> None:
-        self.loads.append((node.host_slot, block.block_id))
+        """Queue a reload of `node`'s copy in this tier into device `block`."""
+        self.loads.append((self.tier.slot(node), block.block_id))
         self._load_nodes.append((node, block))
         self.loading.add(node)
+        self.tier.touch(node)
 
     def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(offloads, loads) queued since the last call; offloads run first."""
+        """(writes, loads) queued since the last call."""
         if self._inflight is not None:
-            raise RuntimeError("copies handed out earlier were never finished (finish_copies)")
-        off, ld, nodes = self.offloads, self.loads, self._offload_nodes
+            raise RuntimeError(f"{self.what} copies handed out earlier were never finished (finish_copies)")
+        wr, ld, nodes = self.writes, self.loads, self._write_nodes
         if self._void:
-            keep = [i for i in range(len(off)) if i not in self._void]
-            off, nodes = [off[i] for i in keep], [nodes[i] for i in keep]
+            keep = [i for i in range(len(wr)) if i not in self._void]
+            wr, nodes = [wr[i] for i in keep], [nodes[i] for i in keep]
             self._void.clear()
         self._slot_pos.clear()
-        if off or ld:
+        if wr or ld:
             self._inflight = (nodes, self._load_nodes)
-        self.offloads, self.loads, self._offload_nodes, self._load_nodes = [], [], [], []
-        return off, ld
+        self.writes, self.loads, self._write_nodes, self._load_nodes = [], [], [], []
+        return wr, ld
 
-    def finish(self, failed_offloads: Iterable[int], failed_loads: Iterable[int]) -> set[int]:
+    def finish(self, failed_writes: Iterable[int], failed_loads: Iterable[int]) -> set[int]:
         """The copies `take` handed out ran; those at the positions given
         failed. Returns the ids of the device blocks whose reload failed."""
         if self._inflight is None:
             return set()
-        offs, loads = self._inflight
+        writes, loads = self._inflight
         self._inflight = None
-        fo, fl = set(failed_offloads), set(failed_loads)
-        self.num_failed += len(fo) + len(fl)
-        host = self.host
-        for i, node in enumerate(offs):
-            if node in host.pending:  # (else the tier took the slot back meanwhile)
-                (host.drop if i in fo else host.confirm)(node)
+        fw, fl = set(failed_writes), set(failed_loads)
+        self.num_failed += len(fw) + len(fl)
+        tier = self.tier
+        for i, node in enumerate(writes):
+            if node in tier.pending:  # (else the tier took the slot back meanwhile)
+                if i in fw:
+                    tier.drop(node)
+                else:
+                    tier.confirm(node)
+                    self.num_written += 1
         bad = set()
         for i, (node, block) in enumerate(loads):
             self.loading.discard(node)
@@ -87,11 +102,28 @@ class CopyQueue:
                 bad.add(block.block_id)
                 if node.block is block:
                     self.pool.detach(block)
-                host.drop(node)  # prunes the node too if nothing else holds it
+                tier.drop(node)  # not trusted again; prunes the node too if nothing else holds it
         return bad
 
     def check_integrity(self) -> None:
         if self._inflight is None and not self.loads:
-            assert not self.loading, "a reload neither queued nor in flight"
-        if self._inflight is None and not self.offloads:
-            assert not self.host.pending, "a host copy neither queued nor in flight"
+            assert not self.loading, f"a {self.what} reload neither queued nor in flight"
+        if self._inflight is None and not self.writes:
+            assert not self.tier.pending, f"a {self.what} copy neither queued nor in flight"
+
+
+class CopyQueue(TierCopies):
+    """The host tier's copies: offloads (device block -> host slot) and reloads."""
+
+    what = "host"
+
+    def __init__(self, pool: BlockPool, host: HostTier) -> None:
+        super().__init__(pool, host)
+        self.host = host
+
+    @property
+    def offloads(self) -> list[tuple[int, int]]:
+        return self.writes
+
+    def offload(self, block: Block, slot: int, node: Node) -> None:
+        self.write(block.block_id, slot, node)

@@ -15,10 +15,8 @@ budget in slots is the byte budget over one file's size."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
+from agentserve.kv.copies import TierCopies
 from agentserve.kv.prefix_index import Node
 from agentserve.kv.slot_tier import SlotTier
 
@@ -28,25 +26,25 @@ class DiskTier(SlotTier):
     slot_attr = "disk_slot"
 
 
-class DiskCopies:
+class DiskCopies(TierCopies):
     """The spills (host slot -> disk slot) and disk reloads (disk slot -> device
-    block) queued for the executor, and what their outcome does. Spills run
-    before the step's host offloads (which may overwrite the host slot a spill
-    reads), disk reloads after them."""
+    block) queued for the executor, and what their outcome does (kv/copies.py).
+    Spills run before the step's host offloads (which may overwrite the host slot
+    a spill reads), disk reloads after them."""
+
+    what = "disk"
 
     def __init__(self, pool: BlockPool, disk: DiskTier) -> None:
-        self.pool = pool
+        super().__init__(pool, disk)
         self.disk = disk
-        self.spills: list[tuple[int, int]] = []  # (host slot, disk slot)
-        self.loads: list[tuple[int, int]] = []  # (disk slot, device block)
-        self._spill_nodes: list[Node] = []
-        self._load_nodes: list[tuple[Node, Block]] = []
-        self._inflight: tuple[list[Node], list[tuple[Node, Block]]] | None = None
-        self.loading: set[Node] = set()  # nodes whose disk reload is queued or in flight
-        self._slot_pos: dict[int, int] = {}  # disk slot -> position of its queued spill
-        self._void: set[int] = set()
-        self.num_spilled = 0
-        self.num_failed = 0
+
+    @property
+    def spills(self) -> list[tuple[int, int]]:
+        return self.writes
+
+    @property
+    def num_spilled(self) -> int:
+        return self.num_written
 
     def spill(self, node: Node, host_slot: int) -> None:
         """The host tier evicts `node`'s confirmed copy in `host_slot`: keep it on
@@ -55,66 +53,10 @@ class DiskCopies:
             self.disk.touch(node)
             return
         slot = self.disk.store(node, self.loading)
-        if slot is None:
-            return
-        i = self._slot_pos.get(slot)
-        if i is not None:  # the slot was taken back from a node whose spill is queued
-            self._void.add(i)
-        self._slot_pos[slot] = len(self.spills)
-        self.spills.append((host_slot, slot))
-        self._spill_nodes.append(node)
-
-    def load(self, node: Node, block: Block) -> None:
-        self.loads.append((node.disk_slot, block.block_id))
-        self._load_nodes.append((node, block))
-        self.loading.add(node)
-        self.disk.touch(node)
-
-    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(spills, disk reloads) queued since the last call."""
-        if self._inflight is not None:
-            raise RuntimeError("disk copies handed out earlier were never finished (finish_copies)")
-        sp, ld, nodes = self.spills, self.loads, self._spill_nodes
-        if self._void:
-            keep = [i for i in range(len(sp)) if i not in self._void]
-            sp, nodes = [sp[i] for i in keep], [nodes[i] for i in keep]
-            self._void.clear()
-        self._slot_pos.clear()
-        if sp or ld:
-            self._inflight = (nodes, self._load_nodes)
-        self.spills, self.loads, self._spill_nodes, self._load_nodes = [], [], [], []
-        return sp, ld
-
-    def finish(self, failed_spills: Iterable[int], failed_loads: Iterable[int]) -> set[int]:
-        """Returns the ids of the device blocks whose disk reload failed."""
-        if self._inflight is None:
-            return set()
-        spills, loads = self._inflight
-        self._inflight = None
-        fs, fl = set(failed_spills), set(failed_loads)
-        self.num_failed += len(fs) + len(fl)
-        disk = self.disk
-        for i, node in enumerate(spills):
-            if node in disk.pending:  # (else the tier took the slot back meanwhile)
-                if i in fs:
-                    disk.drop(node)
-                else:
-                    disk.confirm(node)
-                    self.num_spilled += 1
-        bad = set()
-        for i, (node, block) in enumerate(loads):
-            self.loading.discard(node)
-            if i in fl:
-                bad.add(block.block_id)
-                if node.block is block:
-                    self.pool.detach(block)
-                disk.drop(node)
-        return bad
+        if slot is not None:
+            self.write(host_slot, slot, node)
 
     def check_integrity(self) -> None:
-        if self._inflight is None and not self.loads:
-            assert not self.loading, "a disk reload neither queued nor in flight"
-        if self._inflight is None and not self.spills:
-            assert not self.disk.pending, "a spill neither queued nor in flight"
+        super().check_integrity()
         if self.disk.enabled:
             self.disk.check_integrity()
