@@ -173,7 +173,7 @@ def test_the_graph_sees_every_kind_of_import():
     g = GRAPH
     assert "agentserve.engine.scheduler" in g["agentserve.engine.llm_engine"]  # top-level, absolute
     assert "agentserve.llm" in g["agentserve.bench.runner_speed"]  # inside a function
-    assert "agentserve.kv.manager" in g["agentserve.policy.base"]  # under TYPE_CHECKING
+    assert "agentserve.kv.pins" in g["agentserve.policy.base"]  # under TYPE_CHECKING
     assert "agentserve.server.engine_snapshot" in g["agentserve.server.stats_log"]
 
 

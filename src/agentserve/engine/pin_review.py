@@ -29,7 +29,7 @@ class PinReview:
         pins = self.kv.pins
         if not pins:
             return
-        expired = self.kv.expired_pins(now)
+        expired = self.kv.pins.expired(now)
         if self._overdue:  # expired earlier, kept while the program's next turn waited
             expired.extend(self._overdue)
             self._overdue = set()

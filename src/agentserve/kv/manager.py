@@ -12,8 +12,6 @@ reload failed to what really holds KV."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from agentserve.kv.copies import CopyQueue
 from agentserve.kv.disk_tier import DiskCopies, DiskTier
 from agentserve.kv.eviction import make_strategy
 from agentserve.kv.host_tier import HostTier
+from agentserve.kv.pins import PinTable
 from agentserve.kv.prefix_index import ChainHint, Node, PrefixIndex, common_blocks
 
 
@@ -48,15 +47,6 @@ class PrefixMatch:
         return self.num_host_blocks * self.block_size
 
 
-@dataclass
-class Pin:
-    program_id: str
-    blocks: list[Block]
-    expiry: float
-    program_arrival: float
-    num_tokens: int
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
                  host_blocks: int = 0, disk_blocks: int = 0,
@@ -68,11 +58,7 @@ class KVCacheManager:
         kwargs = {"capacity": num_blocks} if eviction == "arc" else {}
         self.pool = BlockPool(num_blocks, self.index, make_strategy(eviction, **kwargs), self._on_evict)
         self.host = HostTier(host_blocks, self.index)
-        self.pins: dict[str, Pin] = {}
-        # (expiry, n, pin) for every expiry a pin was given: a step finds the expired
-        # pins without scanning them all; entries of released or extended pins are skipped
-        self._expiries: list[tuple[float, int, Pin]] = []
-        self._pin_numbers = itertools.count()
+        self.pins = PinTable()
         self.copies = CopyQueue(self.pool, self.host)
         self._loading = self.copies.loading
         self.disk = DiskTier(disk_blocks, self.index)  # below the host tier (kv/disk_tier.py)
@@ -98,7 +84,7 @@ class KVCacheManager:
     def num_pinned_blocks(self) -> int:
         """Distinct blocks held by pins (a block two pins share, or one pin holds
         twice, counts once)."""
-        return len({b.block_id for p in self.pins.values() for b in p.blocks})
+        return self.pins.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -266,44 +252,11 @@ class KVCacheManager:
         if st.released:
             raise RuntimeError("pinning a block table that was already released")
         st.released = True
-        ntok = st.num_indexed * self.block_size
-        old = self.pins.get(program_id)
-        if old is not None:  # a second finished request of the same program: one pin holds both
-            old.blocks.extend(st.blocks)
-            old.num_tokens = max(old.num_tokens, ntok)
-            if expiry <= old.expiry:
-                return
-            old.expiry = expiry
-            pin = old
-        else:
-            pin = self.pins[program_id] = Pin(program_id, st.blocks, expiry, program_arrival, ntok)
-        heapq.heappush(self._expiries, (expiry, next(self._pin_numbers), pin))
-
-    def _valid(self, entry: tuple[float, int, Pin]) -> bool:
-        pin = entry[2]
-        return self.pins.get(pin.program_id) is pin and pin.expiry == entry[0]
-
-    def expired_pins(self, now: float) -> list[str]:
-        """The programs whose pin expired by `now`, each named once, in expiry
-        order. A caller that keeps such a pin anyway gets it named no more."""
-        out = []
-        h = self._expiries
-        while h and h[0][0] <= now:
-            entry = heapq.heappop(h)
-            if self._valid(entry):
-                out.append(entry[2].program_id)
-        return out
-
-    def next_pin_expiry(self) -> float | None:
-        """The earliest expiry of a pin not yet named by `expired_pins` (None: none)."""
-        h = self._expiries
-        while h and not self._valid(h[0]):
-            heapq.heappop(h)
-        return h[0][0] if h else None
+        self.pins.add(program_id, st.blocks, expiry, program_arrival, st.num_indexed * self.block_size)
 
     def unpin(self, program_id: str, now: float) -> int:
         """Release a program's pin; returns the number of blocks it held."""
-        p = self.pins.pop(program_id, None)
+        p = self.pins.pop(program_id)
         if p is None:
             return 0
         self.pool.release(p.blocks, now)
@@ -339,12 +292,7 @@ class KVCacheManager:
 
     def reclaimable_blocks(self, program_id: str) -> int:
         """Blocks that unpinning `program_id` would return to the free set."""
-        p = self.pins.get(program_id)
-        if p is None:
-            return 0
-        c = Counter(b.block_id for b in p.blocks)
-        blocks = self.pool.blocks
-        return sum(1 for bid, n in c.items() if blocks[bid].ref_cnt == n)
+        return self.pins.reclaimable(program_id, self.pool.blocks)
 
     # --- copies for the executor ---
 

@@ -16,7 +16,7 @@ from agentserve.policy.tool_stats import NO_TOOL_CALL, ToolDurationStats
 from agentserve.policy.toolcalls import first_tool_name
 
 if TYPE_CHECKING:
-    from agentserve.kv.manager import Pin
+    from agentserve.kv.pins import Pin
 
 
 class Request(Protocol):

@@ -247,7 +247,7 @@ class AsyncEngine:
                           self.scheduler.num_waiting)
 
     def _idle_wait(self) -> float:
-        first = self.kv.next_pin_expiry()
+        first = self.kv.pins.next_expiry()
         if first is None:
             return IDLE_WAKE_S
         return min(max(first - self.clock.now(), 0.001), IDLE_WAKE_S)

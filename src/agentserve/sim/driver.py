@@ -161,7 +161,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         t1 = time.perf_counter()
         if out.is_empty:
             wake = [events[0][0]] if events else []
-            expiry = kv.next_pin_expiry()
+            expiry = kv.pins.next_expiry()
             if expiry is not None and expiry > now:
                 wake.append(expiry)
             if not wake:
