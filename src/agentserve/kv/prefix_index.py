@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from dataclasses import dataclass
 
 from agentserve.kv.block import Block
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from agentserve.engine.sampling_params import SamplingParams
-from agentserve.server.api_errors import APIError, engine_failure
+from agentserve.server.api_errors import APIError
 from agentserve.server.chat_template import TemplateError
 from agentserve.server.identity import ProgramIdentity
 from agentserve.server.input_checks import InputError
@@ -26,7 +26,7 @@ from agentserve.server.protocol import (AssistantMessage, ChatChoice, ChatComple
 from agentserve.server.request_checks import accept, input_error, program_identity, reject, sampling_params
 from agentserve.server.request_run import (EventStream, collect, log_done, open_request, sse, submit_request,
                                            usage_of)
-from agentserve.server.request_stream import EngineError, EngineStopped, RequestStream
+from agentserve.server.request_stream import RequestStream
 from agentserve.server.server_state import ServerState
 from agentserve.server.tool_output import (OutputDelta, ToolChoice, ToolChoiceError, ToolCallStreamer,
                                            finish_reason, parse_tool_output, tool_choice_for)
@@ -123,13 +123,9 @@ async def chat_completions(request: Request) -> Response:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return EventStream(_chat_events(stream, rid, created, model, choice, usage, ident,
                                         st.config.cached_tokens_report), stream)
-    try:
-        out = await collect(stream, request)
-    except (EngineError, EngineStopped) as e:
-        raise engine_failure(e) from None
+    out = await collect(stream, request, rid, ident)
     if out is None:
         return Response(status_code=499)  # nobody is listening
-    log_done(rid, ident, out)
     content, calls = parse_tool_output(out.text, choice)
     message = AssistantMessage(content=content, tool_calls=[c.to_message() for c in calls])
     usage = usage_of(out, st.config.cached_tokens_report)

@@ -10,12 +10,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from agentserve.server.api_errors import APIError, engine_failure
+from agentserve.server.api_errors import APIError
 from agentserve.server.identity import ProgramIdentity
 from agentserve.server.protocol import Completion, CompletionChoice, CompletionRequest, now_s
 from agentserve.server.request_checks import accept, program_identity, reject, sampling_params
 from agentserve.server.request_run import EventStream, collect, log_done, open_request, sse, usage_of
-from agentserve.server.request_stream import EngineError, EngineStopped, RequestStream
+from agentserve.server.request_stream import RequestStream
 from agentserve.server.server_state import ServerState
 
 
@@ -54,13 +54,9 @@ async def completions(request: Request) -> Response:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return EventStream(_completion_events(stream, rid, created, model, usage, ident,
                                               st.config.cached_tokens_report), stream)
-    try:
-        out = await collect(stream, request)
-    except (EngineError, EngineStopped) as e:
-        raise engine_failure(e) from None
+    out = await collect(stream, request, rid, ident)
     if out is None:
         return Response(status_code=499)
-    log_done(rid, ident, out)
     usage = usage_of(out, st.config.cached_tokens_report)
     body = Completion(id=rid, created=created, model=model, usage=usage, choices=[
         CompletionChoice(text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)])

@@ -21,7 +21,7 @@ from agentserve.server.api_errors import APIError
 from agentserve.server.dashboard_view import build_state
 from agentserve.server.request_checks import authorize
 from agentserve.server.request_stream import EngineStopped
-from agentserve.server.server_state import ServerState, server_state
+from agentserve.server.server_state import server_state
 
 
 @lru_cache(maxsize=1)

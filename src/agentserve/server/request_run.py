@@ -63,8 +63,19 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def collect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The finished output, or None if the client disconnected first (the request is aborted)."""
+async def collect(stream: RequestStream, request: Request, rid: str, ident: ProgramIdentity) -> RequestOutput | None:
+    """The finished output (logged), or None if the client disconnected first (the
+    request is aborted). An engine failure is raised as its API error."""
+    try:
+        out = await _last_unless_gone(stream, request)
+    except (EngineError, EngineStopped) as e:
+        raise engine_failure(e) from None
+    if out is not None:
+        log_done(rid, ident, out)
+    return out
+
+
+async def _last_unless_gone(stream: RequestStream, request: Request) -> RequestOutput | None:
 
     async def last() -> RequestOutput:
         out = None
