@@ -35,7 +35,8 @@ def _add_sim(sub) -> None:
     p.add_argument("--profile", default="llama3.1-8b-h100",
                    help=f"cost profile: {', '.join(list_profiles())}, or a profile JSON file")
     p.add_argument("--policies", type=csv_list(str), default=policy_names(),
-                   help=f"comma-separated policies from: {', '.join(policy_names())}")
+                   help=f"comma-separated policies from: {', '.join(policy_names())}; a policy's options "
+                        "after colons run an ablation, e.g. agentserve:pressure=off")
     p.add_argument("--rates", type=csv_list(float), default=[0.5], help="comma-separated program arrival rates (jobs/s)")
     p.add_argument("--programs", type=int, default=200, help="programs per run")
     p.add_argument("--seed", type=int, default=0, help="seed for the workload and the arrivals")
@@ -105,13 +106,15 @@ def _run_one(job):
 
 def cmd_sim(args) -> int:
     from agentserve.cost.profile import ProfileError, load_profile
-    from agentserve.policy.registry import policy_names
+    from agentserve.policy.registry import parse_policy_spec
     from agentserve.sim.driver import SimConfig
     from agentserve.sim.report import format_table, plot, ratio_lines, write_json
 
-    unknown = [p for p in args.policies if p not in policy_names()]
-    if unknown:
-        raise CliError(f"unknown policy {unknown[0]!r}: choose from {', '.join(policy_names())}")
+    for spec in args.policies:
+        try:
+            parse_policy_spec(spec)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     if args.programs < 1:
         raise CliError("--programs must be at least 1")
     if any(r <= 0 for r in args.rates):

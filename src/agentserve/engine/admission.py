@@ -22,6 +22,7 @@ class Admission:
     stats: SchedulerStats
     running: list[Request]
     _held: int  # the sum of the running requests' `reserve`
+    _kv_blocked: bool
 
     if TYPE_CHECKING:
         def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool: ...  # pin_review.py
@@ -46,6 +47,7 @@ class Admission:
                 self._unpin(req.program_id, now)
                 own_pin_released = True
                 continue
+            self._kv_blocked = True  # held back for KV (engine/scheduler.py's pressure meter)
             return False
         prog = req.program
         # its blocks now belong to the request

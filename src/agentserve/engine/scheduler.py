@@ -42,6 +42,7 @@ from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
 from agentserve.policy.program import ProgramState, ProgramTable
+from agentserve.policy.pressure import PressureMeter
 
 # Idle programs are looked for this many times per idle timeout (not every
 # step: the look builds the set of busy programs).
@@ -66,6 +67,8 @@ class Scheduler(PinReview, Admission, StepResults):
         # return a finished status (the engine's stop strings). None: no output processing.
         self.token_hook: Callable[[Request, int], RequestStatus | None] | None = None
         self.stats = SchedulerStats()
+        self.pressure = PressureMeter()  # how often waiting requests are held back for KV
+        self._kv_blocked = False  # this step held a request back for KV, or preempted
         if isinstance(policy, str):
             ctx = PolicyContext(
                 reload_cost=reload_cost or (lambda n: 0.0),
@@ -73,6 +76,7 @@ class Scheduler(PinReview, Admission, StepResults):
                 is_pinned=lambda pid: pid in self.kv.pins,
                 running_tokens=self._running_tokens,
                 host_tier=kv.host.enabled,
+                kv_pressure=lambda: self.pressure.value(self.clock.now()),
             )
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
@@ -196,6 +200,7 @@ class Scheduler(PinReview, Admission, StepResults):
         self._release_pins(now)  # first: a program whose pin expires now may be idle
         self.expire_programs(now)
         out = SchedulerOutput()
+        self._kv_blocked = False
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
         # 1. Running requests: decodes first, then prefill chunks, each in admission order.
@@ -271,6 +276,7 @@ class Scheduler(PinReview, Admission, StepResults):
         out.features = step.features
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
         out.blocks_to_spill, out.blocks_to_load_disk = self.kv.take_disk_copies()
+        self.pressure.observe(now, self._kv_blocked)
         return out
 
     def _admit_waiting(self, step: StepBudget, now: float, prefilling: list[Request]) -> None:
@@ -355,6 +361,7 @@ class Scheduler(PinReview, Admission, StepResults):
         req.num_preemptions += 1
         req.waiting_since = now
         self.stats.preemptions += 1
+        self._kv_blocked = True
         self.waiting.push(req, now)
         out.preempted.append(req)
 

@@ -44,6 +44,9 @@ class PolicyContext:
     is_pinned: Callable[[str], bool] = lambda pid: False
     running_tokens: Callable[[], int] = lambda: 0  # KV tokens held by running requests
     host_tier: bool = False
+    # share of recent time a waiting request was held back for KV (policy/pressure.py);
+    # 1.0, the paper's assumption, where nothing measures it
+    kv_pressure: Callable[[], float] = lambda: 1.0
 
 
 @dataclass(frozen=True)

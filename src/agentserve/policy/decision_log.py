@@ -26,6 +26,7 @@ class TTLInputs:
     benefit_s: float | None = None  # B
     mean_used_s: float | None = None  # the default regime's exponential mean
     capped: bool = False  # the solved TTL exceeded the policy's cap and was cut to it
+    pin_cost: float | None = None  # the cost of a pinned second (policy/pressure.py; None: the paper's 1)
 
 
 @dataclass(frozen=True)

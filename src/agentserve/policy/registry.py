@@ -21,3 +21,36 @@ def policy_names() -> list[str]:
     """The registered policies, in the order tables list them (policies.ORDER), then any others."""
     order = policies.ORDER
     return [n for n in order if n in POLICIES] + [n for n in POLICIES if n not in order]
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict]:
+    """`name` or `name:option=value:...` (e.g. `agentserve:pressure=off:eta=1`, an
+    ablation) -> (name, options). Values are read as numbers, on/off/true/false
+    or none where they look like one, else kept as text. ValueError names what
+    is wrong: an unknown policy, or an option without `=`."""
+    name, *parts = spec.split(":")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
+    options = {}
+    for part in parts:
+        key, eq, text = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"policy option {part!r} in {spec!r} is not key=value")
+        options[key.replace("-", "_")] = _option_value(text)
+    return name, options
+
+
+def _option_value(text: str):
+    low = text.lower()
+    if low in ("on", "true", "yes"):
+        return True
+    if low in ("off", "false", "no"):
+        return False
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -266,23 +266,32 @@ class TTLModel:
         """TTL in seconds for pinning after a turn that called ``tool_name`` (0: do not pin)."""
         return self.decide(tool_name, prefill_reload_seconds)[0]
 
-    def decide(self, tool_name: str | None, prefill_reload_seconds: float) -> tuple[float, str]:
-        """``(ttl, regime)``; also sets ``last_regime``/``last_benefit``, counts the regime."""
+    def decide(self, tool_name: str | None, prefill_reload_seconds: float, eta: float | None = None,
+               pin_cost: float = 1.0) -> tuple[float, str]:
+        """``(ttl, regime)``; also sets ``last_regime``/``last_benefit``, counts the regime.
+
+        ``eta``: use this memoryfulness instead of the learned one (not in the default regime,
+        which assumes 1). ``pin_cost``: the cost of a second pinned, in seconds of the benefit's
+        unit (the paper's 1: some request is always blocked by the pin); argmax P*B - c*tau is
+        argmax P*(B/c) - tau, so the solvers take B/c. It must be positive.
+        """
         reload_s = float(prefill_reload_seconds)
         if not math.isfinite(reload_s) or reload_s < 0.0:
             reload_s = 0.0
+        if not pin_cost > 0.0:
+            raise ValueError(f"pin_cost must be positive, got {pin_cost!r}")
         T = self.queue.mean()
         regime = self.regime(tool_name)
         if regime == "default":
             benefit = T * 1.0 + reload_s  # T_default assumes a fully memoryful workload
-            tau = exp_optimal_ttl(self.default_mean(tool_name), benefit)
+            tau = exp_optimal_ttl(self.default_mean(tool_name), benefit / pin_cost)
         else:
-            benefit = T * self.eta.value() + reload_s
+            benefit = T * (self.eta.value() if eta is None else eta) + reload_s
             if regime == "global":
                 samples = self.stats.global_sorted_samples()
             else:
                 samples = self.stats.sorted_samples(tool_name)  # type: ignore[arg-type]
-            tau = solve_ttl(samples, benefit)
+            tau = solve_ttl(samples, benefit / pin_cost)
         self.last_regime = regime
         self.last_benefit = benefit
         self.regime_counts[regime] += 1

@@ -29,6 +29,7 @@ from agentserve.cost.profile import load_profile
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.registry import parse_policy_spec
 from agentserve.sim.executor import SimExecutor
 
 
@@ -98,7 +99,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
         max_step_ms_with_decodes=cfg.max_step_ms_with_decodes,
     )
-    sched = Scheduler(sconf, kv, cfg.policy, clock, reload_cost, cfg.policy_options)
+    name, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
+    sched = Scheduler(sconf, kv, name, clock, reload_cost, {**options, **cfg.policy_options})
     executor = SimExecutor(clock, cost)
 
     need_shared = max((c.shared_prefix_tokens for p in programs for c in p.calls), default=0)

@@ -1,6 +1,7 @@
 """The scheduling policies; importing this package registers them all."""
 
 from agentserve.policy.policies import (  # noqa: F401
+    agentserve,
     autellix,
     continuum,
     infercept,
@@ -10,4 +11,4 @@ from agentserve.policy.policies import (  # noqa: F401
 )
 
 # How tables list them: the baseline, the paper's ablation steps, then the other papers.
-ORDER = ["vllm-fcfs", "program-fcfs", "static-ttl", "continuum", "autellix", "infercept"]
+ORDER = ["vllm-fcfs", "program-fcfs", "static-ttl", "continuum", "autellix", "infercept", "agentserve"]
