@@ -47,6 +47,11 @@ def _add_sim(sub) -> None:
     p.add_argument("--disk-tier", action="store_true",
                    help="add the profile's disk (SSD) KV tier below the host tier, which it implies: blocks the "
                         "host tier evicts are written there and reloaded at the profile's disk bandwidth")
+    p.add_argument("--host-kv-tokens", type=int, default=None,
+                   help="the host tier's size in tokens instead of the profile's (implies --host-tier; a small host "
+                        "tier over a disk tier is the paper's SSD setting)")
+    p.add_argument("--disk-kv-bytes", type=float, default=None,
+                   help="the disk tier's byte budget instead of the profile's, e.g. 4e11 (implies --disk-tier)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default: profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
     p.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
@@ -126,6 +131,10 @@ def cmd_sim(args) -> int:
         raise CliError("--block-size must be >= 1 and --kv-tokens at least one block")
     if not 0 <= args.hang_fraction < 1:
         raise CliError("--hang-fraction must be in [0, 1)")
+    if args.host_kv_tokens is not None and args.host_kv_tokens < args.block_size:
+        raise CliError("--host-kv-tokens must be at least one block")
+    if args.disk_kv_bytes is not None and not args.disk_kv_bytes > 0:
+        raise CliError("--disk-kv-bytes must be positive")
     if not args.tool_time_scale > 0:
         raise CliError("--tool-time-scale must be positive")
     try:
@@ -137,7 +146,9 @@ def cmd_sim(args) -> int:
         programs = build_workload(args, rate)
         for pol in args.policies:
             cfg = SimConfig(profile=args.profile, policy=pol, block_size=args.block_size, eviction=args.eviction,
-                            host_tier=args.host_tier, disk_tier=args.disk_tier, kv_tokens=args.kv_tokens,
+                            host_tier=args.host_tier or args.host_kv_tokens is not None,
+                            disk_tier=args.disk_tier or args.disk_kv_bytes is not None, kv_tokens=args.kv_tokens,
+                            host_kv_tokens=args.host_kv_tokens, disk_kv_bytes=args.disk_kv_bytes,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                             seed=args.seed, check_integrity_every=args.check_integrity_every,

@@ -78,6 +78,17 @@ class CostModel:
             return 0.0
         return self._copy_latency + num_tokens * self._copy_s_per_token
 
+    def disk_reload_time(self, num_tokens: int) -> float:
+        """Time to read `num_tokens` tokens of KV from the disk tier and copy them to the device."""
+        if num_tokens <= 0:
+            return 0.0
+        n = -(-num_tokens // self.block_size)
+        return n * self._disk_read_s_per_block + self.copy_blocks_time(n)
+
+    def tier_reloads(self) -> dict:
+        """The reload time of each tier below the device, nearest first (PolicyContext.tier_reload)."""
+        return {"host": self.reload_time, "disk": self.disk_reload_time}
+
     def copy_blocks_time(self, num_blocks: int) -> float:
         """Time for one batch of `num_blocks` block copies (either direction)."""
         if num_blocks <= 0:

@@ -42,7 +42,7 @@ from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
 from agentserve.policy.program import ProgramState, ProgramTable
-from agentserve.policy.pressure import PressureMeter
+from agentserve.policy.pressure import PressureMeter, TurnoverMeter
 
 # Idle programs are looked for this many times per idle timeout (not every
 # step: the look builds the set of busy programs).
@@ -56,7 +56,8 @@ class Scheduler(PinReview, Admission, StepResults):
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: str | Policy,
                  clock: Clock, reload_cost: Callable[[int], float] | None = None,
-                 policy_options: dict | None = None) -> None:
+                 policy_options: dict | None = None, prefill_cost: Callable[[int], float] | None = None,
+                 tier_reload: dict[str, Callable[[int], float]] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -69,6 +70,8 @@ class Scheduler(PinReview, Admission, StepResults):
         self.stats = SchedulerStats()
         self.pressure = PressureMeter()  # how often waiting requests are held back for KV
         self._kv_blocked = False  # this step held a request back for KV, or preempted
+        # how long a copy lasts in each tier below the device
+        self._turnover = {t.name: TurnoverMeter(t.num_slots) for t in (kv.host, kv.disk)}
         if isinstance(policy, str):
             ctx = PolicyContext(
                 reload_cost=reload_cost or (lambda n: 0.0),
@@ -77,6 +80,9 @@ class Scheduler(PinReview, Admission, StepResults):
                 running_tokens=self._running_tokens,
                 host_tier=kv.host.enabled,
                 kv_pressure=lambda: self.pressure.value(self.clock.now()),
+                prefill_cost=prefill_cost,
+                tier_reload={name: fn for name, fn in (tier_reload or {}).items() if self._tier(name).enabled},
+                tier_residency=lambda name: self._turnover[name].residency(),
             )
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
@@ -277,7 +283,13 @@ class Scheduler(PinReview, Admission, StepResults):
         out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
         out.blocks_to_spill, out.blocks_to_load_disk = self.kv.take_disk_copies()
         self.pressure.observe(now, self._kv_blocked)
+        for tier in (self.kv.host, self.kv.disk):
+            if tier.enabled:
+                self._turnover[tier.name].observe(now, tier.num_stored)
         return out
+
+    def _tier(self, name: str):
+        return {"host": self.kv.host, "disk": self.kv.disk}[name]
 
     def _admit_waiting(self, step: StepBudget, now: float, prefilling: list[Request]) -> None:
         """Admit waiting requests in priority order while they fit (the head
@@ -354,7 +366,7 @@ class Scheduler(PinReview, Admission, StepResults):
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         self._stop_running(req)
-        self._release_table(req, now, swap=self.policy.swap_on_preempt(req))
+        self._release_table(req, now, "swap" if self.policy.swap_on_preempt(req) else "free")
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.preempted = True
@@ -365,14 +377,15 @@ class Scheduler(PinReview, Admission, StepResults):
         self.waiting.push(req, now)
         out.preempted.append(req)
 
-    def _release_table(self, req: Request, now: float, swap: bool = False) -> None:
-        """The request gives up its KV: swapped to the host tier (where the
-        policy asks and a tier exists) or freed, its blocks cached either way."""
+    def _release_table(self, req: Request, now: float, action: str = "free") -> None:
+        """The request gives up its KV, its blocks cached: freed, or first copied
+        to the host tier where the policy asks and a tier exists ("swap"; "disk":
+        first in line to move on to the disk tier, for a long wait)."""
         table, req.block_table = req.block_table, None
         if table is None:
             return
-        if swap and self.kv.host.enabled:
-            self.kv.swap_out(table, now)
+        if action in ("swap", "disk") and self.kv.host.enabled:
+            self.kv.swap_out(table, now, onward=action == "disk")
         else:
             self.kv.free(table, now)
 

@@ -232,18 +232,25 @@ class KVCacheManager:
             st.released = True
             self.pool.release(st.blocks, now)
 
-    def swap_out(self, st: BlockTable, now: float) -> int:
+    def swap_out(self, st: BlockTable, now: float, onward: bool = False) -> int:
         """Copy the request's indexed blocks to the host tier now (instead of at
-        eviction), then free them. Returns the number of blocks copied."""
+        eviction), then free them. `onward` (a long wait, with a disk tier): its
+        host copies are the first the host tier moves on to the disk tier. Returns
+        the number of blocks copied."""
         copied = 0
         if not st.released and self.host.enabled:
+            onward = onward and self.disk.enabled
             for b in st.blocks[:st.num_indexed]:
                 node = b.node
-                if node is not None and node.block is b and node.host_slot is None:
-                    slot = self.host.store(node, self._loading)
-                    if slot is not None:
+                if node is not None and node.block is b:
+                    if node.host_slot is None:
+                        slot = self.host.store(node, self._loading)
+                        if slot is None:
+                            continue
                         self.copies.offload(b, slot, node)
                         copied += 1
+                    if onward:
+                        self.host.demote(node)
         self.free(st, now)
         return copied
 

@@ -32,6 +32,7 @@ class SlotTier:
         self._lru: OrderedDict[Node, None] = OrderedDict()  # least recently used first
         self.pending: set[Node] = set()  # slot given, copy not confirmed yet
         self.num_evicted = 0
+        self.num_stored = 0  # slots given to nodes, ever (how fast the tier turns over)
         # called with a confirmed copy's node and slot as it is evicted, before the slot is freed
         self.on_evict: Callable[[Node, int], None] | None = None
 
@@ -60,6 +61,7 @@ class SlotTier:
             if not self._free:
                 return None
         slot = self._free.pop()
+        self.num_stored += 1
         setattr(node, self.slot_attr, slot)
         self._lru[node] = None
         self.pending.add(node)
@@ -95,20 +97,23 @@ class SlotTier:
             self._lru.move_to_end(node, last=False)
 
     def _evict_one(self, protect) -> None:
-        for node in self._lru:
-            if node in protect:
-                continue
-            del self._lru[node]
-            slot = self.slot(node)
-            if node in self.pending:
-                self.pending.discard(node)  # a queued copy into it is void
-            elif self.on_evict is not None:
-                self.on_evict(node, slot)
-            self._free.append(slot)
-            setattr(node, self.slot_attr, None)
-            self.num_evicted += 1
-            self.index.prune(node)
+        # A confirmed copy goes before a pending one: evicting a copy in flight
+        # wastes its write (and a demoted one would never reach the tier below).
+        victim = next((n for n in self._lru if n not in protect and n not in self.pending), None)
+        if victim is None:
+            victim = next((n for n in self._lru if n not in protect), None)
+        if victim is None:
             return
+        del self._lru[victim]
+        slot = self.slot(victim)
+        if victim in self.pending:
+            self.pending.discard(victim)  # a queued copy into it is void
+        elif self.on_evict is not None:
+            self.on_evict(victim, slot)
+        self._free.append(slot)
+        setattr(victim, self.slot_attr, None)
+        self.num_evicted += 1
+        self.index.prune(victim)
 
     def check_integrity(self) -> None:
         slots = [self.slot(n) for n in self._lru]

@@ -6,6 +6,7 @@ scheduler loop, the KV manager and the pin mechanics are shared by all."""
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
@@ -47,11 +48,20 @@ class PolicyContext:
     # share of recent time a waiting request was held back for KV (policy/pressure.py);
     # 1.0, the paper's assumption, where nothing measures it
     kv_pressure: Callable[[], float] = lambda: 1.0
+    # What a tier-aware policy weighs a pin against (policy/policies/agentserve.py): the
+    # prefill time of n tokens (None: reload_cost), the seconds to bring n tokens back from
+    # each tier below the device, nearest first ("host", then "disk"), and how long a copy
+    # written to a tier lasts there (policy/pressure.py TurnoverMeter; inf: no turnover yet).
+    prefill_cost: Callable[[int], float] | None = None
+    tier_reload: dict[str, Callable[[int], float]] = field(default_factory=dict)
+    tier_residency: Callable[[str], float] = lambda tier: math.inf
 
 
 @dataclass(frozen=True)
 class Retention:
-    action: str  # "free" (end-of-turn eviction), "pin" (keep for ttl seconds), "swap" (copy to host now, then free)
+    # "free" (end-of-turn eviction), "pin" (keep for ttl seconds), "swap" (copy to host now, then
+    # free), "disk" (a long wait: copy to host now, first in line to move on to the disk tier)
+    action: str
     ttl: float = 0.0
     inputs: TTLInputs | None = field(default=None, compare=False)  # what a TTL model decided from (the dashboard)
 

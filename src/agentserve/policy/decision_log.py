@@ -27,6 +27,7 @@ class TTLInputs:
     mean_used_s: float | None = None  # the default regime's exponential mean
     capped: bool = False  # the solved TTL exceeded the policy's cap and was cut to it
     pin_cost: float | None = None  # the cost of a pinned second (policy/pressure.py; None: the paper's 1)
+    source: str | None = None  # where reload_s comes from: "host", "disk", "prefill" (None: the policy's one cost)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Decision:
     request_id: str
     program_id: str
     tool: str  # the tool the turn called (tool_stats.NO_TOOL_CALL when none was found)
-    action: str  # "pin", "free" or "swap" (policy.base.Retention)
+    action: str  # "pin", "free", "swap" or "disk" (policy.base.Retention)
     ttl: float  # seconds the KV is kept (0 unless pinned)
     tool_mean_s: float | None  # the learned mean duration of that tool (None: no sample yet)
     tool_samples: int  # durations the mean is over

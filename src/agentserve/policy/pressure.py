@@ -39,3 +39,33 @@ class PressureMeter:
             return self._value
         w = math.exp(-(now - self._t) / self.horizon)
         return self._value * w + (1.0 - w) * (1.0 if self._blocked else 0.0)
+
+
+class TurnoverMeter:
+    """How long a copy lasts in a tier of `num_slots` slots kept in LRU order:
+    the time the tier takes to write that many slots at its recent rate (an
+    exponentially time-decayed rate of `observe`d store counts). A copy not
+    touched again is evicted about that long after it was written. Infinite
+    until the tier has been written at all."""
+
+    def __init__(self, num_slots: int, horizon: float = 60.0) -> None:
+        if not horizon > 0.0 or math.isinf(horizon):
+            raise ValueError(f"horizon must be a positive number of seconds, got {horizon!r}")
+        self.num_slots = num_slots
+        self.horizon = float(horizon)
+        self._rate = 0.0  # slots stored per second
+        self._count: int | None = None
+        self._t: float | None = None
+
+    def observe(self, now: float, stored: int) -> None:
+        """The tier has stored `stored` slots in all by `now`."""
+        if self._t is not None and now > self._t:
+            dt = now - self._t
+            w = math.exp(-dt / self.horizon)
+            self._rate = self._rate * w + (1.0 - w) * (stored - self._count) / dt
+        if self._t is None or now > self._t:
+            self._t, self._count = now, stored
+
+    def residency(self) -> float:
+        """Seconds a copy written now is expected to stay (inf: no turnover yet)."""
+        return self.num_slots / self._rate if self._rate > 0.0 else math.inf

@@ -5,6 +5,8 @@ reads the registry, so `base.py` never imports the policies that import it."""
 
 from __future__ import annotations
 
+import inspect
+
 from agentserve.policy import policies
 from agentserve.policy.base import POLICIES, Policy, PolicyContext
 
@@ -37,7 +39,28 @@ def parse_policy_spec(spec: str) -> tuple[str, dict]:
         if not eq or not key:
             raise ValueError(f"policy option {part!r} in {spec!r} is not key=value")
         options[key.replace("-", "_")] = _option_value(text)
+    accepted = _options_of(POLICIES[name])
+    for key in options:
+        if key not in accepted:
+            raise ValueError(f"policy {name!r} has no option {key!r}"
+                             + (f"; it takes {', '.join(sorted(accepted))}" if accepted else "; it takes none"))
     return name, options
+
+
+def _options_of(cls: type[Policy]) -> set[str]:
+    """The keyword options a policy's constructor takes, up its class chain
+    (a subclass passing **options on to its parent takes the parent's too)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        names |= {n for n, p in params.items() if n not in ("self", "ctx") and p.kind is p.POSITIONAL_OR_KEYWORD
+                  or p.kind is p.KEYWORD_ONLY}
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return names
 
 
 def _option_value(text: str):

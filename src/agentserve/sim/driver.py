@@ -19,7 +19,7 @@ import heapq
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agentserve.workload.tokens import program_token_plan, shared_token_pool
 from agentserve.workload.trace import NON_TOOL_NAMES, Program, percentile  # noqa: F401  (re-exported)
@@ -42,6 +42,8 @@ class SimConfig:
     host_tier: bool = False  # use the profile's host DRAM tier (swap and reload)
     disk_tier: bool = False  # and the profile's disk tier below it (implies host_tier)
     kv_tokens: int | None = None  # device KV capacity; default: the profile's
+    host_kv_tokens: int | None = None  # the host tier's capacity (with host_tier); default: the profile's
+    disk_kv_bytes: float | None = None  # the disk tier's budget (with disk_tier); default: the profile's
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     # the scheduler's step-time target while decodes run (None or 0: off); the server's default
@@ -89,6 +91,10 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     clock = SimClock()
     num_blocks = (cfg.kv_tokens // bs) if cfg.kv_tokens else profile.num_blocks(bs)
     host_tier = cfg.host_tier or cfg.disk_tier
+    if cfg.host_kv_tokens is not None:
+        profile = replace(profile, host_kv_capacity_tokens=cfg.host_kv_tokens)
+    if cfg.disk_kv_bytes is not None:
+        profile = replace(profile, disk_kv_capacity_bytes=cfg.disk_kv_bytes)
     host_blocks = profile.host_num_blocks(bs) if host_tier else 0
     disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
     kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks)
@@ -100,7 +106,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         max_step_ms_with_decodes=cfg.max_step_ms_with_decodes,
     )
     name, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
-    sched = Scheduler(sconf, kv, name, clock, reload_cost, {**options, **cfg.policy_options})
+    sched = Scheduler(sconf, kv, name, clock, reload_cost, {**options, **cfg.policy_options},
+                      prefill_cost=cost.prefill_time, tier_reload=cost.tier_reloads())
     executor = SimExecutor(clock, cost)
 
     need_shared = max((c.shared_prefix_tokens for p in programs for c in p.calls), default=0)

@@ -1,0 +1,182 @@
+"""The `agentserve` policy (policy/policies/agentserve.py) and what it reads:
+the KV pressure meter and the tiers' turnover (policy/pressure.py), ablation
+specs (policy/registry.py), and the "disk" retention through the KV manager."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from agentserve.clock import SimClock
+from agentserve.engine.request import Request
+from agentserve.engine.scheduler import Scheduler, SchedulerConfig
+from agentserve.kv.manager import KVCacheManager
+from agentserve.policy.base import PolicyContext
+from agentserve.policy.policies.agentserve import AgentServe
+from agentserve.policy.policies.continuum import Continuum
+from agentserve.policy.pressure import PressureMeter, TurnoverMeter
+from agentserve.policy.program import ProgramState
+from agentserve.policy.registry import parse_policy_spec
+
+from test_disk_tier import BS, Tiers, seq
+
+
+def _turn(policy, tool="grep", tokens=512, now=100.0):
+    req = SimpleNamespace(request_id="r", program_id="p", arrival_time=now - 1, waiting_since=now - 1,
+                          preempted=False, num_computed_tokens=tokens, output_text=None, tool_name=tool,
+                          ttl_hint=None)
+    return policy.on_turn_end(req, ProgramState("p", 0.0), now)
+
+
+def _learn(policy, tool, durations):
+    t = 0.0
+    for i, d in enumerate(durations):
+        pid = f"w{i}"
+        policy.tool_stats.on_finish(pid, tool, t)
+        policy.on_arrival(SimpleNamespace(program_id=pid), None, t + d)
+        t += 5.0
+
+
+# more than K = 100 samples (the tool's own regime), mixed so no latency shift is seen
+DURATIONS = [1.0, 1.0, 2.0, 1.0, 1.0, 2.0, 1.0, 1.0, 2.0, 8.0] * 10 + [8.0]
+
+
+# --- the meters ---
+
+def test_pressure_meter_rises_while_blocked_and_decays_when_not():
+    m = PressureMeter(horizon=10.0, initial=0.0)
+    m.observe(0.0, True)
+    assert m.value(0.0) == 0.0
+    assert m.value(10.0) == pytest.approx(1 - math.exp(-1))
+    m.observe(30.0, False)
+    high = m.value(30.0)
+    assert high == pytest.approx(1 - math.exp(-3))
+    assert m.value(40.0) == pytest.approx(high * math.exp(-1))
+    assert PressureMeter().value(5.0) == 1.0  # nothing observed: the paper's assumption
+    with pytest.raises(ValueError):
+        PressureMeter(horizon=0)
+
+
+def test_turnover_meter_gives_the_time_to_rewrite_the_tier():
+    m = TurnoverMeter(num_slots=1000, horizon=5.0)
+    assert m.residency() == math.inf
+    for t in range(200):
+        m.observe(t * 0.5, t * 25)  # 50 slots a second
+    assert m.residency() == pytest.approx(20.0, rel=0.01)
+    m.observe(200.0, 199 * 25)  # no stores for a long time: copies last longer
+    assert m.residency() > 1000.0
+
+
+# --- the TTL ---
+
+def test_a_pin_costs_what_the_kv_pressure_says():
+    pressure = [1.0]
+    ctx = PolicyContext(reload_cost=lambda n: 3.0, kv_pressure=lambda: pressure[0])
+    pol, paper = AgentServe(ctx, age_credit=15.0), Continuum(PolicyContext(reload_cost=lambda n: 3.0))
+    for p in (pol, paper):
+        _learn(p, "grep", DURATIONS)
+    contended = _turn(pol)
+    assert contended.ttl == _turn(paper).ttl  # full pressure: Eq. 2 as the paper has it
+    assert pol.decisions.recent()[-1].inputs.pin_cost == 1.0
+    pressure[0] = 0.0  # nothing waits for KV: pin until the slowest recorded return
+    idle = _turn(pol)
+    assert idle.action == "pin" and idle.ttl == 8.0 > contended.ttl
+    assert pol.decisions.recent()[-1].inputs.pin_cost == pol.min_pin_cost
+    off = AgentServe(PolicyContext(reload_cost=lambda n: 3.0, kv_pressure=lambda: 0.0), pressure=False)
+    _learn(off, "grep", DURATIONS)
+    assert _turn(off).ttl == contended.ttl  # the ablation: the paper's cost whatever the pressure
+
+
+def test_the_miss_is_priced_at_the_tier_that_outlasts_the_wait():
+    residency = {"host": 0.5, "disk": 100.0}
+    ctx = PolicyContext(reload_cost=lambda n: 0.01, prefill_cost=lambda n: 5.0,
+                        tier_reload={"host": lambda n: 0.01, "disk": lambda n: 0.2},
+                        tier_residency=lambda t: residency[t], kv_pressure=lambda: 1.0)
+    pol = AgentServe(ctx)
+    _learn(pol, "grep", DURATIONS)  # mean 1.6 s: longer than the host tier keeps a copy
+    assert pol.miss_cost(512, pol.expected_wait("grep")) == (0.2, "disk")
+    r = _turn(pol)
+    assert r.action == "disk" and pol.decisions.recent()[-1].inputs.source == "disk"
+    residency["host"] = 60.0
+    assert pol.miss_cost(512, 1.6) == (0.01, "host")
+    assert _turn(pol).action == "free"  # the host tier will have it: spilled there on eviction
+    residency["host"] = residency["disk"] = 0.1  # no tier keeps it: a miss is a prefill, worth a pin
+    assert pol.miss_cost(512, 1.6) == (5.0, "prefill")
+    assert _turn(pol).action == "pin"
+    flat = AgentServe(ctx, tiers=False)
+    assert flat.miss_cost(512, 1.6) == (0.01, "reload")  # the ablation: one reload cost, the paper's
+
+
+# --- ablation specs ---
+
+def test_policy_specs_parse_options_and_name_what_is_wrong():
+    assert parse_policy_spec("agentserve") == ("agentserve", {})
+    assert parse_policy_spec("agentserve:pressure=off:eta=1:age-credit=none") == \
+        ("agentserve", {"pressure": False, "eta": 1, "age_credit": None})
+    assert parse_policy_spec("continuum:max_ttl=30.5") == ("continuum", {"max_ttl": 30.5})
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        parse_policy_spec("nope")
+    with pytest.raises(ValueError, match="has no option 'depth'.*takes"):
+        parse_policy_spec("agentserve:depth=3")
+    with pytest.raises(ValueError, match="takes none"):
+        parse_policy_spec("vllm-fcfs:x=1")
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_policy_spec("agentserve:eta")
+
+
+# --- the scheduler feeds the meter; the "disk" retention ---
+
+def _req(rid, prog, n, max_tokens=4, now=0.0):
+    return Request(rid, prog, list(range(1000 * int(rid[1:]), 1000 * int(rid[1:]) + n)), max_tokens,
+                   arrival_time=now)
+
+
+def test_the_scheduler_measures_pressure_when_a_request_is_held_back():
+    clock = SimClock()
+    kv = KVCacheManager(8, BS)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, "agentserve", clock)
+    sched.pressure = PressureMeter(horizon=1.0, initial=0.0)
+    sched.add_request(_req("r1", "a", 20))
+    sched.schedule()
+    clock.advance(5.0)
+    assert sched.policy.ctx.kv_pressure() == 0.0  # it fit
+    sched.add_request(_req("r2", "b", 20))  # 6 + 6 blocks of 8: held back
+    sched.schedule()
+    clock.advance(5.0)
+    assert sched.policy.ctx.kv_pressure() > 0.99
+
+
+def test_a_disk_retention_puts_the_copies_first_in_line_for_the_disk():
+    t = Tiers(KVCacheManager(3, BS, host_blocks=3, disk_blocks=8))
+    kv = t.kv
+    t.run(seq(1, blocks=1))
+    st = kv.admit(kv.match(seq(2)), len(seq(2)), 0.0)  # evicts sequence 1 to the host tier
+    for i, b in enumerate(st.blocks[:2]):
+        t.dev[b.block_id] = tuple(seq(2)[i * BS:(i + 1) * BS])
+    kv.commit(st, seq(2), len(seq(2)) - 1)
+    assert kv.swap_out(st, 0.0, onward=True) == 2
+    t.step()
+    assert [n.tokens[0] // 1000 for n in kv.host._lru] == [2, 2, 1]  # the cold end: sequence 2's copies
+    t.run(seq(3))
+    t.run(seq(4))  # evicts sequence 3 to the host tier, which moves sequence 2 on to disk, not 1
+    kv.check_integrity()
+    assert 1 in {n.tokens[0] // 1000 for n in kv.host._lru}  # the older copy stayed in host memory
+    assert t.run(seq(2))[2] == 2  # read back from disk, with the right content (checked by run)
+
+
+def test_a_full_tier_evicts_a_confirmed_copy_before_one_in_flight():
+    kv = KVCacheManager(8, BS, host_blocks=2)
+    t = Tiers(kv)
+    for tag in (1, 2, 3):
+        t.run(seq(tag, blocks=1))  # on the device, indexed
+    a, b, c = (kv.index.walk(seq(tag, blocks=1))[0] for tag in (1, 2, 3))
+    host = kv.host
+    host.store(a)
+    host.confirm(a)
+    host.store(b)  # in flight
+    host.demote(b)  # and the coldest
+    host.store(c)  # the tier is full: the confirmed copy goes, not the one being written
+    assert host.slot(a) is None and host.slot(b) is not None and b in host.pending and host.slot(c) is not None
+    host.check_integrity()
