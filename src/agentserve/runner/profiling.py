@@ -2,7 +2,7 @@
 length (fitted to the paper's t(L) = a*L^2 + b*L + c), decode step time
 against batch size and context, and host copy bandwidth. The result is a
 profile in the simulator's format, so the simulator and the TTL cost model
-read the same numbers; `reload_cost_for` turns it into the Prefill-Reload(r)
+read the same numbers; `tier_costs_for` turns it into the Prefill-Reload(r)
 the policies price a pin with.
 
 Timing runs the model directly on scratch KV blocks (no scheduler), each point
@@ -249,19 +249,37 @@ def default_profile_path(llm: ModelHost) -> Path:
 
 
 def reload_cost_for(profile: str | None, llm: ModelHost, host_tier: bool) -> Callable[[int], float]:
-    """Prefill-Reload(r) in seconds for r tokens: from the given profile, else the
-    one `agentserve profile` saved for this model, device and dtype, else a
-    rough FLOP estimate (logged, so the user knows to profile)."""
+    """Prefill-Reload(r) in seconds for r tokens (the paper's: the host tier's
+    reload where there is one, else the prefill); see `tier_costs_for`."""
+    prefill, reloads = tier_costs_for(profile, llm)
+    return reloads["host"] if host_tier else prefill
+
+
+# Rough copy rates where no profile says: a memcpy-bound host copy, a plain SSD read.
+_EST_HOST_COPY_BYTES_S = {"cuda": 2e10, "cpu": 5e9}
+_EST_DISK_READ_BYTES_S = 1e9
+
+
+def tier_costs_for(profile: str | None, llm: ModelHost) -> tuple[Callable[[int], float], dict]:
+    """(prefill seconds of r tokens, {"host": reload seconds, "disk": reload
+    seconds}) from the given profile, else the one `agentserve profile` saved
+    for this model, device and dtype, else rough estimates (logged, so the
+    user knows to profile): a FLOP estimate for the prefill and nominal copy
+    rates for the tiers."""
     path = Path(profile) if profile else default_profile_path(llm)
     if profile or path.exists():
         cost = CostModel(load_profile(path), llm.kv_cache.block_size)
-        log.info("reload cost from profile %s", path)
-        return cost.reload_time if host_tier else cost.prefill_time
+        log.info("reload costs from profile %s", path)
+        return cost.prefill_time, cost.tier_reloads()
     flops = 3e14 if llm.device.type == "cuda" else 2e11
     per_token = 2 * llm.config.num_params() / flops
-    log.info("no profile for this model and device (run `agentserve profile`); reload cost estimated at "
-             "%.2f ms per 1000 tokens", per_token * 1e6)
-    return lambda n: per_token * n
+    kv_bytes = llm.config.kv_bytes_per_token(llm.model.embed.element_size())
+    host_s = kv_bytes / _EST_HOST_COPY_BYTES_S.get(llm.device.type, 5e9)
+    disk_s = kv_bytes / _EST_DISK_READ_BYTES_S + host_s
+    log.info("no profile for this model and device (run `agentserve profile`); prefill cost estimated at "
+             "%.2f ms per 1000 tokens, host and disk reloads at %.3f and %.3f ms", per_token * 1e6, host_s * 1e6,
+             disk_s * 1e6)
+    return (lambda n: per_token * n), {"host": lambda n: host_s * n, "disk": lambda n: disk_s * n}
 
 
 def write_profile(prof: Profile, raw: dict, path: Path) -> None:

