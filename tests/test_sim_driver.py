@@ -213,3 +213,20 @@ def test_cost_model_prices_disk_copies_at_the_ssd_bandwidth():
     load = cost.step_time(SchedulerOutput(blocks_to_load_disk=[(i, i) for i in range(10)]))
     assert load == pytest.approx(10 * block / 3e9 + cost.copy_blocks_time(10))
     assert p.disk_num_blocks(16) == int(2e12 // block)
+
+
+def test_agentserve_sends_waits_only_the_disk_outlasts_on_to_disk(small_workload, tmp_path):
+    """Tools 40x slower than recorded, a host tier that turns over in seconds and a
+    disk tier that does not: agentserve prices those misses at the disk reload and
+    puts the turns' KV first in line for the disk; everything completes intact."""
+    from dataclasses import replace as dc_replace
+
+    slow = [dc_replace(p, calls=[dc_replace(c, tool_duration=c.tool_duration * 40) for c in p.calls])
+            for p in small_workload]
+    prof = _small_host_profile(tmp_path)
+    r = simulate(slow, SimConfig(policy="agentserve", profile=prof, kv_tokens=60_000, disk_tier=True,
+                                 check_integrity_every=50))
+    assert r.completed == len(slow)
+    assert r.tiers["onward_turns"] > 0 and r.tiers["spilled"] > 0 and r.tiers["disk_loaded"] > 0
+    off = simulate(slow, SimConfig(policy="agentserve:tiers=off", profile=prof, kv_tokens=60_000, disk_tier=True))
+    assert off.tiers["onward_turns"] == 0

@@ -385,7 +385,10 @@ class Scheduler(PinReview, Admission, StepResults):
         if table is None:
             return
         if action in ("swap", "disk") and self.kv.host.enabled:
-            self.kv.swap_out(table, now, onward=action == "disk")
+            onward = action == "disk" and self.kv.disk.enabled
+            self.kv.swap_out(table, now, onward=onward)
+            self.stats.swapped_turns += 1
+            self.stats.onward_turns += onward
         else:
             self.kv.free(table, now)
 

@@ -46,6 +46,8 @@ class SchedulerStats:
     pins_reclaimed: int = 0
     pins_released_early: int = 0
     pins_released_at_end: int = 0
+    swapped_turns: int = 0  # turns whose KV the policy had copied to host memory at their end
+    onward_turns: int = 0  # of those, put first in line for the disk tier (a long wait)
     grouped_requests: int = 0  # requests that waited for another's prefill of their shared prefix
     superseded_blocks: int = 0  # cached blocks of a program's history that its next turn left, demoted
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model

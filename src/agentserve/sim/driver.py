@@ -224,7 +224,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
         decode_step_p99_s=st.decode_step_p99_s(),
         tiers={"offloaded": executor.stats.offloaded_blocks, "loaded": executor.stats.loaded_blocks,
-               "spilled": executor.stats.spilled_blocks, "disk_loaded": executor.stats.disk_loaded_blocks},
+               "spilled": executor.stats.spilled_blocks, "disk_loaded": executor.stats.disk_loaded_blocks,
+               "swapped_turns": st.swapped_turns, "onward_turns": st.onward_turns},
         state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins, **_busiest(per_step, peak_running)),
     )
 
