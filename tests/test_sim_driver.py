@@ -131,6 +131,8 @@ def test_true_values_follow_the_estimators_definitions():
 
 @pytest.mark.parametrize("argv, msg", [
     (["sim", "--policies", "nope"], "unknown policy"),
+    (["sim", "--policies", "agentserve:depth=1"], "has no option 'depth'"),
+    (["sim", "--host-kv-tokens", "3"], "at least one block"),
     (["sim", "--workload", "nope"], "unknown workload"),
     (["sim", "--profile", "nope"], "nope"),
     (["sim", "--rates", "0"], "positive"),

@@ -70,7 +70,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--policy", default="agentserve",
                    help="scheduling/retention policy: agentserve (the default: Eq. 2 TTLs weighted by KV pressure, "
-                        "tier-aware), continuum (the paper's), or a baseline (see `agentserve sim --help`)")
+                        "tier-aware), continuum (the paper's), or a baseline (see `agentserve sim --help`); options after "
+                        "colons, e.g. agentserve:age_credit=15")
     g.add_argument("--profile", default=None,
                    help="a profile JSON from `agentserve profile` for the TTL cost model (default: the one "
                         "saved for this model and device, if any)")
@@ -79,10 +80,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args):
     from agentserve.llm import LLM
-    from agentserve.policy.registry import policy_names
+    from agentserve.policy.registry import parse_policy_spec
 
-    if args.policy not in policy_names():
-        raise CliError(f"unknown policy {args.policy!r}; choose from {', '.join(policy_names())}")
+    try:
+        policy, options = parse_policy_spec(args.policy)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     check_disk_args(args)
     try:
         return LLM(None if args.model == "default" else args.model, dtype=args.dtype, device=args.device,
@@ -91,7 +94,7 @@ def build_llm(args):
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
-                   policy=args.policy, profile=args.profile, threads=args.threads,
+                   policy=policy, policy_options=options, profile=args.profile, threads=args.threads,
                    weights=args.weights, speculate=args.speculate,
                    group_prefill=args.group_prefill)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
