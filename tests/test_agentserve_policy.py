@@ -20,6 +20,7 @@ from agentserve.policy.pressure import PressureMeter, TurnoverMeter
 from agentserve.policy.program import ProgramState
 from agentserve.policy.registry import parse_policy_spec
 
+from test_decision_log import _tool_durations
 from test_disk_tier import BS, Tiers, seq
 
 
@@ -28,15 +29,6 @@ def _turn(policy, tool="grep", tokens=512, now=100.0):
                           preempted=False, num_computed_tokens=tokens, output_text=None, tool_name=tool,
                           ttl_hint=None)
     return policy.on_turn_end(req, ProgramState("p", 0.0), now)
-
-
-def _learn(policy, tool, durations):
-    t = 0.0
-    for i, d in enumerate(durations):
-        pid = f"w{i}"
-        policy.tool_stats.on_finish(pid, tool, t)
-        policy.on_arrival(SimpleNamespace(program_id=pid), None, t + d)
-        t += 5.0
 
 
 # more than K = 100 samples (the tool's own regime), mixed so no latency shift is seen
@@ -76,7 +68,7 @@ def test_a_pin_costs_what_the_kv_pressure_says():
     ctx = PolicyContext(reload_cost=lambda n: 3.0, kv_pressure=lambda: pressure[0])
     pol, paper = AgentServe(ctx, age_credit=15.0), Continuum(PolicyContext(reload_cost=lambda n: 3.0))
     for p in (pol, paper):
-        _learn(p, "grep", DURATIONS)
+        _tool_durations(p, "grep", DURATIONS)
     contended = _turn(pol)
     assert contended.ttl == _turn(paper).ttl  # full pressure: Eq. 2 as the paper has it
     assert pol.decisions.recent()[-1].inputs.pin_cost == 1.0
@@ -85,7 +77,7 @@ def test_a_pin_costs_what_the_kv_pressure_says():
     assert idle.action == "pin" and idle.ttl == 8.0 > contended.ttl
     assert pol.decisions.recent()[-1].inputs.pin_cost == pol.min_pin_cost
     off = AgentServe(PolicyContext(reload_cost=lambda n: 3.0, kv_pressure=lambda: 0.0), pressure=False)
-    _learn(off, "grep", DURATIONS)
+    _tool_durations(off, "grep", DURATIONS)
     assert _turn(off).ttl == contended.ttl  # the ablation: the paper's cost whatever the pressure
 
 
@@ -95,7 +87,7 @@ def test_the_miss_is_priced_at_the_tier_that_outlasts_the_wait():
                         tier_reload={"host": lambda n: 0.01, "disk": lambda n: 0.2},
                         tier_residency=lambda t: residency[t], kv_pressure=lambda: 1.0)
     pol = AgentServe(ctx)
-    _learn(pol, "grep", DURATIONS)  # mean 1.6 s: longer than the host tier keeps a copy
+    _tool_durations(pol, "grep", DURATIONS)  # mean 1.6 s: longer than the host tier keeps a copy
     assert pol.miss_cost(512, pol.expected_wait("grep")) == (0.2, "disk")
     r = _turn(pol)
     assert r.action == "disk" and pol.decisions.recent()[-1].inputs.source == "disk"
