@@ -15,7 +15,7 @@ from agentserve.cost.profile import load_profile
 from agentserve.engine.llm_engine import _held_back
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
-from agentserve.runner.profiling import fit_quadratic, measure_profile, reload_cost_for
+from agentserve.runner.profiling import fit_quadratic, measure_profile, reload_cost_for, tier_costs_for
 from agentserve.runner.sampler import Sampler
 from agentserve.server.chat_template import ChatTemplate, TemplateError
 from tiny_models import byte_tokenizer, hf_llama, loaded, prompt
@@ -208,6 +208,21 @@ def test_profile_is_written_in_the_simulators_format_and_used_for_reload_cost(hf
     assert fn(1000) == pytest.approx(cost.prefill_time(1000))
     with pytest.raises(Exception, match="profile"):
         reload_cost_for(str(tmp_path / "missing.json"), llm, host_tier=False)
+    assert "disk" not in raw and loaded_prof.disk_read_bandwidth_bytes_s == 3e9  # no disk tier: the default
+
+
+def test_profile_measures_the_disk_tier_through_its_files(hf, tmp_path):
+    disk_dir = tmp_path / "kv"
+    llm = make_llm(hf, kv_cache_tokens=4096, block_size=16, max_num_batched_tokens=256, host_kv_tokens=1024,
+                   disk_kv_bytes=1 << 20, disk_kv_dir=str(disk_dir))
+    (disk_dir / "notes.txt").write_text("not ours")
+    prof, raw = measure_profile(llm, [16, 32, 64], [1, 2], (32, 96), copy_blocks=8)
+    assert raw["disk"]["write_bytes_per_s"] > 0 and raw["disk"]["read_bytes_per_s"] > 0
+    assert prof.disk_read_bandwidth_bytes_s == raw["disk"]["read_bytes_per_s"]
+    assert prof.disk_write_bandwidth_bytes_s == raw["disk"]["write_bytes_per_s"]
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["notes.txt"]  # its block files are gone, nothing else
+    prefill, reloads = tier_costs_for(None, llm)  # no profile saved: logged estimates, a tier's reload below prefill
+    assert 0 < reloads["host"](1000) < reloads["disk"](1000)
 
 
 def test_cli_generate_and_errors(capsys, tmp_path):

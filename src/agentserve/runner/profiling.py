@@ -26,6 +26,7 @@ from agentserve.cost.cost_model import CostModel
 from agentserve.cost.profile import ModelSpec, Profile, load_profile
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.device import dtype_name
+from agentserve.runner.disk_store import DiskStore
 
 if TYPE_CHECKING:
     from agentserve.engine.scheduler import Scheduler
@@ -217,6 +218,13 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
     bw, latency = timer.copy_bandwidth(copy_blocks)
     raw["copy"] = {"bytes_per_s": bw, "latency_s": latency}
     progress(f"host copy: {bw / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per copy")
+    disk = {}
+    if llm.kv_cache.disk is not None:
+        write_bw, read_bw = disk_bandwidth(llm.kv_cache.disk, copy_blocks)
+        raw["disk"] = {"write_bytes_per_s": write_bw, "read_bytes_per_s": read_bw}
+        disk = {"disk_write_bandwidth_bytes_s": write_bw, "disk_read_bandwidth_bytes_s": read_bw}
+        progress(f"disk tier ({llm.kv_cache.disk.dir}): write {write_bw / 1e9:.2f} GB/s, read {read_bw / 1e9:.2f} GB/s "
+                 "(through its block files, checksums included)")
     cfg = llm.config
     elt = llm.model.embed.element_size()
     name = f"{Path(llm.model_source).stem}-{dev.type}-{dtype_name(llm.dtype)}"
@@ -239,8 +247,41 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
         max_num_seqs=llm.scheduler.config.max_num_seqs,
         step_overhead_s=c, prefill_a_s_per_token2=a, prefill_b_s_per_token=b,
         decode_weight_read_s=base, kv_read_s_per_token=kv_per_token, per_seq_overhead_s=per_seq,
-        host_copy_latency_s=latency, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "")
+        host_copy_latency_s=latency, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "", **disk)
     return prof, raw
+
+
+def disk_bandwidth(store: DiskStore, num_blocks: int) -> tuple[float, float]:
+    """(write, read) bytes per second of the disk tier's own block files:
+    `num_blocks` files written (checksummed, renamed into place) then read back
+    and checked, the payload counted. The page cache is asked to drop the files
+    before they are read, where the OS allows, so reads come from the device.
+    The files are removed afterwards (`clean`)."""
+    payload = os.urandom(store.payload_bytes)
+    store.clean()
+    try:
+        t0 = time.perf_counter()
+        for slot in range(num_blocks):
+            store.write(slot, payload)
+        fd = os.open(store.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the renames; each file's data is flushed below before reading
+        finally:
+            os.close(fd)
+        for slot in range(num_blocks):
+            with open(store.path(slot), "rb") as f:
+                os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        wrote = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for slot in range(num_blocks):
+            store.read(slot)
+        read = time.perf_counter() - t0
+    finally:
+        store.clean()
+    total = num_blocks * store.payload_bytes
+    return total / max(wrote, 1e-9), total / max(read, 1e-9)
 
 
 def default_profile_path(llm: ModelHost) -> Path:
