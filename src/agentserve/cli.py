@@ -46,6 +46,9 @@ def _add_sim(sub) -> None:
     p.add_argument("--disk-tier", action="store_true",
                    help="add the profile's disk (SSD) KV tier below the host tier, which it implies: blocks the "
                         "host tier evicts are written there and reloaded at the profile's disk bandwidth")
+    p.add_argument("--sync-copies", action="store_true",
+                   help="charge the tier copies inside each step (the step waits for them), instead of on a copy "
+                        "timeline that overlaps compute, where only a request whose own reloads are in flight waits")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default: profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
     p.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
@@ -135,6 +138,7 @@ def cmd_sim(args) -> int:
         for pol in args.policies:
             cfg = SimConfig(profile=args.profile, policy=pol, block_size=args.block_size, eviction=args.eviction,
                             host_tier=args.host_tier, disk_tier=args.disk_tier, kv_tokens=args.kv_tokens,
+                            overlap_copies=not args.sync_copies,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                             seed=args.seed, check_integrity_every=args.check_integrity_every,
