@@ -5,6 +5,7 @@ reload of the wrong file shows up as wrong KV, not only as broken counts."""
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
@@ -15,29 +16,45 @@ BS = 4
 
 class Tiers:
     """What an executor would hold: the content (the tokens it is the KV of) of
-    every device block, host slot and disk file."""
+    every device block, host slot and disk file. With `lag` > 0 the copies land
+    as an overlapping executor's do: each step's batch `lag` steps later, in the
+    order taken (an offload reads its device block when taken: a snapshot)."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, lag: int = 0) -> None:
         self.kv = kv
+        self.lag = lag
         self.dev: dict[int, tuple] = {}
         self.host: dict[int, tuple] = {}
         self.disk: dict[int, tuple] = {}
+        self.flight: deque = deque()
+        self.ticket = 0
 
     def step(self, fail_spills=(), fail_disk_loads=(), fail_offloads=()) -> set[int]:
-        off, ld = self.kv.take_copies()
-        sp, dl = self.kv.take_disk_copies()
+        self.ticket += 1
+        off, ld = self.kv.take_copies(self.ticket)
+        sp, dl = self.kv.take_disk_copies(self.ticket)
+        snap = [self.dev.get(b) for b, _ in off]
+        self.flight.append((self.ticket, off, snap, ld, sp, dl, fail_spills, fail_disk_loads, fail_offloads))
+        bad = set()
+        while len(self.flight) > self.lag:
+            bad |= self.land()
+        return bad
+
+    def land(self) -> set[int]:
+        """The oldest batch in flight lands."""
+        ticket, off, snap, ld, sp, dl, fail_spills, fail_disk_loads, fail_offloads = self.flight.popleft()
         for i, (h, d) in enumerate(sp):  # spills first: an offload may reuse their host slots
             if i not in fail_spills:
                 self.disk[d] = self.host[h]
-        for i, (b, h) in enumerate(off):
+        for i, (_, h) in enumerate(off):
             if i not in fail_offloads:
-                self.host[h] = self.dev[b]
+                self.host[h] = snap[i]
         for h, b in ld:
             self.dev[b] = self.host[h]
         for i, (d, b) in enumerate(dl):
             if i not in fail_disk_loads:
                 self.dev[b] = self.disk[d]
-        return self.kv.finish_copies(fail_offloads, (), fail_spills, fail_disk_loads)
+        return self.kv.finish_copies(fail_offloads, (), fail_spills, fail_disk_loads, ticket=ticket)
 
     def run(self, tokens, now: float = 0.0, **fail) -> tuple[int, int, int]:
         """Admit, reload, compute and free `tokens` as one request; returns the
@@ -47,6 +64,9 @@ class Tiers:
         st = kv.admit(m, len(tokens) - m.num_tokens, now)
         assert st is not None
         bad = self.step(**fail)
+        while kv.loads_pending(st):  # it waits for its own reloads, not for the batches after them
+            bad |= self.land()
+            kv.check_integrity([st])
         kept = kv.cut_unloaded(st, bad, now)
         done = m.num_tokens if kept is None else kept
         for i, b in enumerate(st.blocks[:done // BS]):
@@ -160,12 +180,15 @@ def test_check_integrity_covers_disk_slots():
         t2.kv.check_integrity()
 
 
+@pytest.mark.parametrize("lag", [0, 1, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_runs_keep_every_tier_consistent(seed):
+def test_random_runs_keep_every_tier_consistent(seed, lag):
     """Many overlapping sequences, random failures of spills and disk reloads: every
-    reused block holds its tokens' KV (checked in `run`), the accounting stays whole."""
+    reused block holds its tokens' KV (checked in `run`), the accounting stays whole;
+    also with copies landing steps after they were queued, several batches in flight."""
     rng = random.Random(seed)
     t = mk(device=6, host=3, disk=5)
+    t.lag = lag
     base = {tag: [tag * 1000 + i for i in range(4 * BS)] for tag in range(1, 6)}
     disk_hits = 0
     for step in range(120):
@@ -177,5 +200,11 @@ def test_random_runs_keep_every_tier_consistent(seed):
             fail["fail_disk_loads"] = {rng.randrange(3)}
         if rng.random() < 0.3:
             fail["fail_spills"] = {rng.randrange(3)}
+        if rng.random() < 0.2:
+            fail["fail_offloads"] = {rng.randrange(3)}
         disk_hits += t.run(toks, now=float(step), **fail)[2]
     assert disk_hits > 0
+    while t.flight:
+        t.land()
+    t.kv.check_integrity()
+    assert not t.kv.copies_in_flight and not t.kv.host.pending and not t.kv.disk.pending

@@ -462,8 +462,8 @@ def test_swap_out():
 
 def test_a_host_copy_counts_once_its_copy_is_confirmed():
     """A host slot is not matched while its copy is queued or in flight; a
-    failed copy frees the slot and prunes the node; taking copies again before
-    the last batch finished is refused."""
+    failed copy frees the slot and prunes the node; a second batch may be taken
+    while the first is in flight, but not under the same ticket."""
     raw = KVCacheManager(4, BS, host_blocks=8)
     kv = Named(raw)
     toks = list(range(2 * BS + 1))
@@ -474,13 +474,16 @@ def test_a_host_copy_counts_once_its_copy_is_confirmed():
     admit(kv, "f", list(range(900, 900 + 4 * BS - 1)))  # evicts a's two blocks: offloads queued
     assert raw.host.num_used == 2
     assert kv.match(toks).num_tokens == 0  # queued: not a hit yet
-    off, _ = raw.take_copies()
+    off, _ = raw.take_copies(ticket=7)
     assert len(off) == 2
     assert kv.match(toks).num_tokens == 0  # in flight: still not a hit
-    with pytest.raises(RuntimeError):
-        raw.take_copies()
+    assert raw.take_copies(ticket=8) == ([], [])  # nothing queued since: an empty batch, nothing in flight
+    with pytest.raises(RuntimeError, match="still in flight"):
+        raw.take_copies(ticket=7)
+    assert raw.finish_copies(ticket=3) == set()  # an unknown ticket: nothing happens
+    assert raw.host.pending
     failed = [i for i, (d, _) in enumerate(off) if d == second]
-    assert raw.finish_copies(failed_offloads=failed) == set()  # the second block's copy failed
+    assert raw.finish_copies(failed_offloads=failed, ticket=7) == set()  # the second block's copy failed
     accounting_ok(kv)
     assert raw.host.num_used == 1 and not raw.host.pending
     assert kv.match(toks).num_tokens == BS and kv.match(toks).num_host_blocks == 1
@@ -901,6 +904,7 @@ class KVModel:
             holders.update(ids)
         for p in kv.pins.values():
             holders.update(set(b.block_id for b in p.blocks))
+        holders.update(kv.copies.held_blocks())  # a reload holds its block until it lands
         assert kv.num_free_blocks + len(holders) == kv.num_blocks
         for bid, n in holders.items():
             if n > 1:  # shared by two live holders: must be a cached (full, indexed) prefix block

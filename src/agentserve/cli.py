@@ -52,6 +52,9 @@ def _add_sim(sub) -> None:
                         "tier over a disk tier is the paper's SSD setting)")
     p.add_argument("--disk-kv-bytes", type=float, default=None,
                    help="the disk tier's byte budget instead of the profile's, e.g. 4e11 (implies --disk-tier)")
+    p.add_argument("--sync-copies", action="store_true",
+                   help="charge the tier copies inside each step (the step waits for them), instead of on a copy "
+                        "timeline that overlaps compute, where only a request whose own reloads are in flight waits")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default: profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
     p.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
@@ -149,6 +152,7 @@ def cmd_sim(args) -> int:
                             host_tier=args.host_tier or args.host_kv_tokens is not None,
                             disk_tier=args.disk_tier or args.disk_kv_bytes is not None, kv_tokens=args.kv_tokens,
                             host_kv_tokens=args.host_kv_tokens, disk_kv_bytes=args.disk_kv_bytes,
+                            overlap_copies=not args.sync_copies,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                             seed=args.seed, check_integrity_every=args.check_integrity_every,

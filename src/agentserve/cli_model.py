@@ -44,6 +44,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-kv-dir", default=None,
                    help="directory of the disk KV tier's files (created if missing; this server's old block "
                         "files in it are removed at start)")
+    g.add_argument("--sync-copies", action="store_true",
+                   help="run the KV tiers' copies (offloads, reloads, disk spills and reads) inside each step, "
+                        "before its forward pass, instead of on a copy thread (a CUDA stream on a GPU) that "
+                        "overlaps them with compute, where only a request whose own reloads are in flight waits")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once, at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -91,6 +95,7 @@ def build_llm(args):
         return LLM(None if args.model == "default" else args.model, dtype=args.dtype, device=args.device,
                    kv_cache_tokens=args.kv_cache_tokens, host_kv_tokens=args.host_kv_tokens,
                    disk_kv_bytes=args.disk_kv_bytes, disk_kv_dir=args.disk_kv_dir,
+                   overlap_copies=not args.sync_copies,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,

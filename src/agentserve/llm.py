@@ -49,13 +49,15 @@ class LLM:
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
-                 speculate: int = 8, group_prefill: bool = True) -> None:
+                 speculate: int = 8, group_prefill: bool = True, overlap_copies: bool = True) -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
         is native where the model and machine allow it, else `dtype` decides.
         `speculate`: draft tokens a decode step may verify per request (prompt
         lookup, engine/spec_decode.py); 0 turns speculation off. `group_prefill`:
-        a request waits for a running one's prefill of their shared prefix."""
+        a request waits for a running one's prefill of their shared prefix.
+        `overlap_copies`: the KV tiers' copies run on a copy engine beside the
+        forward pass (runner/copy_engine.py) instead of inside the step."""
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
@@ -90,12 +92,13 @@ class LLM:
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,
-                                group_prefill=group_prefill, speculation=SpecConfig(max_draft=speculate))
+                                group_prefill=group_prefill, speculation=SpecConfig(max_draft=speculate),
+                                overlap_copies=overlap_copies)
         prefill_cost, tier_reload = tier_costs_for(profile, self)
         self.reload_cost = tier_reload["host"] if host_blocks > 0 else prefill_cost  # the paper's Prefill-Reload
         self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options,
                                    prefill_cost=prefill_cost, tier_reload=tier_reload)
-        self.executor = ModelExecutor(self.model, self.kv_cache)
+        self.executor = ModelExecutor(self.model, self.kv_cache, overlap_copies)
         tok = self.tokenizer
         self.engine = LLMEngine(self.scheduler, self.executor, self.clock,
                                 detokenizer=lambda: IncrementalDetokenizer(tok),
@@ -184,7 +187,15 @@ class LLM:
             for o in self.engine.step():
                 if o.finished and o.request_id in want:
                     done[o.request_id] = o
+        self.settle_copies()
         return [done[r] for r in request_ids]
+
+    def settle_copies(self) -> None:
+        """Wait for the tier copies in flight and count them (the offline API
+        returns with the tiers as they will be, not mid-copy)."""
+        sched = self.scheduler
+        while sched.copies_in_flight:
+            sched.copies_done(self.executor.poll_copies(wait=1.0))
 
     def tool_call_constraint(self, tools: list[dict[str, Any]], name: str | None = None):
         """A constraint for SamplingParams.constraint that holds the output to one

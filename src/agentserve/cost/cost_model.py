@@ -28,6 +28,12 @@ host slot written to the SSD at the profile's disk write bandwidth) runs before
 the offload that reuses its slot, and a disk reload reads the SSD at the disk
 read bandwidth and then copies to the device. Every term is non-decreasing
 in tokens, context, sequences and blocks.
+
+That is the step of an executor that runs its copies in the step. One that
+overlaps them with compute (engine/executor.py) takes `forward` a step and
+puts the step's copies on a copy timeline of their own, one batch after the
+other: `copy_time` = spill + offload_copy + load_copy + disk_load; a request
+whose reloads are on it waits until they land (sim/executor.py).
 """
 
 from __future__ import annotations
@@ -122,6 +128,14 @@ class CostModel:
             context += e
         memory = self._weights + self._kv_read * context
         return self._c + self._per_seq * (len(chunks) - 1) + max(compute, memory)
+
+    def copy_time(self, output: SchedulerOutput) -> float:
+        """The copy engine's time for a step's copies, one after the other."""
+        n = len(output.blocks_to_load_disk)
+        return (len(output.blocks_to_spill) * self._disk_write_s_per_block
+                + self.copy_blocks_time(len(output.blocks_to_offload))
+                + self.copy_blocks_time(len(output.blocks_to_load))
+                + n * self._disk_read_s_per_block + self.copy_blocks_time(n))
 
     def step_time(self, output: SchedulerOutput) -> float:
         """Modelled wall time of one engine step: copies plus forward pass."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from agentserve.engine.request import Request, RequestStatus
-from agentserve.engine.scheduler_config import SchedulerStats
+from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.step_time import StepBudget
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy
 
 
 class Admission:
+    config: SchedulerConfig
     kv: KVCacheManager
     policy: Policy
     stats: SchedulerStats
@@ -71,6 +72,8 @@ class Admission:
         req.preempted = False
         self.running.append(req)
         self._rereserve(req)
+        if table.loads and self.config.overlap_copies:
+            return True  # it computes once its reloads land (the executor overlaps them with this step)
         step.add_prefill(req, hit, n)
         return True
 

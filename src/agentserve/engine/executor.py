@@ -4,7 +4,18 @@ or the simulator's cost model.
 An executor reports the tier copies that failed (positions in the output's
 `blocks_to_offload` / `blocks_to_load`) and computes no chunk of a request
 whose table holds a block whose reload failed (`run_copies`, `readable`): the
-scheduler then cuts that request back to the KV it really has."""
+scheduler then cuts that request back to the KV it really has.
+
+A step's copies are one batch under the output's `copy_ticket`. An executor
+either runs them inside the step (the result's `failed_*` then report them),
+or, overlapping them with compute, hands them to a copy engine and says so
+(`ExecutorResult.copies_pending`): it reports each batch later, from
+`poll_copies`, as a `CopiesDone`, in the order the batches were given. Such an
+executor reads an offload's device block before the step's forward pass may
+write it (a snapshot), and relies on the scheduler for the rest: a request
+whose blocks are still being reloaded is not scheduled (it waits for its own
+reloads; the others compute), and a reload keeps its device block referenced
+until it lands (kv/copies.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +30,18 @@ CopyFn = Callable[[list[tuple[int, int]]], Sequence[int]]
 
 
 @dataclass
+class CopiesDone:
+    """A batch of copies an overlapping executor finished (`Executor.poll_copies`):
+    the positions that failed in each of the lists of the step that queued it."""
+
+    ticket: int  # the SchedulerOutput.copy_ticket of that step
+    failed_offloads: Sequence[int] = ()
+    failed_loads: Sequence[int] = ()
+    failed_spills: Sequence[int] = ()
+    failed_disk_loads: Sequence[int] = ()
+
+
+@dataclass
 class ExecutorResult:
     # request_id -> sampled token ids (one per chunk with sample=True; more with speculation)
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -27,6 +50,8 @@ class ExecutorResult:
     failed_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load
     failed_spills: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_spill
     failed_disk_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load_disk
+    # the step's copies went to a copy engine: `poll_copies` reports them later (the failed_* are unused)
+    copies_pending: bool = False
 
 
 def run_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn) -> tuple[list[int], list[int], set[int]]:
@@ -64,3 +89,9 @@ class Executor(abc.ABC):
 
     def release(self, request_id: str) -> None:
         """The request is over: drop any per-request state (a sampler's seed)."""
+
+    def poll_copies(self, wait: float = 0.0) -> list[CopiesDone]:
+        """The batches of copies finished since the last call, oldest first;
+        with `wait` > 0, wait up to that many seconds for one when none is
+        finished yet. An executor that runs its copies in the step has none."""
+        return []

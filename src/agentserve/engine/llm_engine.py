@@ -32,6 +32,8 @@ from agentserve.engine.scheduler import Scheduler
 
 log = logging.getLogger("agentserve.engine")
 
+COPY_WAIT_S = 0.05  # an idle step waits this long at most for a copy to land
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -130,8 +132,13 @@ class LLMEngine:
     # --- the step ---
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        sched = self.scheduler
+        if sched.copies_in_flight:  # copies an overlapping executor finished since the last step
+            sched.copies_done(self.executor.poll_copies())
+        out = sched.schedule()
         if out.is_empty:
+            if sched.copies_in_flight:  # nothing to compute until a copy lands: wait for one
+                sched.copies_done(self.executor.poll_copies(wait=COPY_WAIT_S))
             return []
         try:
             result = self.executor.execute(out)

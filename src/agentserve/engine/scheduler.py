@@ -170,6 +170,11 @@ class Scheduler(PinReview, Admission, StepResults):
         return bool(self.waiting or self.running)
 
     @property
+    def copies_in_flight(self) -> bool:
+        """Copies handed to an overlapping executor that it has not reported yet."""
+        return self.kv.copies_in_flight
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -212,7 +217,10 @@ class Scheduler(PinReview, Admission, StepResults):
         # 1. Running requests: decodes first, then prefill chunks, each in admission order.
         # (a preempted request recomputing its prompt and output is prefilling until it caught up)
         decoding, prefilling = [], []
+        kv = self.kv
         for req in self.running:
+            if req.block_table.loads and kv.loads_pending(req.block_table):
+                continue  # its reloads have not landed: it waits for them, the others compute
             c = req.num_computed_tokens
             (decoding if c >= req.num_prompt_tokens and len(req.token_ids) - c == 1 else prefilling).append(req)
         drafts = self.speculator.plan_step(decoding, self.step_model, self.kv.num_free_blocks - len(self.running))
@@ -280,10 +288,11 @@ class Scheduler(PinReview, Admission, StepResults):
                 add(chunk(req, start, n, start + n == len(req.token_ids)))
             req.num_computed_tokens = start + n
         out.features = step.features
-        out.blocks_to_offload, out.blocks_to_load = self.kv.take_copies()
-        out.blocks_to_spill, out.blocks_to_load_disk = self.kv.take_disk_copies()
+        out.copy_ticket = ticket = self.stats.steps
+        out.blocks_to_offload, out.blocks_to_load = kv.take_copies(ticket)
+        out.blocks_to_spill, out.blocks_to_load_disk = kv.take_disk_copies(ticket)
         self.pressure.observe(now, self._kv_blocked)
-        for tier in (self.kv.host, self.kv.disk):
+        for tier in (kv.host, kv.disk):
             if tier.enabled:
                 self._turnover[tier.name].observe(now, tier.num_stored)
         return out

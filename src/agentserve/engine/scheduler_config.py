@@ -22,6 +22,9 @@ class SchedulerConfig:
     group_prefill: bool = True
     # prompt-lookup speculation (engine/spec_decode.py); off unless the executor verifies drafts
     speculation: SpecConfig = field(default_factory=SpecConfig)
+    # the executor overlaps tier copies with compute (engine/executor.py): a request admitted with
+    # reloads computes once they land, not in its admission step (False: copies run in the step)
+    overlap_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

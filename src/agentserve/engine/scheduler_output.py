@@ -38,12 +38,13 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    # Copies the executor performs before the forward pass.
+    # Copies the executor performs before the forward pass, or overlaps with it (engine/executor.py).
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     # the disk tier's (kv/disk_tier.py): spills run before the offloads, disk reloads after the reloads
     blocks_to_spill: list[tuple[int, int]] = field(default_factory=list)  # (host block, disk slot)
     blocks_to_load_disk: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, device block)
+    copy_ticket: int = 0  # the four lists' batch, as the executor reports it (engine/executor.py)
     preempted: list[Request] = field(default_factory=list)
     # (prefill tokens, attention pairs, decode rows, decode context, draft rows, draft context),
     # gathered by the scheduler as it scheduled (None: step_features computes them from the chunks)

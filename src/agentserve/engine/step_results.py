@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agentserve.clock import Clock
-from agentserve.engine.executor import ExecutorResult
+from agentserve.engine.executor import CopiesDone, ExecutorResult
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import SchedulerOutput
@@ -49,8 +49,8 @@ class StepResults:
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[Request]:
         """Apply sampled tokens; returns the requests that finished this step."""
         now = self.clock.now()
-        if out.has_copies:
-            self._finish_copies(result, now)
+        if out.has_copies and not result.copies_pending:
+            self._finish_copies(result, out.copy_ticket, now)
         finished = []
         limit = self.config.max_model_len
         stats = self.stats
@@ -131,18 +131,24 @@ class StepResults:
 
     def copies_lost(self, out: SchedulerOutput) -> None:
         """The executor failed the whole step: none of its copies count (the
-        engine's caller fails the step's requests; the KV stays consistent)."""
-        self._finish_copies(ExecutorResult(failed_offloads=range(len(out.blocks_to_offload)),
-                                           failed_loads=range(len(out.blocks_to_load)),
-                                           failed_spills=range(len(out.blocks_to_spill)),
-                                           failed_disk_loads=range(len(out.blocks_to_load_disk))),
-                            self.clock.now())
+        engine's caller fails the step's requests; the KV stays consistent).
+        An overlapping executor that had taken them waits for them first; its
+        later report of the batch is then ignored."""
+        self._finish_copies(CopiesDone(out.copy_ticket, range(len(out.blocks_to_offload)),
+                                       range(len(out.blocks_to_load)), range(len(out.blocks_to_spill)),
+                                       range(len(out.blocks_to_load_disk))), out.copy_ticket, self.clock.now())
 
-    def _finish_copies(self, result: ExecutorResult, now: float) -> None:
-        """The step's copies count now; a request whose reload failed (the
+    def copies_done(self, done: list[CopiesDone]) -> None:
+        """Batches of copies an overlapping executor finished (Executor.poll_copies)."""
+        now = self.clock.now()
+        for d in done:
+            self._finish_copies(d, d.ticket, now)
+
+    def _finish_copies(self, result: ExecutorResult | CopiesDone, ticket: int, now: float) -> None:
+        """A step's copies count now; a request whose reload failed (the
         executor computed nothing of it) recomputes from its last block with KV."""
         unloaded = self.kv.finish_copies(result.failed_offloads, result.failed_loads,
-                                         result.failed_spills, result.failed_disk_loads)
+                                         result.failed_spills, result.failed_disk_loads, ticket, now)
         if not unloaded:
             return
         self.stats.reload_failed_blocks += len(unloaded)

@@ -24,6 +24,7 @@ class BlockTable:
     index_stopped: bool = False  # a collision cut the chain: index nothing further
     released: bool = False  # freed, swapped out or pinned: the blocks are no longer this table's
     salt: Hashable = None  # the prefix cache's salt its blocks are indexed under (prefix_index.py)
+    loads: list[Block] = field(default_factory=list)  # blocks admitted by reload, until the reloads land
 
     @property
     def block_ids(self) -> list[int]:

@@ -4,12 +4,20 @@ outcome does to the accounting.
 The manager queues an offload (a device block into a host slot) when a cached
 block is evicted or a finished request is swapped out, and a reload (a host
 slot into a fresh device block) when an admission matches a host copy. The
-scheduler hands each step's queue to the executor (`take`), which reports
-which copies failed; only then do they count (`finish`): a written host slot
+scheduler hands each step's queue to the executor as one batch under a ticket
+(`take`); the executor reports, in that step or any later one, which copies of
+the batch failed; only then do they count (`finish`): a written host slot
 holds KV from then on, a failed one is freed, and a failed reload's device
 block leaves its node (and its host copy is dropped, not trusted again), so
 the prefix index never points at KV that was not written. Until `finish`, a
 node whose host copy or reload is in flight is not matched.
+
+Several batches may be in flight at once (an executor that overlaps copies
+with compute, engine/executor.py): it runs them in the order taken, and a
+batch's outcome only concerns its own copies. A node written again by a later
+batch counts by its latest write; a reload's device block stays referenced by
+the reload until it finishes, so a request preempted or aborted meanwhile
+cannot hand the block to anyone else while the copy still writes it.
 
 `TierCopies` is that mechanism for any tier of slots (kv/slot_tier.py): writes
 into the tier's slots, reloads from them into device blocks. `CopyQueue` is the
@@ -37,12 +45,20 @@ class TierCopies:
         self.loads: list[tuple[int, int]] = []  # (tier slot, device block)
         self._write_nodes: list[Node] = []  # the node of each queued write
         self._load_nodes: list[tuple[Node, Block]] = []  # the node and device block of each queued load
-        self._inflight: tuple[list[Node], list[tuple[Node, Block]]] | None = None  # taken, not finished
+        # taken, not finished, in the order taken: ticket -> (write nodes, (node, block) of each load)
+        self._inflight: dict[int, tuple[list[Node], list[tuple[Node, Block]]]] = {}
+        self._writer: dict[Node, int] = {}  # node -> ticket of its latest write in flight
+        self._auto = 0  # tickets of batches taken without one: -1, -2, ...
         self.loading: set[Node] = set()  # nodes whose reload is queued or in flight
         self._slot_pos: dict[int, int] = {}  # tier slot -> position of its queued write
         self._void: set[int] = set()  # positions of queued writes whose slot was taken back
         self.num_written = 0  # writes confirmed
         self.num_failed = 0
+
+    @property
+    def num_inflight(self) -> int:
+        """Batches taken and not finished yet."""
+        return len(self._inflight)
 
     def write(self, source: int, slot: int, node: Node) -> None:
         """Queue a copy of `source` into tier slot `slot`, just given to `node`. A
@@ -57,16 +73,22 @@ class TierCopies:
         self._write_nodes.append(node)
 
     def load(self, node: Node, block: Block) -> None:
-        """Queue a reload of `node`'s copy in this tier into device `block`."""
+        """Queue a reload of `node`'s copy in this tier into device `block`; the
+        reload holds a reference on `block` until it finishes."""
         self.loads.append((self.tier.slot(node), block.block_id))
         self._load_nodes.append((node, block))
         self.loading.add(node)
+        self.pool.ref(block)
         self.tier.touch(node)
 
-    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(writes, loads) queued since the last call."""
-        if self._inflight is not None:
-            raise RuntimeError(f"{self.what} copies handed out earlier were never finished (finish_copies)")
+    def take(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(writes, loads) queued since the last call: a batch under `ticket`
+        (unique among the batches in flight; None: one is made up)."""
+        if ticket is None:
+            self._auto -= 1
+            ticket = self._auto
+        if ticket in self._inflight:
+            raise RuntimeError(f"{self.what} copies under ticket {ticket} are still in flight")
         wr, ld, nodes = self.writes, self.loads, self._write_nodes
         if self._void:
             keep = [i for i in range(len(wr)) if i not in self._void]
@@ -74,21 +96,30 @@ class TierCopies:
             self._void.clear()
         self._slot_pos.clear()
         if wr or ld:
-            self._inflight = (nodes, self._load_nodes)
+            self._inflight[ticket] = (nodes, self._load_nodes)
+            for node in nodes:
+                self._writer[node] = ticket
         self.writes, self.loads, self._write_nodes, self._load_nodes = [], [], [], []
         return wr, ld
 
-    def finish(self, failed_writes: Iterable[int], failed_loads: Iterable[int]) -> set[int]:
-        """The copies `take` handed out ran; those at the positions given
-        failed. Returns the ids of the device blocks whose reload failed."""
-        if self._inflight is None:
+    def finish(self, failed_writes: Iterable[int], failed_loads: Iterable[int], ticket: int | None = None,
+               now: float = 0.0) -> set[int]:
+        """The copies `take` handed out under `ticket` (None: the oldest batch in
+        flight) ran; those at the positions given failed. Returns the ids of the
+        device blocks whose reload failed (an unknown ticket: nothing happens)."""
+        if ticket is None:
+            ticket = next(iter(self._inflight), None)
+        batch = self._inflight.pop(ticket, None)
+        if batch is None:
             return set()
-        writes, loads = self._inflight
-        self._inflight = None
+        writes, loads = batch
         fw, fl = set(failed_writes), set(failed_loads)
         self.num_failed += len(fw) + len(fl)
         tier = self.tier
         for i, node in enumerate(writes):
+            if self._writer.get(node) != ticket:
+                continue  # a later batch writes the node again: that write counts
+            del self._writer[node]
             if node in tier.pending:  # (else the tier took the slot back meanwhile)
                 if i in fw:
                     tier.drop(node)
@@ -103,13 +134,25 @@ class TierCopies:
                 if node.block is block:
                     self.pool.detach(block)
                 tier.drop(node)  # not trusted again; prunes the node too if nothing else holds it
+        if loads:
+            self.pool.release([b for _, b in loads], now)
         return bad
 
+    def held_blocks(self) -> list[int]:
+        """Ids of the device blocks the queued and in-flight reloads hold."""
+        held = [b.block_id for _, b in self._load_nodes]
+        for _, loads in self._inflight.values():
+            held.extend(b.block_id for _, b in loads)
+        return held
+
     def check_integrity(self) -> None:
-        if self._inflight is None and not self.loads:
-            assert not self.loading, f"a {self.what} reload neither queued nor in flight"
-        if self._inflight is None and not self.writes:
-            assert not self.tier.pending, f"a {self.what} copy neither queued nor in flight"
+        queued = {n for n, _ in self._load_nodes}
+        inflight = {n for _, loads in self._inflight.values() for n, _ in loads}
+        assert self.loading == queued | inflight, f"a {self.what} reload neither queued nor in flight"
+        assert len(self._load_nodes) + sum(len(ld) for _, ld in self._inflight.values()) == len(self.loading), \
+            f"two {self.what} reloads of one node at once"
+        writers = set(self._write_nodes) | set(self._writer)
+        assert self.tier.pending <= writers, f"a {self.what} copy neither queued nor in flight"
 
 
 class CopyQueue(TierCopies):

@@ -100,14 +100,14 @@ class KVCacheManager:
         host = disk = 0
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         for node in self.index.walk(token_ids, max_blocks, salt, hint):
+            if (loading and node in loading) or (dloading and node in dloading):
+                break  # its reload is not confirmed yet (one reload of a node at a time)
             if node.block is None:
                 if node.host_slot is None or node in pending:
                     if not self.disk.readable(node):
                         break
                     disk += 1
                 host += 1
-            elif (loading and node in loading) or (dloading and node in dloading):
-                break  # its reload is not confirmed yet
             nodes.append(node)
         return PrefixMatch(nodes, self.block_size, salt, host, disk)
 
@@ -152,6 +152,7 @@ class KVCacheManager:
                     self.disk_copies.load(n, b)
             st.blocks.append(n.block)
         st.blocks.extend(it)
+        st.loads = [n.block for n in loads]
         st.num_indexed = len(match.nodes)
         st.last_node = match.nodes[-1] if match.nodes else self.index.root
         return st
@@ -242,7 +243,7 @@ class KVCacheManager:
             onward = onward and self.disk.enabled
             for b in st.blocks[:st.num_indexed]:
                 node = b.node
-                if node is not None and node.block is b:
+                if node is not None and node.block is b and not self.is_loading(b):
                     if node.host_slot is None:
                         slot = self.host.store(node, self._loading)
                         if slot is None:
@@ -310,22 +311,42 @@ class KVCacheManager:
             if slot is not None:
                 self.copies.offload(block, slot, node)
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(offloads, loads) queued since the last call; offloads run first.
-        They count once `finish_copies` reports how they went."""
-        return self.copies.take()
+    def take_copies(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(offloads, loads) queued since the last call, as the batch `ticket`
+        (kv/copies.py); offloads run first. They count once `finish_copies`
+        reports how they went."""
+        return self.copies.take(ticket)
 
-    def take_disk_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_disk_copies(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(spills, disk reloads) queued since the last call (kv/disk_tier.py)."""
-        return self.disk_copies.take()
+        return self.disk_copies.take(ticket)
 
     def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = (),
-                      failed_spills: Iterable[int] = (), failed_disk_loads: Iterable[int] = ()) -> set[int]:
-        """The copies `take_copies` and `take_disk_copies` handed out ran; those at
-        the positions given (in their lists) failed. Returns the ids of the device
-        blocks whose reload failed: the request holding one must be cut back (`cut_unloaded`)."""
-        return self.disk_copies.finish(failed_spills, failed_disk_loads) | self.copies.finish(
-            failed_offloads, failed_loads)
+                      failed_spills: Iterable[int] = (), failed_disk_loads: Iterable[int] = (),
+                      ticket: int | None = None, now: float = 0.0) -> set[int]:
+        """The copies `take_copies` and `take_disk_copies` handed out under
+        `ticket` (None: the oldest batch in flight) ran; those at the positions
+        given (in their lists) failed. Returns the ids of the device blocks whose
+        reload failed: the request holding one must be cut back (`cut_unloaded`)."""
+        return self.disk_copies.finish(failed_spills, failed_disk_loads, ticket, now) | self.copies.finish(
+            failed_offloads, failed_loads, ticket, now)
+
+    @property
+    def copies_in_flight(self) -> bool:
+        """Batches of copies taken and not finished yet."""
+        return bool(self.copies.num_inflight or self.disk_copies.num_inflight)
+
+    def is_loading(self, block: Block) -> bool:
+        """A reload into `block` is queued or in flight: it holds no KV yet."""
+        node = block.node
+        return node is not None and (node in self._loading or node in self.disk_copies.loading)
+
+    def loads_pending(self, st: BlockTable) -> bool:
+        """`st` holds blocks whose reload has not landed yet (its request must
+        not compute: it waits for its own reloads, no one else's)."""
+        if st.loads:
+            st.loads = [b for b in st.loads if self.is_loading(b)]
+        return bool(st.loads)
 
     def cut_unloaded(self, st: BlockTable, bad: set[int], now: float) -> int | None:
         """If `st` holds a block of `bad` (a reload that failed), keep that block
@@ -358,6 +379,8 @@ class KVCacheManager:
             assert st.num_indexed <= len(st.blocks)
         for p in self.pins.values():
             holders.update(b.block_id for b in p.blocks)
+        holders.update(self.copies.held_blocks())  # reloads hold their device blocks until they land
+        holders.update(self.disk_copies.held_blocks())
         self.pool.check_integrity(holders)
         n = 0
         for node in self.index.iter_nodes():

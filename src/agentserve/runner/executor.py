@@ -3,7 +3,13 @@ host-tier copies the KV manager asked for, then one forward pass over the
 step's chunks, then sampling for the chunks that reach the end of their
 request's tokens: one token each, or, for a decode with a speculative
 draft, one at each of its positions (the scheduler compares them with the
-draft)."""
+draft).
+
+With `overlap_copies` the copies do not run in the step: they go to the copy
+engine (runner/copy_engine.py), which runs them beside the forward pass and
+reports them through `poll_copies`; the scheduler must then be configured to
+match (SchedulerConfig.overlap_copies), so that no request computes before
+its own reloads landed."""
 
 from __future__ import annotations
 
@@ -11,32 +17,50 @@ import time
 
 import torch
 
-from agentserve.engine.executor import Executor, ExecutorResult, readable, run_all_copies
+from agentserve.engine.executor import CopiesDone, Executor, ExecutorResult, readable, run_all_copies
 from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.runner.attention import build_metadata
+from agentserve.runner.copy_engine import CopyEngine
 from agentserve.runner.kv_cache import PagedKVCache
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.sampler import GREEDY, Sampler
 
 
 class ModelExecutor(Executor):
-    def __init__(self, model: LlamaModel, kv: PagedKVCache) -> None:
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, overlap_copies: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
         self.sampler = Sampler(model.device)
+        self.copier = CopyEngine(kv) if overlap_copies else None
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
 
+    def poll_copies(self, wait: float = 0.0) -> list[CopiesDone]:
+        return self.copier.poll(wait) if self.copier is not None else []
+
     def execute(self, out: SchedulerOutput) -> ExecutorResult:
         t0 = time.perf_counter()
-        # spills, then offloads: a block written out this step may be reused by a load
-        res, unloaded = run_all_copies(out, self.kv.offload, self.kv.load, self.kv.spill, self.kv.load_disk)
-        chunks = readable(out.chunks, unloaded)  # a request whose reload failed computes nothing
-        if not chunks:
-            res.elapsed = time.perf_counter() - t0
-            return res
+        if self.copier is None:
+            # spills, then offloads: a block written out this step may be reused by a load
+            res, unloaded = run_all_copies(out, self.kv.offload, self.kv.load, self.kv.spill, self.kv.load_disk)
+            chunks = readable(out.chunks, unloaded)  # a request whose reload failed computes nothing
+        else:
+            res, chunks = ExecutorResult(copies_pending=out.has_copies), out.chunks
+            if out.has_copies:
+                self.copier.submit(out)
+        if chunks:
+            try:
+                res.sampled = self._forward(chunks)
+            except BaseException:
+                if self.copier is not None:
+                    self.copier.drain()  # the caller fails the step's copies: none may still be running
+                raise
+        res.elapsed = time.perf_counter() - t0
+        return res
+
+    def _forward(self, chunks) -> dict[str, list[int]]:
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         ids: list[int] = []
@@ -77,5 +101,4 @@ class ModelExecutor(Executor):
         if rows:
             for rid, tok in zip(rids, self.sampler.sample(logits, params, rids, steps, verifies)):
                 sampled.setdefault(rid, []).append(tok)
-        res.sampled, res.elapsed = sampled, time.perf_counter() - t0
-        return res
+        return sampled

@@ -58,17 +58,25 @@ class PagedKVCache:
         """K and V of layer i, each [kv_heads, blocks, block_size, head_dim]."""
         return self._k[i], self._v[i]
 
-    def offload(self, pairs: list[tuple[int, int]]) -> list[int]:
-        """Copy device blocks to host slots: pairs of (device block, host block).
+    def gather(self, blocks: list[int]) -> torch.Tensor:
+        """A copy of device blocks, on the device: what an overlapped offload
+        writes to the host later (runner/copy_engine.py), read before the step's
+        forward pass may write the blocks."""
+        return self.device_kv[:, :, :, torch.tensor(blocks, device=self.device)]
+
+    def offload(self, pairs: list[tuple[int, int]], staged: torch.Tensor | None = None) -> list[int]:
+        """Copy device blocks to host slots: pairs of (device block, host block),
+        or, given `staged` (`gather` of those device blocks), that snapshot.
         Returns the positions of the copies that failed (all of them, or none)."""
         if not pairs:
             return []
         if self.host_kv is None:
             raise RuntimeError("offload asked but the cache has no host tier")
         try:
-            dev = torch.tensor([d for d, _ in pairs], device=self.device)
             host = torch.tensor([h for _, h in pairs])
-            self.host_kv[:, :, :, host] = self.device_kv[:, :, :, dev].to("cpu")
+            if staged is None:
+                staged = self.device_kv[:, :, :, torch.tensor([d for d, _ in pairs], device=self.device)]
+            self.host_kv[:, :, :, host] = staged.to("cpu")
         except (RuntimeError, MemoryError) as e:
             log.warning("offload of %d KV blocks failed: %s", len(pairs), e)
             return list(range(len(pairs)))

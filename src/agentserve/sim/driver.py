@@ -41,6 +41,8 @@ class SimConfig:
     eviction: str = "lru"
     host_tier: bool = False  # use the profile's host DRAM tier (swap and reload)
     disk_tier: bool = False  # and the profile's disk tier below it (implies host_tier)
+    # tier copies overlap compute on a copy timeline, as the model runner's do (False: they run in the step)
+    overlap_copies: bool = True
     kv_tokens: int | None = None  # device KV capacity; default: the profile's
     host_kv_tokens: int | None = None  # the host tier's capacity (with host_tier); default: the profile's
     disk_kv_bytes: float | None = None  # the disk tier's budget (with disk_tier); default: the profile's
@@ -103,12 +105,12 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     sconf = SchedulerConfig(
         max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
-        max_step_ms_with_decodes=cfg.max_step_ms_with_decodes,
+        max_step_ms_with_decodes=cfg.max_step_ms_with_decodes, overlap_copies=cfg.overlap_copies,
     )
     name, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
     sched = Scheduler(sconf, kv, name, clock, reload_cost, {**options, **cfg.policy_options},
                       prefill_cost=cost.prefill_time, tier_reload=cost.tier_reloads())
-    executor = SimExecutor(clock, cost)
+    executor = SimExecutor(clock, cost, cfg.overlap_copies)
 
     need_shared = max((c.shared_prefix_tokens for p in programs for c in p.calls), default=0)
     shared_pool = shared_token_pool(need_shared, cfg.seed) if need_shared else None
@@ -157,6 +159,8 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         by_rid[req.request_id] = (i, turn)
 
     while events or sched.has_work:
+        if sched.copies_in_flight:  # the copies that landed by now count (the same path as a server's)
+            sched.copies_done(executor.poll_copies())
         now = clock.now()
         while events and events[0][0] <= now:
             _, _, i, turn = heapq.heappop(events)
@@ -173,6 +177,9 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
             expiry = kv.pins.next_expiry()
             if expiry is not None and expiry > now:
                 wake.append(expiry)
+            landing = executor.next_copy_time()  # a request waits for its reloads
+            if landing is not None:
+                wake.append(max(landing, now))
             if not wake:
                 raise RuntimeError(f"simulation stalled at t={now:.3f}: {sched.num_waiting} waiting, "
                                    f"{sched.num_running} running, {len(kv.pins)} pins")
@@ -225,7 +232,7 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         decode_step_p99_s=st.decode_step_p99_s(),
         tiers={"offloaded": executor.stats.offloaded_blocks, "loaded": executor.stats.loaded_blocks,
                "spilled": executor.stats.spilled_blocks, "disk_loaded": executor.stats.disk_loaded_blocks,
-               "swapped_turns": st.swapped_turns, "onward_turns": st.onward_turns},
+               "swapped_turns": st.swapped_turns, "onward_turns": st.onward_turns, "copy_s": executor.stats.copy_time},
         state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins, **_busiest(per_step, peak_running)),
     )
 

@@ -1,13 +1,21 @@
 """The simulator's `Executor`: prices a scheduler output with the cost model,
-moves the simulated clock by that much, and returns scripted tokens."""
+moves the simulated clock by that much, and returns scripted tokens.
+
+Tier copies are priced in one of two ways. Run in the step (`overlap_copies`
+off), a step costs the cost model's `step_time`, copies included. Overlapped
+with compute, as the model runner does (engine/executor.py), a step costs its
+forward pass and its copies go on a copy timeline: they start when the copy
+engine is done with the batches before them, take `copy_time`, and are
+reported (`poll_copies`) once the simulated clock has reached their end."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from agentserve.clock import SimClock
 from agentserve.cost.cost_model import CostModel
-from agentserve.engine.executor import Executor, ExecutorResult
+from agentserve.engine.executor import CopiesDone, Executor, ExecutorResult
 from agentserve.engine.scheduler_output import SchedulerOutput
 
 __all__ = ["FILLER_TOKEN_ID", "SimExecutor", "SimStats"]
@@ -26,18 +34,33 @@ class SimStats:
     offloaded_blocks: int = 0
     spilled_blocks: int = 0  # host slots written to the disk tier
     disk_loaded_blocks: int = 0  # blocks reloaded from the disk tier
+    copy_time: float = 0.0  # seconds the copy engine was busy (overlapped copies only)
 
 
 class SimExecutor(Executor):
-    def __init__(self, clock: SimClock, cost_model: CostModel) -> None:
+    def __init__(self, clock: SimClock, cost_model: CostModel, overlap_copies: bool = False) -> None:
         self.clock = clock
         self.cost_model = cost_model
+        self.overlap_copies = overlap_copies
         self.stats = SimStats()
+        self._copies_free_at = 0.0  # when the copy engine is done with the batches it was given
+        self._flight: deque[tuple[float, int]] = deque()  # (lands at, ticket), in the order given
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         if output.is_empty:
             return ExecutorResult()
-        elapsed = self.cost_model.step_time(output)
+        pending = self.overlap_copies and output.has_copies
+        if pending:
+            took = self.cost_model.copy_time(output)
+            start = max(self.clock.now(), self._copies_free_at)
+            self._copies_free_at = start + took
+            self._flight.append((self._copies_free_at, output.copy_ticket))
+            self.stats.copy_time += took
+            elapsed = self.cost_model.forward_time(output)
+        elif self.overlap_copies:
+            elapsed = self.cost_model.forward_time(output)
+        else:
+            elapsed = self.cost_model.step_time(output)
         self.clock.advance(elapsed)
 
         stats = self.stats
@@ -60,4 +83,20 @@ class SimExecutor(Executor):
         stats.offloaded_blocks += len(output.blocks_to_offload)
         stats.spilled_blocks += len(output.blocks_to_spill)
         stats.disk_loaded_blocks += len(output.blocks_to_load_disk)
-        return ExecutorResult(sampled=sampled, elapsed=elapsed)
+        return ExecutorResult(sampled=sampled, elapsed=elapsed, copies_pending=pending)
+
+    def next_copy_time(self) -> float | None:
+        """When the oldest batch of copies in flight lands (None: none is)."""
+        return self._flight[0][0] if self._flight else None
+
+    def poll_copies(self, wait: float = 0.0) -> list[CopiesDone]:
+        """The batches landed by now; with `wait`, the clock first moves up to
+        that much towards the next landing when none has landed."""
+        flight = self._flight
+        if wait > 0 and flight and flight[0][0] > self.clock.now():
+            self.clock.advance_to(min(flight[0][0], self.clock.now() + wait))
+        now = self.clock.now()
+        done = []
+        while flight and flight[0][0] <= now:
+            done.append(CopiesDone(flight.popleft()[1]))
+        return done
