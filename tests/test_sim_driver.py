@@ -232,3 +232,21 @@ def test_agentserve_sends_waits_only_the_disk_outlasts_on_to_disk(small_workload
     assert r.tiers["onward_turns"] > 0 and r.tiers["spilled"] > 0 and r.tiers["disk_loaded"] > 0
     off = simulate(slow, SimConfig(policy="agentserve:tiers=off", profile=prof, kv_tokens=60_000, disk_tier=True))
     assert off.tiers["onward_turns"] == 0
+
+
+def test_report_renders_the_readme_table_from_a_sweeps_json(tmp_path, capsys):
+    from agentserve.sim.report import main as report_main
+
+    def row(policy, rate, jct):
+        return {"policy": policy, "rate": rate, "mean_jct": jct, "p95_jct": 2 * jct, "throughput": 0.5,
+                "hit_ratio": 0.5, "p99_ttft": 1.0, "max_queue": 2.0, "preemptions": 0,
+                "pins": {"created": 3, "mean_ttl": 1.5}}
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps([row("vllm-fcfs", 0.5, 200.0), row("continuum", 0.5, 100.0),
+                                row("agentserve", 0.5, 80.0)]))
+    assert report_main([str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("| rate | policy | mean JCT | speedup | vs continuum")
+    assert lines[4] == "| 0.5 | agentserve | **80.0** | 2.50x | 1.25x | 160.0 | 0.500 | 50.0 | 1.0 | 2.0 | 0 | 3 | 1.50 |"
+    assert "| 0.5 | continuum | 100.0 | 2.00x | 1.00x |" in lines[3]

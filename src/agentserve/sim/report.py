@@ -63,6 +63,43 @@ def ratio_lines(rows: list[dict], base: str = "vllm-fcfs") -> list[str]:
     return out
 
 
+def format_markdown(rows: list[dict], base: str = "vllm-fcfs", paper: str = "continuum") -> str:
+    """The README's table of a sweep: a row a policy and rate, the best mean JCT
+    of each rate in bold, speedups over `base` and over `paper` (the paper's policy)."""
+    head = ["rate", "policy", "mean JCT", "speedup", f"vs {paper}", "p95 JCT", "throughput", "hit %", "p99 TTFT",
+            "max queue", "preemptions", "pins", "mean TTL"]
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for rate in sorted({r["rate"] for r in rows}):
+        at = [r for r in rows if r["rate"] == rate]
+        by = {r["policy"]: r for r in at}
+        best = min(r["mean_jct"] for r in at)
+        for r in at:
+            jct = _f(r["mean_jct"])
+            ratio = lambda other: f"{by[other]['mean_jct'] / r['mean_jct']:.2f}x" if other in by else "-"  # noqa: E731
+            out.append("| " + " | ".join([
+                f"{rate:g}", r["policy"], f"**{jct}**" if r["mean_jct"] == best else jct, ratio(base), ratio(paper),
+                _f(r["p95_jct"]), _f(r["throughput"], 3), _f(100 * r["hit_ratio"]), _f(r["p99_ttft"]),
+                _f(r["max_queue"]), str(r["preemptions"]), str(r["pins"]["created"]), _f(r["pins"]["mean_ttl"], 2),
+            ]) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m agentserve.sim.report SWEEP.json ...`: the Markdown table of
+    sweeps that `agentserve sim --json` wrote (the README's tables)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m agentserve.sim.report", description=main.__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="JSON files written by `agentserve sim --json`")
+    ap.add_argument("--base", default="vllm-fcfs", help="the policy speedups are measured against")
+    args = ap.parse_args(argv)
+    for path in args.files:
+        with open(path) as f:
+            print(format_markdown(json.load(f), args.base))
+        print()
+    return 0
+
+
 def write_json(rows: list[dict], path: str) -> None:
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
@@ -86,3 +123,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
