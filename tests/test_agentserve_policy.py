@@ -172,3 +172,14 @@ def test_a_full_tier_evicts_a_confirmed_copy_before_one_in_flight():
     host.store(c)  # the tier is full: the confirmed copy goes, not the one being written
     assert host.slot(a) is None and host.slot(b) is not None and b in host.pending and host.slot(c) is not None
     host.check_integrity()
+
+
+def test_the_dashboard_shows_the_pin_cost_and_where_a_miss_reloads_from():
+    from agentserve.server.dashboard_view import _decision
+
+    ctx = PolicyContext(reload_cost=lambda n: 0.01, prefill_cost=lambda n: 5.0, tier_reload={"host": lambda n: 0.01},
+                        tier_residency=lambda t: 0.1, kv_pressure=lambda: 0.25)
+    pol = AgentServe(ctx)
+    _turn(pol)
+    d = _decision(pol.decisions.recent()[-1], 100.0, lambda pid: pid)
+    assert d["pin_cost"] == 0.25 and d["reload_from"] == "prefill" and d["reload_s"] == 5.0

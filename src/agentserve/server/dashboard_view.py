@@ -57,7 +57,7 @@ def _decision(d: Decision, now: float, show) -> dict:
     if i is not None:
         out.update(regime=i.regime, eta=_num(i.eta), queue_delay_s=_num(i.queue_delay_s),
                    reload_s=_num(i.reload_s), benefit_s=_num(i.benefit_s), mean_used_s=_num(i.mean_used_s),
-                   capped=i.capped)
+                   capped=i.capped, pin_cost=_num(i.pin_cost), reload_from=i.source)
     return out
 
 
