@@ -100,8 +100,9 @@ def measure(policy: str, running: int = 256, pins: int = 1000, waiting: int = 32
     # (AsyncEngine.start), full collections when the work runs out and as the busy backstop.
     gc_ctl = apply_gc_policy(gc_policy)
     try:
-        spent, scheduling, state = _run(sched, executor, clock, gc_ctl, _Programs(running + pins + waiting, context, output, seed),
-                                        random.Random(seed + 1), running, waiting, warmup + steps)
+        plan = _Programs(programs, context, output, seed)
+        spent, scheduling, state = _run(sched, executor, clock, gc_ctl, plan, random.Random(seed + 1), running,
+                                        waiting, warmup + steps)
     finally:
         restore_gc()  # the next policy's run starts from CPython's collector again
     spent, scheduling, state = spent[warmup:], scheduling[warmup:], state[warmup:]
@@ -134,8 +135,7 @@ def _run(sched: Scheduler, executor: SimExecutor, clock: SimClock, gc_ctl: GCCon
         return t1 - t0, (t1 - t0) + (clock_s() - t2), done
 
     # Set up: every program runs one turn (in waves of `running`), which leaves it pinned.
-    programs = len(plan.ids)
-    for i in range(0, programs, running):
+    for i in range(0, len(plan.ids), running):
         for pid in plan.ids[i:i + running]:
             sched.add_request(plan.next_turn(pid, clock.now()))
         while sched.has_work:
