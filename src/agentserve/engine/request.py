@@ -30,7 +30,7 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     program_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # given as any sequence of ints; kept as a tuple
     max_tokens: int
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
@@ -80,6 +80,11 @@ class Request:
     client: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        # The prompt is kept as a tuple (a copy: the caller's list is not aliased): it never changes,
+        # and a tuple of ints drops out of the cyclic collector's walks at its first collection (a list
+        # of a few thousand ids would be walked item by item at every collection of its generation; see
+        # engine/gc_policy.py).
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         if self.max_tokens < 1:
