@@ -37,7 +37,7 @@ class FakeClock:
 def test_engine_policy_freezes_the_start_up_heap_and_stops_automatic_full_collections(caplog):
     t0, t1, _ = gc.get_threshold()
     with caplog.at_level(logging.INFO, logger="agentserve.engine"):
-        ctl = apply_gc_policy(ENGINE)
+        ctl = apply_gc_policy(ENGINE, FakeClock())
     assert isinstance(ctl, GCController) and ctl.policy is ENGINE
     assert gc.get_freeze_count() > 0  # the start-up heap is in the permanent generation
     assert gc.get_threshold() == (t0, t1, NO_AUTO_FULL)  # young collections as CPython's; no automatic full one
@@ -50,8 +50,8 @@ def test_the_heap_is_frozen_once_a_process_not_per_call(monkeypatch):
     freezes = []
     real_freeze = gc.freeze
     monkeypatch.setattr(gc_policy.gc, "freeze", lambda: (freezes.append(1), real_freeze()))
-    apply_gc_policy(ENGINE)
-    apply_gc_policy(ENGINE)  # a second engine in the process: nothing frozen again (it could never be collected)
+    apply_gc_policy(ENGINE, FakeClock())
+    apply_gc_policy(ENGINE, FakeClock())  # another engine in the process: nothing frozen again
     assert len(freezes) == 1
     saved = gc.get_threshold()
     restore_gc()
@@ -60,13 +60,13 @@ def test_the_heap_is_frozen_once_a_process_not_per_call(monkeypatch):
 
 def test_python_policy_leaves_the_collector_alone():
     before = gc.get_threshold()
-    ctl = apply_gc_policy(PYTHON_DEFAULT)
+    ctl = apply_gc_policy(PYTHON_DEFAULT, FakeClock())
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
     assert not ctl.on_idle() and not ctl.maybe_collect()  # CPython runs its own full collections
 
 
 def test_young_threshold_is_set_when_asked():
-    apply_gc_policy(GCPolicy("test", freeze=False, young_threshold=5000, manual_full=False))
+    apply_gc_policy(GCPolicy("test", freeze=False, young_threshold=5000, manual_full=False), FakeClock())
     assert gc.get_threshold()[0] == 5000
 
 
@@ -97,7 +97,7 @@ def test_bench_sched_applies_the_same_policy_and_puts_the_collector_back(monkeyp
 
     applied = []
     real = sched_overhead.apply_gc_policy
-    monkeypatch.setattr(sched_overhead, "apply_gc_policy", lambda p: applied.append(p) or real(p))
+    monkeypatch.setattr(sched_overhead, "apply_gc_policy", lambda p, clock: applied.append(p) or real(p, clock))
     r = sched_overhead.measure("continuum", running=8, pins=10, waiting=2, steps=20, warmup=5, context=64, output=8)
     assert applied == [ENGINE] and r.gc == "engine"
     assert gc.get_freeze_count() == 0 and gc.get_threshold()[2] != NO_AUTO_FULL

@@ -98,7 +98,7 @@ def measure(policy: str, running: int = 256, pins: int = 1000, waiting: int = 32
     executor = SimExecutor(clock, cost)
     # The collector as the server runs it: its policy applied once the KV pool is built
     # (AsyncEngine.start), full collections when the work runs out and as the busy backstop.
-    gc_ctl = apply_gc_policy(gc_policy)
+    gc_ctl = apply_gc_policy(gc_policy, clock.now)
     try:
         plan = _Programs(programs, context, output, seed)
         spent, scheduling, state = _run(sched, executor, clock, gc_ctl, plan, random.Random(seed + 1), running,

@@ -25,9 +25,12 @@ So the engine, once it has started (model loaded, KV pool built):
 
 Young collections (generations 0 and 1) stay as CPython runs them: they cost
 about 0.2 ms a step at that scale, most of it walking the token lists of the
-turns admitted since the last one, and a larger young threshold (`young_threshold`)
-made them cost more a step, not less (2,000: 0.32 ms, 10,000: 0.30 ms, against
-0.21 ms at CPython's 700), besides pauses of 20-90 ms instead of a few.
+turns admitted since the last one. Larger thresholds made them cost more a step,
+not less, in `bench sched` (one sitting each, a shared machine: a gen-0
+threshold of 2,000 0.32 ms a step, 10,000 0.30 ms, against 0.21 ms at CPython's
+700; a gen-1 threshold of 30 or 100 0.23 and 0.29 ms against 0.20-0.22 ms at
+CPython's 10), with pauses of 15-90 ms instead of a few. `young_threshold` is
+there to try another on a given machine.
 
 `PYTHON_DEFAULT` leaves CPython's collector as it is (the server's `--gc
 python`). The policy is process-wide (the collector is), so the functions here
@@ -65,7 +68,8 @@ POLICIES = {p.name: p for p in (ENGINE, PYTHON_DEFAULT)}
 class GCController:
     """The applied policy: its full collections, as the engine loop calls them."""
 
-    def __init__(self, policy: GCPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: GCPolicy, clock: Callable[[], float]) -> None:
+        """`clock`: the engine's (seconds; wall time on a server, simulated time in a benchmark)."""
         self.policy = policy
         self.clock = clock
         self.last_full = clock()
@@ -73,9 +77,9 @@ class GCController:
         self.full_collect_s = 0.0  # ... and the time they took
 
     def _collect(self, why: str) -> None:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # the collection's CPU time, for the log only
         found = gc.collect()
-        took = time.perf_counter() - t0
+        took = time.thread_time() - t0
         self.last_full = self.clock()
         self.full_collections += 1
         self.full_collect_s += took
@@ -99,10 +103,11 @@ class GCController:
 _saved_thresholds: tuple[int, int, int] | None = None  # CPython's, before the first apply
 
 
-def apply_gc_policy(policy: GCPolicy, clock: Callable[[], float] = time.monotonic) -> GCController:
+def apply_gc_policy(policy: GCPolicy, clock: Callable[[], float]) -> GCController:
     """Apply `policy` to this process once the engine has started (its model
-    loaded, its KV pool built). Freezes only if nothing is frozen yet: a second
-    call (another engine in the process) does not freeze again."""
+    loaded, its KV pool built); `clock` is the engine's, which times the full
+    collections. Freezes only if nothing is frozen yet: a second call (another
+    engine in the process) does not freeze again."""
     global _saved_thresholds
     if _saved_thresholds is None:
         _saved_thresholds = gc.get_threshold()

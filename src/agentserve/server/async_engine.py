@@ -120,7 +120,7 @@ class AsyncEngine:
             raise RuntimeError("the engine thread is already started")
         self._loop = loop or asyncio.get_running_loop()
         if self.gc_policy is not None:
-            self.gc = apply_gc_policy(self.gc_policy)  # once: the model and the KV pool are built
+            self.gc = apply_gc_policy(self.gc_policy, self.clock.now)  # once: the model and the KV pool are built
         if self._home is None:
             self._home = EngineThread()
             self._owns_home = True
