@@ -103,7 +103,7 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        req = Request(rid, program_id if program_id is not None else rid, list(prompt_token_ids),
+        req = Request(rid, program_id if program_id is not None else rid, prompt_token_ids,
                       params.max_tokens, arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                       eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params,
                       anonymous=program_id is None, cache_salt=cache_salt)

@@ -5,8 +5,8 @@ prefill and decode all advance that one counter."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,7 +30,10 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     program_id: str
-    prompt_token_ids: list[int]
+    # Any sequence of ints; not kept apart: `prompt_token_ids` reads the first num_prompt_tokens of
+    # token_ids (a second copy of a few thousand ids per request would be one more container for the
+    # cyclic collector to walk item by item; see engine/gc_policy.py).
+    prompt_token_ids: InitVar[Sequence[int]]
     max_tokens: int
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
@@ -79,13 +82,13 @@ class Request:
     output_state: Any = field(default=None, repr=False)
     client: Any = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
+    def __post_init__(self, prompt_token_ids: Sequence[int]) -> None:
+        self.token_ids = list(prompt_token_ids)  # a copy: the caller's list is not aliased
+        if not self.token_ids:
             raise ValueError("a request needs at least one prompt token")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        self.token_ids = list(self.prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)  # read every step: a field, not a property
+        self.num_prompt_tokens = len(self.token_ids)  # read every step: a field, not a property
         self.waiting_since = self.arrival_time
 
     @property
@@ -107,3 +110,12 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, program={self.program_id!r}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})")
+
+
+def _prompt_token_ids(self: Request) -> list[int]:
+    """The prompt's token ids (a new list)."""
+    return self.token_ids[:self.num_prompt_tokens]
+
+
+# set after the dataclass is made, so that `prompt_token_ids` stays the constructor's argument
+Request.prompt_token_ids = property(_prompt_token_ids)  # type: ignore[assignment,method-assign]

@@ -34,6 +34,8 @@ class BlockPool:
         self._cold = LinkedList()  # demoted cached free blocks, next evicted first
         self.num_evictions = 0
         self.num_demoted = 0
+        # the strategy's on_hit does something (lfu, arc): lru and leaf-lru keep the base's no-op
+        self._strategy_sees_hits = type(strategy).on_hit is not EvictionStrategy.on_hit
 
     @property
     def num_free(self) -> int:
@@ -58,14 +60,23 @@ class BlockPool:
             out.append(b)
         return out
 
-    def ref(self, block: Block) -> None:
-        """Take a reference on a block found by a prefix match."""
-        if block.ref_cnt == 0:
-            if block.strategy_data is self._cold:
-                self._cold.unlink(block)
-            else:
-                self.strategy.remove(block)
-        block.ref_cnt += 1
+    def hit(self, blocks: list[Block], now: float) -> None:
+        """A prefix match hit `blocks`: take a reference on each (a free one leaves
+        the free set), count the hit and tell the strategy, in one loop (an
+        admitted turn hits every block of its history, 150 and more)."""
+        on_hit = self.strategy.on_hit if self._strategy_sees_hits else None
+        cold, strategy = self._cold, self.strategy
+        for b in blocks:
+            if b.ref_cnt == 0:
+                if b.strategy_data is cold:
+                    cold.unlink(b)
+                else:
+                    strategy.remove(b)
+            b.ref_cnt += 1
+            b.hits += 1
+            b.last_access = now
+            if on_hit is not None:
+                on_hit(b)
 
     def demote(self, blocks) -> int:
         """Move the free cached ones of `blocks` to the cold list, to be evicted

@@ -96,10 +96,13 @@ class KVCacheManager:
         At least one token is always left to compute: its logits give the first
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
+        path = self.index.walk(token_ids, max_blocks, salt, hint)
+        loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
+        if not loading and not dloading and None not in [node.block for node in path]:
+            return PrefixMatch(path, self.block_size, salt)  # all on the device, none reloading: the common case
         nodes = []
         host = disk = 0
-        loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
-        for node in self.index.walk(token_ids, max_blocks, salt, hint):
+        for node in path:
             if (loading and node in loading) or (dloading and node in dloading):
                 break  # its reload is not confirmed yet (one reload of a node at a time)
             if node.block is None:
@@ -128,12 +131,17 @@ class KVCacheManager:
         if self.admit_need(match, num_new_tokens) > self.pool.num_free:
             return None
         st = BlockTable(salt=match.salt)
-        for n in match.nodes:
-            if n.block is not None:
-                self.pool.ref(n.block)
-                n.block.hits += 1
-                n.block.last_access = now
-                self.pool.strategy.on_hit(n.block)
+        held = [n.block for n in match.nodes]
+        if None not in held:  # every matched block is on the device (no reload): the common case
+            self.pool.hit(held, now)
+            fresh = self.pool.allocate(self.blocks_for(match.num_tokens + num_new_tokens) - len(held))
+            assert fresh is not None  # checked above
+            held.extend(fresh)
+            st.blocks = held
+            st.num_indexed = len(match.nodes)
+            st.last_node = match.nodes[-1] if match.nodes else self.index.root
+            return st
+        self.pool.hit([b for b in held if b is not None], now)
         loads = [n for n in match.nodes if n.block is None]
         n_new = self.blocks_for(match.num_tokens + num_new_tokens) - len(match.nodes)
         self._loading.update(n for n in loads if self.host.readable(n))  # not evicted by this allocation

@@ -129,11 +129,12 @@ class PrefixIndex:
         if hint.salt != salt:
             return []
         chain = []
+        append, root = chain.append, self.root
         node = hint.node
-        while node is not None and node is not self.root:
-            chain.append(node)
+        while node is not None and node is not root:
+            append(node)
             node = node.parent
-        if node is not self.root:
+        if node is not root:
             return []
         chain.reverse()
         return chain[:common_blocks(token_ids, hint.tokens, self.block_size, min(n, len(chain)))]

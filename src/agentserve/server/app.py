@@ -60,7 +60,7 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
     dashboard = DashboardSource()
     if engine is None:  # (an engine given has its own listener: the dashboard sees live requests only)
         engine = AsyncEngine(llm, max_queue=config.max_queue, listener=Listeners(metrics, dashboard.timeline),
-                             thread=thread, stats_interval=config.stats_interval)
+                             thread=thread, stats_interval=config.stats_interval, gc_policy=config.gc_policy)
     state = ServerState(llm, engine, metrics, config, dashboard=dashboard)
     if config.render_cache > 0:
         state.render_cache = engine.render_cache = RenderCache(llm.chat_template, llm.tokenizer, config.render_cache)

@@ -29,7 +29,13 @@ Each time the engine runs out of work, the thread checks the block accounting
 once (`Scheduler.check_integrity`: a walk over blocks, pins and the prefix
 index). A failure is a bug: it is logged with its traceback and the KV state,
 and counted (`EngineSnapshot.kv_integrity_failures`, the metric
-`agentserve:kv_integrity_failures`); the server goes on serving."""
+`agentserve:kv_integrity_failures`); the server goes on serving.
+
+With a collector policy (`gc_policy`, engine/gc_policy.py; `agentserve serve`
+gives the `--gc` one), `start` applies it (the model is loaded and the KV pool
+built by then: the start-up heap is frozen), the thread runs the full
+collections itself when the work runs out and, on an engine that stays busy,
+as a rare backstop between steps; `stop` puts the collector back."""
 
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from agentserve.engine.gc_policy import GCController, GCPolicy, apply_gc_policy, restore_gc
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.request import Request
 from agentserve.engine.sampling_params import SamplingParams
@@ -68,12 +75,15 @@ class _Live:
 
 class AsyncEngine:
     def __init__(self, llm: Any, *, max_queue: int | None = None, listener: EngineListener | None = None,
-                 thread: EngineThread | None = None, stats_interval: float | None = None) -> None:
+                 thread: EngineThread | None = None, stats_interval: float | None = None,
+                 gc_policy: GCPolicy | None = None) -> None:
         """`llm` is an `agentserve.llm.LLM` (or anything with its `engine`,
         `scheduler`, `kv` and `check_integrity`). `max_queue`: requests that may
         wait for admission at once (None: no limit). `thread`: the thread that
         built `llm`, to run the loop on (see engine_thread.py); default a new one.
-        `stats_interval`: seconds between the log lines of stats_log.py (None: none)."""
+        `stats_interval`: seconds between the log lines of stats_log.py (None: none).
+        `gc_policy`: how the process's cyclic collector runs, applied at `start`
+        (None: left as it is)."""
         self.llm = llm
         self.engine = llm.engine
         self.scheduler = llm.scheduler
@@ -100,6 +110,8 @@ class AsyncEngine:
         # the server's caches (objects with stats()), set by the app; snapshots read them (None: off)
         self.render_cache: Any = None
         self.response_cache: Any = None
+        self.gc_policy = gc_policy
+        self.gc: GCController | None = None  # the applied policy, from start to stop
 
     # --- lifecycle (event loop side) ---
 
@@ -107,6 +119,8 @@ class AsyncEngine:
         if self._running is not None:
             raise RuntimeError("the engine thread is already started")
         self._loop = loop or asyncio.get_running_loop()
+        if self.gc_policy is not None:
+            self.gc = apply_gc_policy(self.gc_policy, self.clock.now)  # once: the model and the KV pool are built
         if self._home is None:
             self._home = EngineThread()
             self._owns_home = True
@@ -115,15 +129,17 @@ class AsyncEngine:
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is in flight (its streams get EngineStopped) and join the thread."""
         running = self._running
-        if running is None or running.done():
-            return
-        self._commands.put_stop()
-        try:
-            running.result(timeout)
-        except concurrent.futures.TimeoutError:
-            log.error("the engine thread did not stop within %.0f s", timeout)
-        if self._owns_home and self._home is not None:
-            self._home.close()
+        if running is not None and not running.done():
+            self._commands.put_stop()
+            try:
+                running.result(timeout)
+            except concurrent.futures.TimeoutError:
+                log.error("the engine thread did not stop within %.0f s", timeout)
+            if self._owns_home and self._home is not None:
+                self._home.close()
+        if self.gc is not None:
+            restore_gc()
+            self.gc = None
 
     async def drain(self, timeout: float) -> int:
         """Let the requests in flight finish for up to `timeout` seconds, then end
@@ -212,6 +228,8 @@ class AsyncEngine:
                 if not busy and self._had_work:  # the work just ran out
                     self._had_work = False
                     self._check_integrity_when_idle()
+                    if self.gc is not None:
+                        self.gc.on_idle()  # a full collection, if one is due, while nothing waits on it
                 self._run_commands(None if busy else self._idle_wait())
                 if self._stopping:
                     break
@@ -366,6 +384,8 @@ class AsyncEngine:
         return known
 
     def _housekeeping(self) -> None:
+        if self.gc is not None:
+            self.gc.maybe_collect()  # only when busy for busy_full_interval_s without an idle moment
         stats = self.scheduler.stats
         new = stats.pins_created - self._ttl_seen
         if new > 0:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
+from agentserve.engine.gc_policy import GCPolicy
 from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.dashboard_view import DashboardSource
 from agentserve.server.metrics import ServerMetrics
@@ -32,6 +33,7 @@ class ServerConfig:
     tool_calls: ValidatorConfig = field(default_factory=ValidatorConfig)  # the streaming tool-call validator
     render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
     response_cache: int = 0  # finished responses kept for exact repeats (0: off); see response_cache.py
+    gc_policy: GCPolicy | None = None  # the collector's policy the engine applies at start (None: untouched)
     tenants: Tenants = field(init=False)  # api_key and api_keys, checked
 
     def __post_init__(self) -> None:
