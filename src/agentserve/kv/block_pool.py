@@ -60,6 +60,16 @@ class BlockPool:
             out.append(b)
         return out
 
+    def ref(self, block: Block) -> None:
+        """Take one more reference on `block` (a reload in flight holds the block
+        it writes: kv/copies.py); a free block leaves the free set."""
+        if block.ref_cnt == 0:
+            if block.strategy_data is self._cold:
+                self._cold.unlink(block)
+            else:
+                self.strategy.remove(block)
+        block.ref_cnt += 1
+
     def hit(self, blocks: list[Block], now: float) -> None:
         """A prefix match hit `blocks`: take a reference on each (a free one leaves
         the free set), count the hit and tell the strategy, in one loop (an
