@@ -250,3 +250,6 @@ def test_report_renders_the_readme_table_from_a_sweeps_json(tmp_path, capsys):
     assert lines[0].startswith("| rate | policy | mean JCT | speedup | vs continuum")
     assert lines[4] == "| 0.5 | agentserve | **80.0** | 2.50x | 1.25x | 160.0 | 0.500 | 50.0 | 1.0 | 2.0 | 0 | 3 | 1.50 |"
     assert "| 0.5 | continuum | 100.0 | 2.00x | 1.00x |" in lines[3]
+    assert report_main([str(path), "--focus", "agentserve"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2] == "| s | 0.5 | continuum 100.0 | **80.0** | 1.25x | 1.00x |"

@@ -84,6 +84,29 @@ def format_markdown(rows: list[dict], base: str = "vllm-fcfs", paper: str = "con
     return "\n".join(out)
 
 
+def format_focus(rows: list[dict], focus: str, label: str, base: str = "vllm-fcfs",
+                 paper: str = "continuum") -> list[str]:
+    """One Markdown row a rate: the best of the other policies, `focus`'s mean
+    JCT (bold where it is the best), its speedup over `paper`, and its p99 TTFT
+    over `base`'s (the README's summary of a policy across sweeps)."""
+    out = []
+    for rate in sorted({r["rate"] for r in rows}):
+        by = {r["policy"]: r for r in rows if r["rate"] == rate}
+        if focus not in by:
+            continue
+        me = by[focus]
+        others = [r for p, r in by.items() if p != focus]
+        best = min(others, key=lambda r: r["mean_jct"]) if others else None
+        jct = _f(me["mean_jct"])
+        win = best is None or me["mean_jct"] <= best["mean_jct"]
+        cells = [label, f"{rate:g}", f"{best['policy']} {_f(best['mean_jct'])}" if best else "-",
+                 f"**{jct}**" if win else jct,
+                 f"{by[paper]['mean_jct'] / me['mean_jct']:.2f}x" if paper in by else "-",
+                 f"{me['p99_ttft'] / by[base]['p99_ttft']:.2f}x" if base in by and by[base]["p99_ttft"] > 0 else "-"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m agentserve.sim.report SWEEP.json ...`: the Markdown table of
     sweeps that `agentserve sim --json` wrote (the README's tables)."""
@@ -92,11 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agentserve.sim.report", description=main.__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="JSON files written by `agentserve sim --json`")
     ap.add_argument("--base", default="vllm-fcfs", help="the policy speedups are measured against")
+    ap.add_argument("--focus", default=None, metavar="POLICY",
+                    help="instead of the tables, one row a file and rate: POLICY against the best of the others")
     args = ap.parse_args(argv)
+    if args.focus:
+        print("| sweep | rate | best of the others | " + args.focus + " | vs continuum | p99 TTFT / " + args.base
+              + "'s |")
+        print("|---|---:|---|---:|---:|---:|")
     for path in args.files:
         with open(path) as f:
-            print(format_markdown(json.load(f), args.base))
-        print()
+            rows = json.load(f)
+        if args.focus:
+            label = path.rsplit("/", 1)[-1].removesuffix(".json")
+            print("\n".join(format_focus(rows, args.focus, label, args.base)))
+        else:
+            print(format_markdown(rows, args.base))
+            print()
     return 0
 
 
