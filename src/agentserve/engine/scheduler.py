@@ -31,6 +31,7 @@ from agentserve.clock import Clock
 from agentserve.engine.admission import Admission
 from agentserve.engine.grouped_prefill import follows, prefill_leaders
 from agentserve.engine.pin_review import PinReview
+from agentserve.engine.preemption import Preemption
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -49,9 +50,10 @@ from agentserve.policy.pressure import PressureMeter, TurnoverMeter
 EXPIRY_CHECKS_PER_TIMEOUT = 16
 
 
-class Scheduler(PinReview, Admission, StepResults):
+class Scheduler(PinReview, Admission, Preemption, StepResults):
     """Pin review and reclaim (pin_review.py), admission under the policy's
-    headroom (admission.py) and what follows a step (step_results.py) are
+    headroom (admission.py), preemption and giving up KV (preemption.py) and
+    what follows a step (step_results.py) are
     defined beside this module and share this state."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: str | Policy,
@@ -344,26 +346,6 @@ class Scheduler(PinReview, Admission, StepResults):
         self._rereserve(req)
         return True
 
-    def _schedule_running(self, req: Request, n: int, step: StepBudget, now: float, out: SchedulerOutput) -> bool:
-        """KV for `n` more tokens of running `req`: reclaim later programs' pins,
-        then preempt the lowest-priority running request admitted at or after
-        `req` (ties: the most recently admitted, least progress lost) until it
-        fits. False if `req` itself was preempted."""
-        table = req.block_table
-        had = len(table.blocks)
-        while not self.kv.allocate_slots(table, req.num_computed_tokens + n):
-            if self._reclaim_pin(req, any_program=len(self.running) == 1, now=now):
-                continue
-            later = self.running[self.running.index(req):]
-            victim = max(reversed(later), key=lambda r: self._key(r, now))
-            step.drop(victim)  # a decode admitted after `req` and already scheduled
-            self._preempt(victim, now, out)
-            if victim is req:
-                return False
-        if len(table.blocks) != had:
-            self._rereserve(req)
-        return True
-
     def _prefill_time_left(self, step: StepBudget) -> float | None:
         """Seconds of prefill the step may add under the step-time target; None
         when no cap applies (no decode this step, no target, too few samples)."""
@@ -372,34 +354,6 @@ class Scheduler(PinReview, Admission, StepResults):
             return None
         return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context, step.draft_rows,
                                                            step.draft_context)
-
-    def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
-        self._stop_running(req)
-        self._release_table(req, now, "swap" if self.policy.swap_on_preempt(req) else "free")
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.preempted = True
-        req.num_preemptions += 1
-        req.waiting_since = now
-        self.stats.preemptions += 1
-        self._kv_blocked = True
-        self.waiting.push(req, now)
-        out.preempted.append(req)
-
-    def _release_table(self, req: Request, now: float, action: str = "free") -> None:
-        """The request gives up its KV, its blocks cached: freed, or first copied
-        to the host tier where the policy asks and a tier exists ("swap"; "disk":
-        first in line to move on to the disk tier, for a long wait)."""
-        table, req.block_table = req.block_table, None
-        if table is None:
-            return
-        if action in ("swap", "disk") and self.kv.host.enabled:
-            onward = action == "disk" and self.kv.disk.enabled
-            self.kv.swap_out(table, now, onward=onward)
-            self.stats.swapped_turns += 1
-            self.stats.onward_turns += onward
-        else:
-            self.kv.free(table, now)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(r.block_table for r in self.running)

@@ -40,7 +40,7 @@ class StepResults:
     if TYPE_CHECKING:
         def end_program(self, program_id: str) -> ProgramState | None: ...  # scheduler.py
 
-        def _release_table(self, req: Request, now: float, action: str = "free") -> None: ...  # scheduler.py
+        def _release_table(self, req: Request, now: float, action: str = "free") -> None: ...  # preemption.py
 
         def _stop_running(self, req: Request) -> None: ...  # scheduler.py
 

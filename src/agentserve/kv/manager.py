@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
 from agentserve.kv.block import Block
 from agentserve.kv.block_pool import BlockPool
@@ -24,27 +23,8 @@ from agentserve.kv.disk_tier import DiskCopies, DiskTier
 from agentserve.kv.eviction import make_strategy
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.pins import PinTable
-from agentserve.kv.prefix_index import ChainHint, Node, PrefixIndex, common_blocks
-
-
-@dataclass
-class PrefixMatch:
-    """Leading full blocks of a token sequence that need no recompute: each
-    node either has a device block or a host copy to reload."""
-
-    nodes: list[Node]
-    block_size: int
-    salt: Hashable = None  # the prefix cache's salt the match was made under (prefix_index.py)
-    num_host_blocks: int = 0  # of the nodes, those with no device block (admit reloads them: host or disk)
-    num_disk_blocks: int = 0  # of those, the ones read from the disk tier
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.nodes) * self.block_size
-
-    @property
-    def num_host_tokens(self) -> int:
-        return self.num_host_blocks * self.block_size
+from agentserve.kv.prefix_index import ChainHint, PrefixIndex, common_blocks
+from agentserve.kv.prefix_match import PrefixMatch
 
 
 class KVCacheManager:

@@ -56,7 +56,7 @@ from agentserve.server.engine_commands import CommandQueue
 from agentserve.server.engine_snapshot import EngineListener, EngineSnapshot, take_snapshot
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.request_stream import EngineError, EngineStopped, QueueFullError, RequestStream
-from agentserve.server.stats_log import stats_line
+from agentserve.server.stats_log import StatsLog
 
 log = logging.getLogger("agentserve.server")
 
@@ -100,8 +100,7 @@ class AsyncEngine:
         self._stopping = False
         self._lock = threading.Lock()  # orders posting a command against the thread's final drain
         self._last_prune = 0.0
-        self.stats_interval = stats_interval
-        self._last_stats: tuple[float, EngineSnapshot] | None = None
+        self.stats_log = StatsLog(stats_interval) if stats_interval else None
         self.crashed: BaseException | None = None
         self._had_work = False  # requests ran since the last integrity check
         self.integrity_checks = 0  # block-accounting checks run when the engine went idle
@@ -396,19 +395,8 @@ class AsyncEngine:
         if now - self._last_prune >= IDLE_WAKE_S:
             self._last_prune = now
             self.scheduler.expire_programs()  # on an idle server too: abandoned programs end, without a JCT
-        if self.stats_interval:
-            self._log_stats(now)
-
-    def _log_stats(self, now: float) -> None:
-        last = self._last_stats
-        if last is None:
-            self._last_stats = (now, self._snapshot())
-        elif now - last[0] >= self.stats_interval:
-            cur = self._snapshot()
-            line = stats_line(last[1], cur, now - last[0])
-            if line:
-                log.info("engine: %s", line)
-            self._last_stats = (now, cur)
+        if self.stats_log is not None:
+            self.stats_log.tick(now, self._snapshot)
 
     def _snapshot(self) -> EngineSnapshot:
         return take_snapshot(self.scheduler, self.tool_stats.counts(), self.render_cache, self.response_cache,

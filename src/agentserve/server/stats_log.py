@@ -4,12 +4,35 @@ without scraping /metrics."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from agentserve.server.engine_snapshot import EngineSnapshot
 
 STATS_INTERVAL_S = 10.0
+
+log = logging.getLogger("agentserve.server")
+
+
+class StatsLog:
+    """Logs `stats_line` between the snapshots taken `interval` seconds apart."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: tuple[float, EngineSnapshot] | None = None
+
+    def tick(self, now: float, snapshot: Callable[[], EngineSnapshot]) -> None:
+        last = self._last
+        if last is None:
+            self._last = (now, snapshot())
+        elif now - last[0] >= self.interval:
+            cur = snapshot()
+            line = stats_line(last[1], cur, now - last[0])
+            if line:
+                log.info("engine: %s", line)
+            self._last = (now, cur)
 
 
 def tool_call_part(prev: EngineSnapshot, cur: EngineSnapshot) -> str | None:
