@@ -177,8 +177,8 @@ def add_sched_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("sched", help="the scheduler's own time a step with many running requests and pins",
                               description=__doc__.split("\n\n")[0].replace("`agentserve bench sched`: ", ""))
-    p.add_argument("--policies", type=csv_list(str), default=["continuum", "static-ttl", "infercept", "vllm-fcfs"],
-                   help="policies to measure (default continuum,static-ttl,infercept,vllm-fcfs)")
+    p.add_argument("--policies", type=csv_list(str), default=["agentserve", "continuum", "static-ttl", "infercept", "vllm-fcfs"],
+                   help="policies to measure (default agentserve,continuum,static-ttl,infercept,vllm-fcfs)")
     p.add_argument("--running", type=int, default=256, help="requests decoding at once (default 256)")
     p.add_argument("--pins", type=int, default=1000, help="programs pinned between turns (default 1000)")
     p.add_argument("--waiting", type=int, default=32, help="requests queued behind the running ones (default 32)")
