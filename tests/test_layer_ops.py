@@ -45,6 +45,16 @@ def test_silu_mul_equals_torch():
 
 
 @needs_ops
+def test_silu_mul_vector_and_tail_paths_agree_with_torch_over_the_range():
+    # 37 columns: two 16-lane vectors and a scalar tail of 5; values from -86 to 120 (below -87
+    # the kernel returns -0 where torch still has products under 1e-36: exp_neg's range ends there)
+    x = torch.linspace(-86, 120, 3 * 37, dtype=torch.float32).view(3, 37)
+    gu = torch.cat([x, torch.randn(3, 37, generator=torch.Generator().manual_seed(1))], dim=1).bfloat16()
+    g, u = gu.chunk(2, dim=-1)
+    assert torch.equal(OPS.silu_mul(gu), F.silu(g) * u)
+
+
+@needs_ops
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_rope_kv_equals_rotary_and_cache_write(heads, kv_heads, head_dim):
     cfg = ModelConfig(vocab_size=16, hidden_size=heads * head_dim, intermediate_size=32, num_layers=1,

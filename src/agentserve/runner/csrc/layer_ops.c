@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp_neg.h"
 
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -78,16 +79,35 @@ void agentserve_rope_kv(const bf16_t *qkv, long T, int H, int KVH, int D, const 
     }
 }
 
+/* bf16(silu(x)) * u as agentserve_silu_mul rounds it: x / (1 + e) for x >= 0,
+ * x * e / (1 + e) below, e = exp(-|x|) (no overflow either side); 0 where
+ * torch's exp(-x) overflows. */
+static inline float silu_mul1(float x, float u) {
+    float e = exp_neg(-fabsf(x));
+    float s = x >= 0.0f ? x / (1.0f + e) : x < -87.0f ? 0.0f * x : x * e / (1.0f + e);
+    return rnd(s) * u;
+}
+
 /* gu [T, 2 * inter] (gate then up) -> out [T, inter] = bf16(silu(gate)) * up. */
 void agentserve_silu_mul(const bf16_t *gu, long T, long inter, bf16_t *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * inter >= 65536)
     for (long t = 0; t < T; t++) {
         const bf16_t *g = gu + t * 2 * inter, *u = g + inter;
         bf16_t *o = out + t * inter;
-        #pragma omp simd
-        for (long j = 0; j < inter; j++) {
-            float x = bf16_to_f32(g[j]);
-            o[j] = f32_to_bf16(rnd(x / (1.0f + expf(-x))) * bf16_to_f32(u[j]));
+        long j = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        for (; j + 16 <= inter; j += 16) {
+            __m512 x = bf16x16_load(g + j);
+            __m512 e = exp_neg16(_mm512_sub_ps(zero, _mm512_abs_ps(x)));
+            __m512 d = _mm512_add_ps(one, e);
+            __m512 s = _mm512_div_ps(x, d);
+            __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+            s = _mm512_mask_div_ps(s, neg, _mm512_mul_ps(x, e), d);
+            s = _mm512_mask_mul_ps(s, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), x, zero);
+            bf16x16_store(o + j, _mm512_mul_ps(bf16x16_round(s), bf16x16_load(u + j)));
         }
+#endif
+        for (; j < inter; j++) o[j] = f32_to_bf16(silu_mul1(bf16_to_f32(g[j]), bf16_to_f32(u[j])));
     }
 }

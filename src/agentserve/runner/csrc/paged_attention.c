@@ -27,30 +27,12 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp_neg.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_TILE_Q 16 /* query vectors (rows x heads of a group) per item */
 #define MAX_BLOCK 128
 
-
-/* exp for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r)
- * with x = n ln2 + r, |r| <= ln2/2; relative error below 2e-7. */
-#pragma omp declare simd notinbranch
-static inline float exp_neg(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.98756915e-4f;
-    p = p * r + 1.39819995e-3f;
-    p = p * r + 8.33345205e-3f;
-    p = p * r + 4.16657665e-2f;
-    p = p * r + 1.66666657e-1f;
-    p = p * r + 5.00000000e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } s;
-    s.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * s.f;
-}
 
 typedef struct {
     int seg, kvh, row0, nrows, part, nparts;
@@ -94,22 +76,6 @@ static inline __m512 load16(int dtype, const void *base, long off) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     return _mm512_loadu_ps((const float *)base + off);
-}
-
-static inline __m512 exp_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-    __m512 p = _mm512_set1_ps(1.98756915e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819995e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657665e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* lane t of the result = the sum of v[t]'s 16 lanes (a transpose-and-add tree:
