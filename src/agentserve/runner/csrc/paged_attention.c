@@ -480,6 +480,106 @@ static void run_item_big(const args_t *a, const item_t *it, float *m_out, float 
 #endif
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* ---- Decode rows, bfloat16, head dim 64 (AVX512-BF16): the decode path ----
+ *
+ * One query row, the G <= 4 query heads of a KV group. The whole item runs
+ * with its accumulators, running maxima and sums in registers (G x 4 vectors
+ * of the head dimension), block after block: scores by bfloat16 pair products
+ * straight from the cache and one transpose-and-add reduction per 16 tokens
+ * (reduce16), the softmax on the 16 scores as one vector, V converted once per
+ * token for all G heads. The general block path (block_avx512) stores and
+ * reloads every accumulator per block and finds each block's maximum in
+ * scalar code; at decode that was most of its time besides the products. */
+static inline __attribute__((always_inline)) void decode64_g(const args_t *a, const item_t *it, float *m_out,
+                                                             float *l_out, float *acc_out, const int G) {
+    const int d = 64, bs = a->bs;
+    const long row = a->row_start[it->seg] + it->row0;
+    const bf16_t *qs = (const bf16_t *)a->q + (row * a->kvh * G + (long)it->kvh * G) * d;
+    __m512i q[4][2];
+    __m512 acc[4][4], sc = _mm512_set1_ps(a->scale), ninf = _mm512_set1_ps(-INFINITY);
+    float m[4], l[4];
+    #pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+        q[g][0] = _mm512_loadu_si512(qs + g * d);
+        q[g][1] = _mm512_loadu_si512(qs + g * d + 32);
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    }
+    const long head_off = (long)it->kvh * a->nblocks * bs * d;
+    const bf16_t *kc = (const bf16_t *)a->k + head_off, *vc = (const bf16_t *)a->v + head_off;
+    const int32_t *table = a->table + a->table_off[it->seg];
+    float p[4][16] __attribute__((aligned(64)));
+    for (int t0 = it->tok0; t0 < it->tok1;) {
+        const int lo = t0 % bs;
+        const int n = bs - lo < it->tok1 - t0 ? bs - lo : it->tok1 - t0;
+        const long off = ((long)table[t0 / bs] * bs + lo) * d;
+        for (int s0 = 0; s0 < n; s0 += 16) {
+            const int nn = n - s0 < 16 ? n - s0 : 16;
+            const __mmask16 mk = nn == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+            const bf16_t *kr = kc + off + (long)s0 * d, *vr = vc + off + (long)s0 * d;
+            #pragma GCC unroll 4
+            for (int g = 0; g < G; g++) {
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    if (t < nn) {
+                        __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[g][0],
+                                                    (__m512bh)_mm512_loadu_si512(kr + (long)t * d));
+                        part[t] = _mm512_dpbf16_ps(x, (__m512bh)q[g][1], (__m512bh)_mm512_loadu_si512(kr + (long)t * d + 32));
+                    } else {
+                        part[t] = _mm512_setzero_ps();
+                    }
+                }
+                __m512 sv = _mm512_mask_mov_ps(ninf, mk, _mm512_mul_ps(reduce16(part), sc));
+                const float bmax = _mm512_reduce_max_ps(sv);
+                const float mnew = m[g] > bmax ? m[g] : bmax;
+                __m512 e = _mm512_maskz_mov_ps(mk, exp_neg16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+                _mm512_store_ps(p[g], e);
+                const float alpha = exp_neg(m[g] - mnew); /* m = -inf the first time: ~0, and acc is 0 */
+                l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
+                m[g] = mnew;
+                if (alpha != 1.0f) {
+                    const __m512 av = _mm512_set1_ps(alpha);
+                    #pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
+                }
+            }
+            for (int t = 0; t < nn; t++) {
+                __m512 v[4];
+                #pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) v[c] = bf16x16_load(vr + (long)t * d + 16 * c);
+                #pragma GCC unroll 4
+                for (int g = 0; g < G; g++) {
+                    const __m512 pb = _mm512_set1_ps(p[g][t]);
+                    #pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(pb, v[c], acc[g][c]);
+                }
+            }
+        }
+        t0 += n;
+    }
+    #pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+        m_out[g] = l[g] > 0.0f ? m[g] : -INFINITY;
+        l_out[g] = l[g];
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_out + (long)g * d + 16 * c, acc[g][c]);
+    }
+}
+
+static void run_decode64(const args_t *a, const item_t *it, float *m, float *l, float *acc) {
+    switch (a->group) {
+    case 1: decode64_g(a, it, m, l, acc, 1); break;
+    case 2: decode64_g(a, it, m, l, acc, 2); break;
+    case 3: decode64_g(a, it, m, l, acc, 3); break;
+    default: decode64_g(a, it, m, l, acc, 4); break;
+    }
+}
+#define HAVE_DECODE64 1
+#endif
+
 /* Runs one item: fills m, l and acc (unnormalized) for its nq query vectors. */
 static void run_item(const args_t *a, const item_t *it, float *m, float *l, float *acc) {
     const int d = a->d, G = a->group, bs = a->bs;
@@ -487,6 +587,13 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
 #if defined(HAVE_BIG_TILES)
     if (it->big) {
         run_item_big(a, it, m, l, acc);
+        return;
+    }
+#endif
+#if defined(HAVE_DECODE64)
+    /* one row that sees all of [tok0, tok1): a decode row, or a chunk's row past the context */
+    if (it->nrows == 1 && a->dtype == 1 && d == 64 && G <= 4 && a->start[it->seg] + it->row0 >= it->tok1 - 1) {
+        run_decode64(a, it, m, l, acc);
         return;
     }
 #endif
