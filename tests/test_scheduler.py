@@ -465,8 +465,8 @@ def test_step_time_margin_keeps_most_steps_under_the_target(monkeypatch):
     """With the margin (a high quantile of taken/predicted) nearly all steps stay
     under the target; planned with the fit alone, about half overrun it."""
     m, over = _plan_to_a_target(3)
-    assert 1.1 < m.margin < 1.25
-    assert over <= 0.15
+    assert 1.1 < m.margin < 1.3
+    assert over <= 0.05  # the 0.97 quantile: about 3 steps in 100 over the target
     assert m.predict(100, attention_pairs(0, 100), 1, 10) == pytest.approx(m.base_time(1, 10) + m.chunk_time(0, 100))
     monkeypatch.setattr(step_time, "MARGIN_QUANTILE", 0.5)
     m, over = _plan_to_a_target(3)
