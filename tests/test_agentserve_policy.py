@@ -101,6 +101,36 @@ def test_the_miss_is_priced_at_the_tier_that_outlasts_the_wait():
     assert flat.miss_cost(512, 1.6) == (0.01, "reload")  # the ablation: one reload cost, the paper's
 
 
+# --- the age credit ---
+
+def _waiting(program_id, arrival, prompt=30_000):
+    return SimpleNamespace(request_id=f"{program_id}@{arrival}", program_id=program_id, arrival_time=arrival,
+                           waiting_since=arrival, preempted=False, num_prompt_tokens=prompt, num_computed_tokens=0,
+                           output_text=None, tool_name=None, ttl_hint=None)
+
+
+def test_the_age_credit_is_priced_like_a_miss():
+    prefill = lambda n: n * 1e-4  # noqa: E731  (30k tokens: 3 s)
+    host = PolicyContext(reload_cost=lambda n: n * 5e-6, prefill_cost=prefill, host_tier=True,
+                         tier_reload={"host": lambda n: n * 5e-6})  # a reload 1/20 of the prefill
+    flat = PolicyContext(reload_cost=prefill, prefill_cost=prefill)  # no tier: a miss is the prefill
+    old, new = ProgramState("old", 0.0), ProgramState("new", 100.0)
+    newcomer, returning = _waiting("new", 100.0), _waiting("old", 110.0)  # old's turn, 10 s after new's first
+    pol = AgentServe(host)
+    assert pol.credit(returning) == pytest.approx(50.0 / 20)
+    # with the KV in host memory the old program's 2.5 s of credit do not cover the 10 s: the newcomer first
+    assert pol.priority(newcomer, new, 110.0) < pol.priority(returning, old, 110.0)
+    assert pol.priority(_waiting("old", 102.0), old, 110.0) < pol.priority(newcomer, new, 110.0)
+    # without a tier, or with the ablation, the full 50 s: the old program first, as before
+    for same in (AgentServe(flat), AgentServe(host, tier_credit=False)):
+        assert same.credit(returning) == 50.0
+        assert same.priority(returning, old, 110.0) < same.priority(newcomer, new, 110.0)
+    assert AgentServe(host, age_credit=None).credit(returning) is None  # pure program order stays so
+    assert Continuum(host).credit(returning) == 15.0  # the paper's policy is unchanged
+    with pytest.raises(ValueError, match="tier_credit"):
+        AgentServe(host, tier_credit=3)
+
+
 # --- ablation specs ---
 
 def test_policy_specs_parse_options_and_name_what_is_wrong():
@@ -108,6 +138,7 @@ def test_policy_specs_parse_options_and_name_what_is_wrong():
     assert parse_policy_spec("agentserve:pressure=off:eta=1:age-credit=none") == \
         ("agentserve", {"pressure": False, "eta": 1, "age_credit": None})
     assert parse_policy_spec("continuum:max_ttl=30.5") == ("continuum", {"max_ttl": 30.5})
+    assert parse_policy_spec("agentserve:tier_credit=off") == ("agentserve", {"tier_credit": False})
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         parse_policy_spec("nope")
     with pytest.raises(ValueError, match="has no option 'depth'.*takes"):

@@ -30,6 +30,7 @@ class Request(Protocol):
     arrival_time: float
     waiting_since: float  # when it last started to wait (arrival, or its preemption)
     preempted: bool
+    num_prompt_tokens: int
     num_computed_tokens: int
     output_text: str | None
     tool_name: str | None

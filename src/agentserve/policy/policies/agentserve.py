@@ -19,13 +19,19 @@ turn's KV goes when it is not pinned: left on the device to be spilled to host
 memory on eviction, or, for a wait the host tier will not outlast but the disk
 tier will, copied out now and first in line for the disk ("disk").
 
-And a longer age credit: a program earns up to 50 s of seniority over later
-arrivals, not 15 (Continuum's). Keeping programs that are under way ahead
-finishes them sooner; the 50 s bound keeps newcomers' p99 TTFT within 2x of
-request-level FCFS's on the README's workloads (60 s did not, at one point).
+And a longer age credit, priced like a miss: a program earns up to 50 s of
+seniority over later arrivals, not 15 (Continuum's), where a turn kept waiting
+loses KV that must be prefilled again. Keeping programs that are under way
+ahead finishes them sooner; the 50 s bound keeps newcomers' p99 TTFT within 2x
+of request-level FCFS's on the README's workloads without tiers (60 s did not,
+at one point). Where a tier below the device keeps evicted KV, a waiting turn
+loses only the reload, so the credit is scaled by what a miss of its prompt
+costs against its prefill (Prefill-Reload(r) / Prefill(r), about 0.05 for host
+memory): the seniority that saves little would only make newcomers wait
+(`tier_credit`).
 
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
-`eta=1`) for the ablations in the README."""
+`tier_credit=off`, `eta=1`) for the ablations in the README."""
 
 from __future__ import annotations
 
@@ -41,14 +47,30 @@ class AgentServe(Continuum):
 
     def __init__(self, ctx: PolicyContext, pressure: bool = True, min_pin_cost: float = 0.05,
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
-                 **options) -> None:
+                 tier_credit: bool = True, **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
             raise ValueError(f"min_pin_cost must be in (0, 1], got {min_pin_cost!r}")
+        if not isinstance(tier_credit, bool):
+            raise ValueError(f"tier_credit must be on or off, got {tier_credit!r}")
+        self.tier_credit = tier_credit
         self.pressure = pressure
         self.min_pin_cost = min_pin_cost
         self.tiers = tiers
         self.fixed_eta = eta
+
+    def credit(self, req) -> float | None:
+        """The age credit of `req`: the full credit where a miss costs the
+        prefill, scaled down by Prefill-Reload(r) / Prefill(r) where a tier
+        keeps evicted KV. Depends only on the prompt's length, so a waiting
+        request's place does not change while it waits."""
+        credit = self.age_credit
+        ctx = self.ctx
+        if credit is None or not self.tier_credit or not ctx.host_tier or ctx.prefill_cost is None:
+            return credit
+        n = req.num_prompt_tokens
+        prefill = ctx.prefill_cost(n)
+        return credit * min(1.0, ctx.reload_cost(n) / prefill) if prefill > 0.0 else credit
 
     def pin_cost(self) -> float:
         if not self.pressure:

@@ -27,10 +27,15 @@ class Continuum(Policy):
         self.max_ttl = max_ttl  # a hard cap, so no learned distribution can hold memory for hours
         self.age_credit = age_credit
 
+    def credit(self, req) -> float | None:
+        """Seconds of seniority `req`'s program may hold over later arrivals (None: unbounded)."""
+        return self.age_credit
+
     def priority(self, req, program, now):
         t = program.arrival_time
-        if self.age_credit is not None:
-            t = max(t, req.arrival_time - self.age_credit)
+        credit = self.credit(req)
+        if credit is not None:
+            t = max(t, req.arrival_time - credit)
         return (not req.preempted, not self.ctx.is_pinned(req.program_id), t, req.arrival_time)
 
     def on_admitted(self, req, program, now, queue_delay, returning_evicted):
