@@ -26,10 +26,8 @@ next pin expiry (and at least every second), so expired pins are released on
 an idle server too.
 
 Each time the engine runs out of work, the thread checks the block accounting
-once (`Scheduler.check_integrity`: a walk over blocks, pins and the prefix
-index). A failure is a bug: it is logged with its traceback and the KV state,
-and counted (`EngineSnapshot.kv_integrity_failures`, the metric
-`agentserve:kv_integrity_failures`); the server goes on serving.
+once (server/idle_integrity.py); a failure is logged and counted, and serving
+goes on.
 
 With a collector policy (`gc_policy`, engine/gc_policy.py; `agentserve serve`
 gives the `--gc` one), `start` applies it (the model is loaded and the KV pool
@@ -55,6 +53,7 @@ from agentserve.policy.toolcall_stream import ValidatorStats
 from agentserve.server.engine_commands import CommandQueue
 from agentserve.server.engine_snapshot import EngineListener, EngineSnapshot, take_snapshot
 from agentserve.server.engine_thread import EngineThread
+from agentserve.server.idle_integrity import IdleIntegrity
 from agentserve.server.request_stream import EngineError, EngineStopped, QueueFullError, RequestStream
 from agentserve.server.stats_log import StatsLog
 
@@ -103,14 +102,21 @@ class AsyncEngine:
         self.stats_log = StatsLog(stats_interval) if stats_interval else None
         self.crashed: BaseException | None = None
         self._had_work = False  # requests ran since the last integrity check
-        self.integrity_checks = 0  # block-accounting checks run when the engine went idle
-        self.integrity_failures = 0  # ... and those that failed
+        self.integrity = IdleIntegrity()
         self.tool_stats = ValidatorStats()  # counted by the requests' tool-call validators
         # the server's caches (objects with stats()), set by the app; snapshots read them (None: off)
         self.render_cache: Any = None
         self.response_cache: Any = None
         self.gc_policy = gc_policy
         self.gc: GCController | None = None  # the applied policy, from start to stop
+
+    @property
+    def integrity_checks(self) -> int:
+        return self.integrity.checks
+
+    @property
+    def integrity_failures(self) -> int:
+        return self.integrity.failures
 
     # --- lifecycle (event loop side) ---
 
@@ -226,7 +232,7 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished
                 if not busy and self._had_work:  # the work just ran out
                     self._had_work = False
-                    self._check_integrity_when_idle()
+                    self.integrity.check(self.scheduler)
                     if self.gc is not None:
                         self.gc.on_idle()  # a full collection, if one is due, while nothing waits on it
                 self._run_commands(None if busy else self._idle_wait())
@@ -248,20 +254,6 @@ class AsyncEngine:
             self._fail_all(EngineStopped("the server is shutting down" if self.crashed is None
                                          else f"the engine crashed: {self.crashed}"))
             self._commands.fail_pending(lambda: EngineStopped("the server is shutting down"))
-
-    def _check_integrity_when_idle(self) -> None:
-        self.integrity_checks += 1
-        try:
-            self.scheduler.check_integrity()
-        except Exception as e:
-            self.integrity_failures += 1
-            kv = self.kv
-            log.exception("KV BLOCK ACCOUNTING IS BROKEN (integrity check %d failed on an idle engine, %d "
-                          "failure(s) so far): %s: %s; blocks %d, free %d, pinned %d in %d pins, requests "
-                          "running %d, waiting %d. Serving goes on; please report this with the log.",
-                          self.integrity_checks, self.integrity_failures, type(e).__name__, e, kv.num_blocks,
-                          kv.num_free_blocks, kv.num_pinned_blocks, len(kv.pins), self.scheduler.num_running,
-                          self.scheduler.num_waiting)
 
     def _idle_wait(self) -> float:
         first = self.kv.pins.next_expiry()
@@ -400,4 +392,4 @@ class AsyncEngine:
 
     def _snapshot(self) -> EngineSnapshot:
         return take_snapshot(self.scheduler, self.tool_stats.counts(), self.render_cache, self.response_cache,
-                             self.integrity_failures)
+                             self.integrity.failures)
