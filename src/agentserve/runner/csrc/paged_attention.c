@@ -71,10 +71,7 @@ static void load_block(const args_t *a, const void *cache, long off, int n, floa
 
 /* 16 cache elements from base + off, as float32 */
 static inline __m512 load16(int dtype, const void *base, long off) {
-    if (dtype) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)base + off));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (dtype) return bf16x16_load((const bf16_t *)base + off);
     return _mm512_loadu_ps((const float *)base + off);
 }
 
