@@ -258,6 +258,10 @@ def test_tool_stream_and_reply_messages():
     msgs = fp.reply_messages(plain, 0, "read_file", "print(1)")
     assert "tool_calls" not in msgs[0] and msgs[1] == {"role": "user", "content": "Output of read_file:\nprint(1)"}
     assert fp.reply_messages(plain, 5, "summary", None) == msgs[:1]
+    # a call made on a prose turn is answered (unrun), so the next request stays valid
+    prose = fp.reply_messages(acc, 9, None, None)
+    assert prose[0]["tool_calls"][0]["id"] == "c1"
+    assert prose[1] == {"role": "tool", "tool_call_id": "c1", "content": "Not run: answer in prose."}
 
 
 # ---------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def call_ok(call: dict, expected: str | None) -> bool:
 
 def reply_messages(acc: ToolStream, turn_index: int, tool: str | None, result: str | None) -> list[dict]:
     """The model's reply as the assistant message, then the script's tool result
-    (answering each call it made; a user message when it made none)."""
+    (answering each call it made; a user message when it made none). On a prose
+    turn (no result) each call the model made anyway is answered as not run."""
     msg: dict[str, Any] = {"role": "assistant", "content": acc.text}
     calls = acc.calls
     if calls:
@@ -139,8 +140,9 @@ def reply_messages(acc: ToolStream, turn_index: int, tool: str | None, result: s
                               "function": {"name": c["name"], "arguments": c["arguments"] or "{}"}}
                              for i, c in enumerate(calls)]
     out = [msg]
-    if result is None:
-        return out
+    if result is None:  # a prose turn: a call made anyway is answered, unrun (a call needs its answer)
+        return out + [{"role": "tool", "tool_call_id": c["id"], "content": "Not run: answer in prose."}
+                      for c in msg.get("tool_calls", [])]
     if not calls:
         return out + [{"role": "user", "content": f"Output of {tool}:\n{result}"}]
     for i, c in enumerate(msg["tool_calls"]):
