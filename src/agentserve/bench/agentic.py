@@ -58,6 +58,10 @@ def add_agentic_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--agentserve-args", default="",
                    help="extra `agentserve serve` flags for started agentserve servers (one shell-quoted string); "
                         f"repeat adds --response-cache {RESPONSE_CACHE_ENTRIES} unless given")
+    p.add_argument("--vllm-args", default="",
+                   help="extra vLLM server flags for vllm-cpu (one shell-quoted string; they come last, so they win): "
+                        "e.g. --vllm-args=--no-enable-prefix-caching (one flag needs the '=') for the paper's setting, where "
+                        "vLLM re-prefilled every turn")
     p.add_argument("--runs", type=int, default=None,
                    help="measured agent runs (default: bugfix6 8, deepcoding35 2)")
     p.add_argument("--warmup", type=int, default=1,
@@ -194,7 +198,7 @@ def _run_servers(a, salt: str) -> list[dict]:
         if name.startswith("agentserve-"):
             args = extra
         elif name == "vllm-cpu":
-            args = vllm_tool_args(write_template(default_peers_dir() / "templates"))
+            args = vllm_tool_args(write_template(default_peers_dir() / "templates")) + shlex.split(a.vllm_args)
         else:
             args = []
             print(f"note: {name} renders tools with its own chat format; its prompts differ from the others'",
