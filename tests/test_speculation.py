@@ -81,6 +81,20 @@ def test_plan_gives_a_lone_confident_decoder_its_whole_draft_and_a_busy_batch_le
     assert all(len(d) <= 6 for d in plan.values())
 
 
+def test_plan_holds_the_step_time_target():
+    """Draft rows stop where the step would pass the target; a step already
+    over it gets none, and without a target nothing changes."""
+    spec = Speculator(SpecConfig(max_draft=6, initial_acceptance=0.9))
+    many = [_Req(REPEAT) for _ in range(4)]
+    free = spec.plan(many, base_time=0.100, row_cost=0.010)
+    assert sum(map(len, free.values())) > 5 and spec.stats.capped_steps == 0
+    capped = spec.plan(many, base_time=0.100, row_cost=0.010, max_time=0.155)
+    assert sum(map(len, capped.values())) == 5 and spec.stats.capped_steps == 1
+    assert spec.plan(many, base_time=0.200, row_cost=0.010, max_time=0.150) == {}
+    # relative (unfitted) costs carry no seconds: the target cannot apply
+    assert spec.plan(many, base_time=None, row_cost=None, max_time=0.001) != {}
+
+
 def test_plan_skips_low_acceptance_and_finishing_requests():
     spec = Speculator(SpecConfig(max_draft=6))
     low = _Req(REPEAT)

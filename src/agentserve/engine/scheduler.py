@@ -225,7 +225,9 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                 continue  # its reloads have not landed: it waits for them, the others compute
             c = req.num_computed_tokens
             (decoding if c >= req.num_prompt_tokens and len(req.token_ids) - c == 1 else prefilling).append(req)
-        drafts = self.speculator.plan_step(decoding, self.step_model, self.kv.num_free_blocks - len(self.running))
+        target = self.config.max_step_ms_with_decodes
+        drafts = self.speculator.plan_step(decoding, self.step_model, self.kv.num_free_blocks - len(self.running),
+                                           target / 1000.0 if target else None)
         room = self.kv.block_size
         scheduled = step.scheduled
         rows = context = 0

@@ -103,6 +103,7 @@ class SpecStats:
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of those, accepted
     fallbacks: int = 0  # verifications found inconsistent and decoded plainly instead
+    capped_steps: int = 0  # steps whose drafts stopped short at the step-time target
 
 
 @dataclass
@@ -126,12 +127,16 @@ class Speculator:
             st = req.spec = SpecState(NgramIndex(c.min_ngram, c.max_ngram), c.initial_acceptance)
         return st
 
-    def plan(self, decoding: list, base_time: float | None, row_cost: float | None) -> dict:
+    def plan(self, decoding: list, base_time: float | None, row_cost: float | None,
+             max_time: float | None = None) -> dict:
         """Drafts for this step's decoding requests: {request: draft tokens}.
 
         base_time: seconds the step takes without drafts; row_cost: seconds
         one more row adds (both from the step-time model; None: unknown yet,
-        then the default row cost relative to a one-row step)."""
+        then the default row cost relative to a one-row step). max_time: the
+        step-time target (seconds), which draft rows may not push the step past:
+        a draft row is paid by every stream in the step, and past the target
+        that is their inter-token latency (long contexts make rows dear)."""
         c = self.config
         if not c.enabled or not decoding:
             return {}
@@ -150,6 +155,7 @@ class Speculator:
         if base_time is None or row_cost is None or base_time <= 0:
             beta = c.default_row_cost
             base_time, row_cost = 1.0 + beta * (rows - 1), beta
+            max_time = None  # (relative units: no target to hold)
         row_cost = max(row_cost, MIN_ROW_SHARE * base_time)
         time, gained = base_time, float(rows)
         heap = [(-x.acceptance, i) for i, x in enumerate(cands)]
@@ -158,6 +164,9 @@ class Speculator:
             neg, i = heapq.heappop(heap)
             worth = -neg
             if worth * time <= row_cost * gained:  # worth per second below the step's rate
+                break
+            if max_time is not None and time + row_cost > max_time:
+                self.stats.capped_steps += 1
                 break
             x = cands[i]
             x.taken += 1
@@ -176,9 +185,10 @@ class Speculator:
         self.stats.steps += bool(plan)
         return plan
 
-    def plan_step(self, decoding: list, step_model, spare_blocks: int) -> dict:
+    def plan_step(self, decoding: list, step_model, spare_blocks: int, max_time: float | None = None) -> dict:
         """plan() for a scheduler step: costs from the step-time model once it
-        is fitted; nothing when the cache has no block to spare per request."""
+        is fitted, held under `max_time` seconds then; nothing when the cache
+        has no block to spare per request."""
         if not self.config.enabled or not decoding or spare_blocks <= 0:
             return {}
         base = row = None
@@ -187,7 +197,7 @@ class Speculator:
             ctx = sum(r.num_computed_tokens + 1 for r in decoding)
             base = step_model.base_time(rows, ctx)
             row = step_model.draft_row_time(ctx // rows)
-        return self.plan(decoding, base, row)
+        return self.plan(decoding, base, row, max_time)
 
     def verify(self, req, draft, sampled) -> list[int]:
         """The tokens a verified draft yields: the sampled token at each draft

@@ -112,6 +112,8 @@ class _SnapshotCollector(Collector):
         yield counter("spec_accepted_tokens", "Verified draft tokens that were accepted (tokens gained without a "
                       "forward pass of their own).", sp.accepted_tokens)
         yield counter("spec_fallbacks", "Verifications found inconsistent, decoded plainly instead.", sp.fallbacks)
+        yield counter("spec_capped_steps", "Steps whose draft rows stopped short at the step-time target "
+                      "(--max-step-ms-with-decodes).", sp.capped_steps)
         yield counter("grouped_prefill_requests", "Requests that waited for another request's prefill of their "
                       "shared prefix instead of computing it too.", s.grouped_requests)
         yield counter("engine_executed_steps", "Steps that ran the model.", s.executed_steps)
