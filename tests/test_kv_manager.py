@@ -57,14 +57,14 @@ class Named:
     def commit(self, rid: str, tokens, computed: int) -> None:
         self.kv.commit(self.tables[rid], tokens, computed)
 
-    def free(self, rid: str, now: float) -> None:
+    def free(self, rid: str, now: float, protect: str | None = None) -> None:
         table = self.tables.pop(rid, None)
         if table is not None:
-            self.kv.free(table, now)
+            self.kv.free(table, now, protect)
 
-    def swap_out(self, rid: str, now: float) -> int:
+    def swap_out(self, rid: str, now: float, protect: str | None = None) -> int:
         table = self.tables.pop(rid, None)
-        return 0 if table is None else self.kv.swap_out(table, now)
+        return 0 if table is None else self.kv.swap_out(table, now, protect=protect)
 
     def pin(self, program_id: str, rid: str, expiry: float, program_arrival: float, now: float) -> None:
         self.kv.pin(program_id, self.tables.pop(rid), expiry, program_arrival, now)
@@ -721,10 +721,13 @@ class KVModel:
     Operations take explicit arguments; the state machine and the seeded
     driver below pick them."""
 
-    def __init__(self, eviction: str, host: int, collisions: bool, num_blocks: int = 24, fail: float = 0.0) -> None:
+    def __init__(self, eviction: str, host: int, collisions: bool, num_blocks: int = 24, fail: float = 0.0,
+                 zone: int = 0) -> None:
         import random
         self.kv = Named(KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host,
-                                             key_fn=collide if collisions else None))
+                                       key_fn=collide if collisions else None, protected_blocks=zone))
+        self.zone = zone  # a protected zone: turns free into it, expired pins too (kv/protected_zone.py)
+        self.zone_peak = 0
         self.fail = fail  # the chance that the fake executor fails a copy
         self.rng = random.Random(f"{eviction}-{host}-{collisions}-{fail}")
         self.reqs: dict[str, dict] = {}
@@ -837,9 +840,14 @@ class KVModel:
         self.tick(0.1)
 
     def free(self, rid):
-        del self.reqs[rid]
+        r = self.reqs.pop(rid)
         self.tick()
-        self.kv.free(rid, self.now)
+        self.kv.free(rid, self.now, r["program"] if self.zone else None)
+
+    def unprotect(self, pid):
+        before = self.kv.num_free_blocks
+        self.kv.unprotect(pid)
+        assert self.kv.num_free_blocks == before  # protected or not, they are free
 
     def pin(self, rid, ttl):
         r = self.reqs.pop(rid)
@@ -880,13 +888,13 @@ class KVModel:
         self.now += dt
         for pid, pin in list(self.kv.pins.items()):
             if pin.expiry <= self.now:
-                self.kv.unpin(pid, self.now)
+                self.kv.unpin(pid, self.now, protect=bool(self.zone))
         assert all(p.expiry > self.now for p in self.kv.pins.values())
 
     def swap_out(self, rid):
-        del self.reqs[rid]
+        r = self.reqs.pop(rid)
         self.tick()
-        copied = self.kv.swap_out(rid, self.now)
+        copied = self.kv.swap_out(rid, self.now, r["program"] if self.zone else None)
         if not self.kv.host.enabled:
             assert copied == 0
         assert self.kv.host.num_used <= self.kv.host.num_slots
@@ -896,6 +904,7 @@ class KVModel:
     def check(self):
         kv = self.kv
         kv.check_integrity()
+        self.zone_peak = max(self.zone_peak, kv.num_protected_blocks)
         holders: Counter[int] = Counter()
         for rid, r in self.reqs.items():
             ids = kv.block_ids(rid)
@@ -1023,15 +1032,15 @@ NB = 16
 
 
 @pytest.mark.parametrize("eviction", ALL_STRATEGIES)
-@pytest.mark.parametrize("host,fail", [(0, 0.0), (10, 0.0), (10, 0.2)])  # (copies fail only with a host tier)
+@pytest.mark.parametrize("host,fail,zone", [(0, 0.0, 0), (10, 0.0, 0), (10, 0.2, 0), (0, 0.0, 5), (10, 0.2, 5)])
 @pytest.mark.parametrize("collisions", [False, True])
-def test_long_randomized_sequences(eviction, host, collisions, fail):
+def test_long_randomized_sequences(eviction, host, collisions, fail, zone):
     """The same operations driven by a seeded RNG for a long run, so every
-    strategy / host / collision / copy-failure setting gets long sequences
-    regardless of hypothesis' draws."""
+    strategy / host / collision / copy-failure / protected-zone setting gets
+    long sequences regardless of hypothesis' draws (copies fail only with a host tier)."""
     import random
     rng = random.Random(f"{eviction}-{host}-{collisions}")
-    m = KVModel(eviction, host, collisions, num_blocks=NB, fail=fail)
+    m = KVModel(eviction, host, collisions, num_blocks=NB, fail=fail, zone=zone)
     for step in range(4000):
         ops = ["allocate", "expire", "take_copies", "pressure"]
         if m.reqs:
@@ -1041,6 +1050,8 @@ def test_long_randomized_sequences(eviction, host, collisions, fail):
             ops.append("unpin")
         if m.history:
             ops.append("supersede")
+        if zone:
+            ops.append("unprotect")
         op = rng.choice(ops)
         rid = rng.choice(sorted(m.reqs)) if m.reqs else None
         if op == "allocate":
@@ -1071,12 +1082,15 @@ def test_long_randomized_sequences(eviction, host, collisions, fail):
             m.swap_out(rid)
         elif op == "supersede":
             m.supersede(rng.choice(sorted(m.history)), rng.random(), [rng.randrange(4) for _ in range(rng.randrange(6))])
+        elif op == "unprotect":
+            m.unprotect(rng.choice(PROGRAMS))
         else:
             m.flush()
         m.check()
         if step % 500 == 499:
             m.drain()
     m.drain()
+    assert m.zone_peak == zone  # the zone filled (and never past its capacity: check_integrity)
 
 
 @pytest.mark.parametrize("seed", range(6))

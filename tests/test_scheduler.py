@@ -110,9 +110,9 @@ class FakeExecutor(Executor):
 class Harness:
     def __init__(self, policy: str = "vllm-fcfs", num_blocks: int = 64, budget: int = 32,
                  max_seqs: int = 256, host: int = 0, eviction: str = "lru",
-                 reload_cost=None, step_time: float = STEP, cost=None, **config) -> None:
+                 reload_cost=None, step_time: float = STEP, cost=None, protected: int = 0, **config) -> None:
         self.clock = SimClock()
-        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host)
+        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host, protected_blocks=protected)
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **config),
                            self.kv, policy, self.clock, reload_cost)
         self.ex = FakeExecutor(self.clock, BS, step_time, cost)

@@ -44,6 +44,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-kv-dir", default=None,
                    help="directory of the disk KV tier's files (created if missing; this server's old block "
                         "files in it are removed at start)")
+    g.add_argument("--protected-kv-share", type=float, default=0.0, metavar="S",
+                   help="share of the device KV (0 to 0.9) kept for multi-turn programs between turns: their "
+                        "freed blocks (after a turn, or when a TTL pin runs out) are evicted only after every "
+                        "other free block, so one-shot requests (no program id) do not push them out while "
+                        "anything else can go; it gives way when nothing else is free (0: off, the default)")
     g.add_argument("--sync-copies", action="store_true",
                    help="run the KV tiers' copies (offloads, reloads, disk spills and reads) inside each step, "
                         "before its forward pass, instead of on a copy thread (a CUDA stream on a GPU) that "
@@ -101,7 +106,7 @@ def build_llm(args):
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                    policy=policy, policy_options=options, profile=args.profile, threads=args.threads,
                    weights=args.weights, speculate=args.speculate,
-                   group_prefill=args.group_prefill)
+                   group_prefill=args.group_prefill, protected_kv_share=args.protected_kv_share)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
 

@@ -49,7 +49,8 @@ class LLM:
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
-                 speculate: int = 8, group_prefill: bool = True, overlap_copies: bool = True) -> None:
+                 speculate: int = 8, group_prefill: bool = True, overlap_copies: bool = True,
+                 protected_kv_share: float = 0.0) -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
         is native where the model and machine allow it, else `dtype` decides.
@@ -57,7 +58,9 @@ class LLM:
         lookup, engine/spec_decode.py); 0 turns speculation off. `group_prefill`:
         a request waits for a running one's prefill of their shared prefix.
         `overlap_copies`: the KV tiers' copies run on a copy engine beside the
-        forward pass (runner/copy_engine.py) instead of inside the step."""
+        forward pass (runner/copy_engine.py) instead of inside the step.
+        `protected_kv_share`: the share of device blocks kept for multi-turn
+        programs between turns (kv/protected_zone.py; 0: none)."""
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
@@ -88,7 +91,10 @@ class LLM:
         host_blocks = host_kv_tokens // block_size
         self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.dtype, self.device)
         disk_blocks = self._disk_tier(disk_kv_bytes, disk_kv_dir)
-        self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks, disk_blocks=disk_blocks)
+        if not 0.0 <= protected_kv_share <= 0.9:
+            raise ValueError(f"protected_kv_share must be in [0, 0.9], got {protected_kv_share}")
+        self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
+                                 protected_blocks=int(protected_kv_share * num_blocks))
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,

@@ -28,7 +28,7 @@ class Admission:
     if TYPE_CHECKING:
         def _reclaim_pin(self, req: Request, any_program: bool, now: float) -> bool: ...  # pin_review.py
 
-        def _unpin(self, program_id: str, now: float) -> int: ...  # scheduler.py
+        def _unpin(self, program_id: str, now: float, protect: bool = True) -> int: ...  # scheduler.py
 
     def _admit(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
         hit = match.num_tokens

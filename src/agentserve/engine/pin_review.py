@@ -23,7 +23,7 @@ class PinReview:
     _overdue: set[str]
 
     if TYPE_CHECKING:
-        def _unpin(self, program_id: str, now: float) -> int: ...  # scheduler.py
+        def _unpin(self, program_id: str, now: float, protect: bool = True) -> int: ...  # scheduler.py
 
     def _release_pins(self, now: float) -> None:
         pins = self.kv.pins

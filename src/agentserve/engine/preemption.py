@@ -67,17 +67,18 @@ class Preemption:
         self.waiting.push(req, now)
         out.preempted.append(req)
 
-    def _release_table(self, req: Request, now: float, action: str = "free") -> None:
+    def _release_table(self, req: Request, now: float, action: str = "free", protect: str | None = None) -> None:
         """The request gives up its KV, its blocks cached: freed, or first copied
         to the host tier where the policy asks and a tier exists ("swap"; "disk":
-        first in line to move on to the disk tier, for a long wait)."""
+        first in line to move on to the disk tier, for a long wait). `protect`:
+        its live multi-turn program, between turns (kv/protected_zone.py)."""
         table, req.block_table = req.block_table, None
         if table is None:
             return
         if action in ("swap", "disk") and self.kv.host.enabled:
             onward = action == "disk" and self.kv.disk.enabled
-            self.kv.swap_out(table, now, onward=onward)
+            self.kv.swap_out(table, now, onward=onward, protect=protect)
             self.stats.swapped_turns += 1
             self.stats.onward_turns += onward
         else:
-            self.kv.free(table, now)
+            self.kv.free(table, now, protect)

@@ -141,21 +141,25 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         """The program is done: drop its pin and forget it. Its state (None if
         the table did not know it)."""
         now = self.clock.now()
-        if self._unpin(program_id, now):
+        if self._unpin(program_id, now, protect=False):
             self.stats.pins_released_at_end += 1
+        self.kv.unprotect(program_id)
         prog = self.programs.end(program_id)
         if prog is not None:
             self.policy.on_program_end(prog)
         return prog
 
     def release_program(self, program_id: str) -> bool:
-        """A client's explicit release: drop the pin, keep the program."""
-        return self._unpin(program_id, self.clock.now()) > 0
+        """A client's explicit release: drop the pin (and the program's place in
+        the protected zone), keep the program."""
+        released = self._unpin(program_id, self.clock.now(), protect=False) > 0
+        return self.kv.unprotect(program_id) > 0 or released
 
-    def _unpin(self, program_id: str, now: float) -> int:
+    def _unpin(self, program_id: str, now: float, protect: bool = True) -> int:
         """Release a program's pin (the blocks it held; 0: it had none). Its waiting
-        requests take their new places: a priority may depend on the pin."""
-        n = self.kv.unpin(program_id, now)
+        requests take their new places: a priority may depend on the pin.
+        `protect`: the program goes on, so its blocks may enter the protected zone."""
+        n = self.kv.unpin(program_id, now, protect)
         if n:
             self._overdue.discard(program_id)
             self.waiting.replace_program(program_id, now)
@@ -203,6 +207,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         the statistics too: on a live server most programs end this way."""
         busy = {r.program_id for r in self.running} | {r.program_id for r in self.waiting} | set(self.kv.pins)
         for prog in self.programs.expire_idle(now, busy):
+            self.kv.unprotect(prog.program_id)
             self.policy.on_program_end(prog)
 
     # --- the step ---

@@ -40,7 +40,8 @@ class StepResults:
     if TYPE_CHECKING:
         def end_program(self, program_id: str) -> ProgramState | None: ...  # scheduler.py
 
-        def _release_table(self, req: Request, now: float, action: str = "free") -> None: ...  # preemption.py
+        def _release_table(self, req: Request, now: float, action: str = "free",
+                           protect: str | None = None) -> None: ...  # preemption.py
 
         def _stop_running(self, req: Request) -> None: ...  # scheduler.py
 
@@ -192,7 +193,7 @@ class StepResults:
             self._record_ttl(decision.ttl)
             self.waiting.replace_program(pid, now)
         else:
-            self._release_table(req, now, decision.action)
+            self._release_table(req, now, decision.action, protect=pid)
 
     def _record_ttl(self, ttl: float) -> None:
         h = self.stats.ttl_history

@@ -9,7 +9,9 @@ a prefix hit on a cached free block revives it without copying anything.
 Cached blocks known to be dead (a program's superseded history, see
 KVCacheManager.supersede) are demoted: they wait on a cold list that is
 evicted before anything the strategy holds, whatever the strategy, and leave
-it like any free block when a prefix hit revives them."""
+it like any free block when a prefix hit revives them. Blocks of multi-turn
+programs between turns may be protected instead (kv/protected_zone.py): they
+are evicted after everything the strategy holds."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from collections.abc import Callable
 from agentserve.kv.block import Block
 from agentserve.kv.eviction import EvictionStrategy, LinkedList
 from agentserve.kv.prefix_index import Node, PrefixIndex
+from agentserve.kv.protected_zone import ProtectedZone
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, index: PrefixIndex, strategy: EvictionStrategy,
-                 on_evict: Callable[[Block], None] | None = None) -> None:
+                 on_evict: Callable[[Block], None] | None = None, protected_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -32,6 +35,7 @@ class BlockPool:
         self.on_evict = on_evict  # called with a cached block just before its content is dropped
         self._empty: list[Block] = list(reversed(self.blocks))
         self._cold = LinkedList()  # demoted cached free blocks, next evicted first
+        self.zone = ProtectedZone(protected_blocks)  # evicted last
         self.num_evictions = 0
         self.num_demoted = 0
         # the strategy's on_hit does something (lfu, arc): lru and leaf-lru keep the base's no-op
@@ -39,11 +43,11 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._empty) + len(self._cold) + len(self.strategy)
+        return len(self._empty) + len(self._cold) + len(self.strategy) + len(self.zone)
 
     @property
     def num_cached_free(self) -> int:
-        return len(self._cold) + len(self.strategy)
+        return len(self._cold) + len(self.strategy) + len(self.zone)
 
     def allocate(self, n: int) -> list[Block] | None:
         """`n` blocks with ref_cnt 1, or None (and nothing changed) if fewer are free."""
@@ -54,7 +58,12 @@ class BlockPool:
             if self._empty:
                 b = self._empty.pop()
             else:
-                b = self._cold.popleft() if len(self._cold) else self.strategy.pop()
+                if len(self._cold):
+                    b = self._cold.popleft()
+                elif len(self.strategy) or not len(self.zone):
+                    b = self.strategy.pop()
+                else:
+                    b = self.zone.pop()
                 self._evict(b)
             b.ref_cnt = 1
             out.append(b)
@@ -64,11 +73,17 @@ class BlockPool:
         """Take one more reference on `block` (a reload in flight holds the block
         it writes: kv/copies.py); a free block leaves the free set."""
         if block.ref_cnt == 0:
-            if block.strategy_data is self._cold:
-                self._cold.unlink(block)
-            else:
-                self.strategy.remove(block)
+            self._leave_free(block)
         block.ref_cnt += 1
+
+    def _leave_free(self, block: Block) -> None:
+        """A free cached block leaves whichever list holds it."""
+        if block.strategy_data is self._cold:
+            self._cold.unlink(block)
+        elif block in self.zone:
+            self.zone.remove(block)
+        else:
+            self.strategy.remove(block)
 
     def hit(self, blocks: list[Block], now: float) -> None:
         """A prefix match hit `blocks`: take a reference on each (a free one leaves
@@ -80,8 +95,10 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if b.strategy_data is cold:
                     cold.unlink(b)
-                else:
+                elif b in strategy:
                     strategy.remove(b)
+                else:
+                    self.zone.remove(b)
             b.ref_cnt += 1
             b.hits += 1
             b.last_access = now
@@ -93,26 +110,37 @@ class BlockPool:
         before any other cached block, in the order given. Returns how many moved."""
         n = 0
         for b in blocks:
-            if b.ref_cnt == 0 and b in self.strategy:
-                self.strategy.remove(b)
+            if b.ref_cnt == 0 and (b in self.strategy or b in self.zone):
+                self._leave_free(b)
                 self._cold.append(b)
                 n += 1
         self.num_demoted += n
         return n
 
-    def release(self, blocks, now: float) -> None:
+    def release(self, blocks, now: float, protect: str | None = None) -> None:
         """Drop one reference on each block, last block first, so a request's
-        tail becomes evictable before its prefix (which others may share)."""
+        tail becomes evictable before its prefix (which others may share).
+        `protect`: the live multi-turn program whose blocks these are, between
+        its turns: freed cached blocks go to the protected zone while it has room."""
+        zone = self.zone if protect is not None and self.zone.enabled else None
         for b in reversed(blocks):
             b.ref_cnt -= 1
             if b.ref_cnt < 0:
                 raise RuntimeError(f"{b} released more often than referenced")
             if b.ref_cnt == 0:
                 b.last_access = now
-                if b.node is not None:
-                    self.strategy.add(b, now)
-                else:
+                if b.node is None:
                     self._empty.append(b)
+                elif zone is None or not zone.admit(b, protect):
+                    self.strategy.add(b, now)
+
+    def unprotect(self, program_id: str) -> int:
+        """`program_id` ended or was released: its protected blocks become plain
+        free cached blocks. Returns how many left the zone."""
+        blocks = self.zone.release_program(program_id)
+        for b in blocks:
+            self.strategy.add(b, b.last_access)
+        return len(blocks)
 
     # --- the block <-> node link ---
 
@@ -152,10 +180,7 @@ class BlockPool:
         if block.node is None:
             return
         if block.ref_cnt == 0:
-            if block.strategy_data is self._cold:
-                self._cold.unlink(block)
-            else:
-                self.strategy.remove(block)
+            self._leave_free(block)
             self._empty.append(block)
         self._unlink(block)
 
@@ -181,14 +206,13 @@ class BlockPool:
         for b in self.blocks:
             want = holders.get(b.block_id, 0)
             assert b.ref_cnt == want, f"{b}: ref_cnt {b.ref_cnt}, holders {want}"
-            in_strategy = b in self.strategy
-            in_cold = b.strategy_data is self._cold
+            where = (b in self.strategy) + (b.strategy_data is self._cold) + (b in self.zone)
             if b.ref_cnt > 0:
-                assert not in_strategy and not in_cold and b.block_id not in empty_ids, f"{b} in use but free"
+                assert not where and b.block_id not in empty_ids, f"{b} in use but free"
             elif b.node is not None:
-                assert in_strategy != in_cold and b.block_id not in empty_ids, f"{b} cached free block not evictable"
+                assert where == 1 and b.block_id not in empty_ids, f"{b} cached free block not evictable once"
             else:
-                assert b.block_id in empty_ids and not in_strategy and not in_cold, f"{b} empty free block lost"
+                assert b.block_id in empty_ids and not where, f"{b} empty free block lost"
             if b.node is not None:
                 node = b.node
                 assert node.block is b, f"{b} and its node disagree"
@@ -198,4 +222,5 @@ class BlockPool:
                 nc = sum(1 for c in node.children.values() if c.block is not None)
                 assert b.num_children == nc, f"{b} num_children {b.num_children} != {nc}"
         assert sum(1 for _ in self._cold) == len(self._cold)
-        assert len(self.strategy) + len(self._cold) + len(self._empty) == self.num_free
+        self.zone.check_integrity()
+        assert len(self.strategy) + len(self._cold) + len(self.zone) + len(self._empty) == self.num_free

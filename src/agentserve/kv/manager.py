@@ -30,13 +30,16 @@ from agentserve.kv.prefix_match import PrefixMatch
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
                  host_blocks: int = 0, disk_blocks: int = 0,
-                 key_fn: Callable[[tuple[int, ...]], Hashable] | None = None) -> None:
+                 key_fn: Callable[[tuple[int, ...]], Hashable] | None = None, protected_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.index = PrefixIndex(block_size, key_fn)
         kwargs = {"capacity": num_blocks} if eviction == "arc" else {}
-        self.pool = BlockPool(num_blocks, self.index, make_strategy(eviction, **kwargs), self._on_evict)
+        if not 0 <= protected_blocks < num_blocks:
+            raise ValueError(f"the protected zone must be 0 to {num_blocks - 1} blocks, got {protected_blocks}")
+        self.pool = BlockPool(num_blocks, self.index, make_strategy(eviction, **kwargs), self._on_evict,
+                              protected_blocks)
         self.host = HostTier(host_blocks, self.index)
         self.pins = PinTable()
         self.copies = CopyQueue(self.pool, self.host)
@@ -215,13 +218,15 @@ class KVCacheManager:
 
     # --- end of a request ---
 
-    def free(self, st: BlockTable, now: float) -> None:
-        """Release the table's blocks (freeing a released table is a no-op)."""
+    def free(self, st: BlockTable, now: float, protect: str | None = None) -> None:
+        """Release the table's blocks (freeing a released table is a no-op).
+        `protect`: the live multi-turn program between turns they belong to
+        (kv/protected_zone.py)."""
         if not st.released:
             st.released = True
-            self.pool.release(st.blocks, now)
+            self.pool.release(st.blocks, now, protect)
 
-    def swap_out(self, st: BlockTable, now: float, onward: bool = False) -> int:
+    def swap_out(self, st: BlockTable, now: float, onward: bool = False, protect: str | None = None) -> int:
         """Copy the request's indexed blocks to the host tier now (instead of at
         eviction), then free them. `onward` (a long wait, with a disk tier): its
         host copies are the first the host tier moves on to the disk tier. Returns
@@ -240,7 +245,7 @@ class KVCacheManager:
                         copied += 1
                     if onward:
                         self.host.demote(node)
-        self.free(st, now)
+        self.free(st, now, protect)
         return copied
 
     def pin(self, program_id: str, st: BlockTable, expiry: float, program_arrival: float, now: float) -> None:
@@ -250,13 +255,23 @@ class KVCacheManager:
         st.released = True
         self.pins.add(program_id, st.blocks, expiry, program_arrival, st.num_indexed * self.block_size)
 
-    def unpin(self, program_id: str, now: float) -> int:
-        """Release a program's pin; returns the number of blocks it held."""
+    def unpin(self, program_id: str, now: float, protect: bool = False) -> int:
+        """Release a program's pin; returns the number of blocks it held.
+        `protect`: the program goes on (its TTL ran out, or its pin was
+        reclaimed), so its freed blocks may enter the protected zone."""
         p = self.pins.pop(program_id)
         if p is None:
             return 0
-        self.pool.release(p.blocks, now)
+        self.pool.release(p.blocks, now, program_id if protect else None)
         return len(p.blocks)
+
+    def unprotect(self, program_id: str) -> int:
+        """The program ended or was released: its blocks leave the protected zone."""
+        return self.pool.unprotect(program_id)
+
+    @property
+    def num_protected_blocks(self) -> int:
+        return len(self.pool.zone)
 
     def supersede(self, program_id: str, old_tokens: Sequence[int], new_tokens: Sequence[int], now: float,
                   salt: Hashable = None) -> int:

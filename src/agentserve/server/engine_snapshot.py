@@ -47,6 +47,7 @@ class EngineSnapshot:
     num_pinned_blocks: int
     num_pinned_programs: int
     block_size: int
+    num_protected_blocks: int = 0  # free blocks of multi-turn programs between turns (kv/protected_zone.py)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     recent_decode_step_s: tuple[float, ...] = ()  # the latest times of steps with decodes, oldest first
     # the learned step-time model (engine/step_time.py): coefficients, margin; () until it has samples
@@ -97,6 +98,7 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
         num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
         num_pinned_blocks=kv.num_pinned_blocks, num_pinned_programs=len(kv.pins), block_size=kv.block_size,
+        num_protected_blocks=kv.num_protected_blocks,
         # a copy: the counters go on changing on the engine thread (the histories are left out)
         stats=replace(s, ttl_history=[], decode_step_history=deque(maxlen=1)),
         recent_decode_step_s=tuple(s.decode_step_history),

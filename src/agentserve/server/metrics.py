@@ -65,6 +65,8 @@ class _SnapshotCollector(Collector):
                     s.num_free_blocks)
         yield gauge("pinned_blocks", "Device KV blocks held by program pins.", s.num_pinned_blocks)
         yield gauge("pinned_programs", "Programs whose KV is pinned across a tool call.", s.num_pinned_programs)
+        yield gauge("protected_blocks", "Free device KV blocks of multi-turn programs between turns, evicted last "
+                    "(--protected-kv-share).", s.num_protected_blocks)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.admitted_prompt_tokens)
         yield counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache at admission.", s.hit_tokens)
         yield counter("prefix_loaded_tokens", "Prefix-hit tokens reloaded from the host tier.", s.loaded_tokens)
