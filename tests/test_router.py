@@ -178,7 +178,6 @@ def test_load_escape_moves_a_program_off_an_overloaded_replica():
 def test_new_programs_are_placed_by_free_kv_and_queue():
     r = ProgramRouter()
     ranks = r.rank(key("new", size=1600), [load("a", free=20), load("b", free=90), load("c", free=90, waiting=2)])
-    assert ranks == [["b"], ["a"], ["c"]] or ranks[0] == ["b"]
     assert [x[0] for x in ranks] == ["b", "c", "a"]  # a full KV weighs more than two queued requests
     assert r.rank(key("x"), [load("b"), load("a")])[0] == ["a"]  # ties: by name, whatever the order given
 
