@@ -126,6 +126,14 @@ def _run_one(job):
     return result_row(workload, profile, rate, simulate(programs, cfg))
 
 
+def _run_jobs(args, jobs: list) -> list[dict]:
+    """The simulations' rows, in the order of `jobs`, on `--jobs` processes."""
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            return list(ex.map(_run_one, jobs))
+    return [_run_one(j) for j in jobs]
+
+
 def cmd_sim(args) -> int:
     from agentserve.cost.profile import ProfileError, load_profile
     from agentserve.policy.registry import parse_policy_spec
@@ -167,11 +175,7 @@ def cmd_sim(args) -> int:
             jobs.append((args.workload, args.profile, rate, programs, cfg, None))
     print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates, "
           f"{args.programs} programs each) on {args.profile}...", file=sys.stderr)
-    if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(args.jobs) as ex:
-            rows = list(ex.map(_run_one, jobs))
-    else:
-        rows = [_run_one(j) for j in jobs]
+    rows = _run_jobs(args, jobs)
     rows.sort(key=lambda r: (r["rate"], args.policies.index(r["policy"])))
     print(format_table(rows))
     for line in ratio_lines(rows):
@@ -229,11 +233,7 @@ def _cmd_sim_cluster(args) -> int:
     print(f"simulating {len(jobs)} runs ({len(args.replicas)} replica counts x {len(routers)} routers x "
           f"{len(args.policies)} policies x {len(args.rates)} rates, {args.programs} programs a replica) "
           f"on {args.profile}...", file=sys.stderr)
-    if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(args.jobs) as ex:
-            rows = list(ex.map(_run_one, jobs))
-    else:
-        rows = [_run_one(j) for j in jobs]
+    rows = _run_jobs(args, jobs)
     print(format_cluster_table(rows))
     if args.json:
         write_json(rows, args.json)
