@@ -43,6 +43,9 @@ def _add_sim(sub) -> None:
     p.add_argument("--kv-tokens", type=int, default=None, help="device KV capacity in tokens (default: the profile's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--eviction", default="lru", help="prefix-cache eviction: lru, leaf-lru, lfu, arc")
+    p.add_argument("--protected-kv-share", type=float, default=0.0, metavar="S",
+                   help="share of the device KV (0 to 0.9) kept for multi-turn programs between turns, evicted after "
+                        "every other free block (as `serve --protected-kv-share`; default 0: off)")
     p.add_argument("--host-tier", action="store_true", help="add the profile's host-DRAM KV tier (swap/reload)")
     p.add_argument("--disk-tier", action="store_true",
                    help="add the profile's disk (SSD) KV tier below the host tier, which it implies: blocks the "
@@ -159,6 +162,8 @@ def cmd_sim(args) -> int:
         raise CliError("--host-kv-tokens must be at least one block")
     if args.disk_kv_bytes is not None and not args.disk_kv_bytes > 0:
         raise CliError("--disk-kv-bytes must be positive")
+    if not 0.0 <= args.protected_kv_share <= 0.9:
+        raise CliError("--protected-kv-share must be in [0, 0.9]")
     if not args.tool_time_scale > 0:
         raise CliError("--tool-time-scale must be positive")
     try:
@@ -199,6 +204,7 @@ def _sim_config(args, policy: str):
     from agentserve.sim.driver import SimConfig
 
     return SimConfig(profile=args.profile, policy=policy, block_size=args.block_size, eviction=args.eviction,
+                     protected_kv_share=args.protected_kv_share,
                      host_tier=args.host_tier or args.host_kv_tokens is not None,
                      disk_tier=args.disk_tier or args.disk_kv_bytes is not None, kv_tokens=args.kv_tokens,
                      host_kv_tokens=args.host_kv_tokens, disk_kv_bytes=args.disk_kv_bytes,

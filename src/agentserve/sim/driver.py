@@ -40,6 +40,7 @@ class SimConfig:
     policy: str = "continuum"
     block_size: int = 16
     eviction: str = "lru"
+    protected_kv_share: float = 0.0  # share of each replica's device blocks in the protected zone (kv/protected_zone.py)
     host_tier: bool = False  # use the profile's host DRAM tier (swap and reload)
     disk_tier: bool = False  # and the profile's disk tier below it (implies host_tier)
     # tier copies overlap compute on a copy timeline, as the model runner's do (False: they run in the step)
@@ -116,7 +117,8 @@ class SimReplica:
             profile = replace(profile, disk_kv_capacity_bytes=cfg.disk_kv_bytes)
         host_blocks = profile.host_num_blocks(bs) if host_tier else 0
         disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
-        self.kv = kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks)
+        self.kv = kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks,
+                                      protected_blocks=int(cfg.protected_kv_share * num_blocks))
         cost = CostModel(profile, block_size=bs)
         reload_cost = cost.reload_time if host_tier else cost.prefill_time
         self.config = sconf = SchedulerConfig(
