@@ -40,6 +40,7 @@ class Cluster:
         from ray import serve
 
         from agentserve.cli import build_parser
+        from agentserve.cli_cluster import build_replica_server
         from agentserve.router import cluster_app
 
         paths = [str(SRC), str(TESTS), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
@@ -48,7 +49,7 @@ class Cluster:
                                           "--max-num-seqs", "8", "--log-level", "warning", *self.extra])
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        cluster_app.run(args, self.replicas, self.router, {}, llm_factory=tiny_replica_llm)
+        cluster_app.run(args, self.replicas, self.router, {}, build_replica_server, llm_factory=tiny_replica_llm)
         self.wait_healthy(60)
         return self
 

@@ -43,14 +43,16 @@ LAYERS = [
     {"cost", "workload"},  # step costs and profiles; workloads and traces
     {"runner", "sim"},  # the real executor; the simulated one
     {"server"},
+    {"router"},  # scale-out on Ray Serve: routing logic, and the Ray plumbing over the server's app
     {"llm"},  # the offline API: entry point
     {"bench"},  # benchmarks: servers over HTTP, the simulator, the offline LLM
     # entry points; "agentserve" is the package root (its lazy LLM export)
     {"agentserve", "cli_model", "cli_bench"},
     {"cli_serve"},
+    {"cli_cluster"},
     {"cli"},
 ]
-ENTRY_POINTS = {"llm", "cli", "cli_model", "cli_serve", "cli_bench", "agentserve"}
+ENTRY_POINTS = {"llm", "cli", "cli_model", "cli_serve", "cli_cluster", "cli_bench", "agentserve"}
 LLM_USERS = ENTRY_POINTS | {"bench"}
 
 

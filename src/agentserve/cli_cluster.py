@@ -11,7 +11,8 @@ import signal
 import threading
 
 from agentserve.cli_errors import CliError
-from agentserve.cli_serve import HelpFormatter, add_server_options, api_keys, check_serve_args, setup_logging
+from agentserve.cli_serve import (HelpFormatter, add_server_options, api_keys, build_server, check_serve_args,
+                                  setup_logging)
 
 log = logging.getLogger("agentserve")
 
@@ -74,7 +75,7 @@ def cmd_cluster(args) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         try:
-            cluster_app.run(args, args.replicas, args.router, keys)
+            cluster_app.run(args, args.replicas, args.router, keys, build_replica_server, retries=args.retries)
         except RuntimeError as e:
             raise CliError(str(e)) from None
         log.info("serving %d engine replicas on http://%s:%d/v1 - router %s, %s threads and %s KV tokens each",
@@ -89,3 +90,17 @@ def cmd_cluster(args) -> int:
         if started_ray:
             ray.shutdown()
     return 0
+
+
+def build_replica_server(args, llm_factory=None):
+    """One replica's server (in the replica's process): `agentserve serve`'s, from the flags
+    `cluster_app.replica_args` gave it. Without --kv-cache-tokens, replicas on the CPU split the
+    single server's default KV size between them."""
+    setup_logging(args)
+    split = getattr(args, "kv_cache_tokens_split", 0)
+    if args.kv_cache_tokens is None and split:
+        from agentserve.runner.device import CPU_DEFAULT_KV_TOKENS, resolve_device
+
+        if resolve_device(args.device).type == "cpu":
+            args.kv_cache_tokens = CPU_DEFAULT_KV_TOKENS // split
+    return build_server(args, llm_factory)

@@ -34,14 +34,15 @@ def replica_args(args: Any, n: int) -> Any:
     if args.kv_cache_tokens is not None:
         out.kv_cache_tokens = max(args.kv_cache_tokens // n, args.block_size)
     else:
-        out.kv_cache_tokens_split = n  # the replica splits its device's default (replica.py)
+        out.kv_cache_tokens_split = n  # the replica splits its device's default (cli_cluster.py)
     out.threads = args.threads or 1
     return out
 
 
-def build_application(args: Any, n: int, router: str, api_keys: dict[str, str], llm_factory: Any = None,
-                      retries: int = 2):
-    """The bound application: the ingress over `n` engine replicas routed by `router`."""
+def build_application(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any,
+                      llm_factory: Any = None, retries: int = 2):
+    """The bound application: the ingress over `n` engine replicas routed by `router`, each
+    replica's server made by `build(args, llm_factory)` (cli_cluster.build_replica_server)."""
     if router == RAY_DEFAULT:
         router_config = RequestRouterConfig(request_routing_stats_period_s=STATS_PERIOD_S)
     else:
@@ -57,7 +58,7 @@ def build_application(args: Any, n: int, router: str, api_keys: dict[str, str], 
         max_ongoing_requests=(args.max_queue or 4096) + args.max_num_seqs,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=args.graceful_shutdown_s,
         request_router_config=router_config,
-    ).bind(per, llm_factory)
+    ).bind(per, build, llm_factory)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=1_000_000)
     return ingress.bind(replicas, api_keys, args.max_body_bytes, n, retries)
@@ -82,10 +83,11 @@ def start_failure(e: Exception) -> str:
     return f"the engine replicas did not become healthy ({first[:300]}); {where}"
 
 
-def run(args: Any, n: int, router: str, api_keys: dict[str, str], llm_factory: Any = None):
+def run(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any, llm_factory: Any = None,
+        retries: int = 2):
     """Deploy the application on the running Ray; the ingress's handle. Raises RuntimeError with
     `start_failure`'s line when a replica never becomes healthy."""
-    app = build_application(args, n, router, api_keys, llm_factory)
+    app = build_application(args, n, router, api_keys, build, llm_factory, retries)
     try:
         return serve.run(app, name=APP_NAME, route_prefix="/")
     except Exception as e:  # Ray raises RuntimeError (DEPLOY_FAILED) among others

@@ -2,6 +2,8 @@
 builds (cli_serve.build_server: the same LLM, engine thread and Starlette
 app), driven in-process through asgi_bridge.py.
 
+`build(args, llm_factory)` builds it: cli_cluster passes its
+`build_replica_server` (the router layer never imports the command line).
 The ingress calls `handle` with a request's method, path, query, headers and
 body as a streaming call; the replica answers with the app's response head
 (plus `X-Agentserve-Replica: <replica id>`) and then its body chunks, as the
@@ -28,13 +30,9 @@ REPLICA_HEADER = "x-agentserve-replica"
 class EngineReplica:
     """A Ray Serve deployment class; `cluster_app.py` sets its options (replicas, CPUs, router)."""
 
-    async def __init__(self, args: Any, llm_factory: Any = None) -> None:
-        from agentserve.cli_serve import build_server, setup_logging
-
-        setup_logging(args)
-        _split_default_kv(args)
+    async def __init__(self, args: Any, build: Any, llm_factory: Any = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        app, self.llm, self.config = build_server(args, llm_factory)
+        app, self.llm, self.config = build(args, llm_factory)
         self.bridge = AsgiBridge(app)
         await self.bridge.start()  # starts the engine loop on this replica's event loop
         kv = self.llm.scheduler.kv
@@ -73,12 +71,3 @@ class EngineReplica:
     async def __del__(self) -> None:
         await self.bridge.stop()
 
-
-def _split_default_kv(args: Any) -> None:
-    """Without --kv-cache-tokens, replicas on the CPU share the single server's default KV size."""
-    split = getattr(args, "kv_cache_tokens_split", 0)
-    if args.kv_cache_tokens is None and split:
-        from agentserve.runner.device import CPU_DEFAULT_KV_TOKENS, resolve_device
-
-        if resolve_device(args.device).type == "cpu":
-            args.kv_cache_tokens = CPU_DEFAULT_KV_TOKENS // split
