@@ -196,6 +196,15 @@ class Ingress:
         for key, doc in docs.items():
             lines += [f"# HELP agentserve:cluster_{key}_total {doc}", f"# TYPE agentserve:cluster_{key}_total counter",
                       f"agentserve:cluster_{key}_total {self.counts[key]}"]
+        from agentserve.router.ray_router import routing_counters
+
+        counters = routing_counters()
+        if counters:
+            lines += ["# HELP agentserve:router_counters The request router's counts: decisions by reason "
+                      "(affinity, escapes, prefix_matches, placements, fallbacks), programs lost with a replica, "
+                      "programs and prefix keys remembered.", "# TYPE agentserve:router_counters gauge"]
+            lines += [f'agentserve:router_counters{{deployment="{dep}",counter="{name}"}} {value}'
+                      for dep, values in sorted(counters.items()) for name, value in sorted(values.items())]
         return "\n".join(lines) + "\n"
 
     async def _health(self) -> Response:

@@ -27,14 +27,21 @@ log = logging.getLogger("agentserve.router")
 
 
 def make_logic(name: str, options: dict[str, Any] | None = None):
-    """The routing logic named `name` ('program' or a baseline's name)."""
-    if name == "program":
-        from agentserve.router.program_router import ProgramRouter, RouterConfig
+    """The routing logic named `name` (registry.py: 'program' or a baseline); `options` are
+    RouterConfig fields of the program router."""
+    from agentserve.router.program_router import RouterConfig
+    from agentserve.router.registry import make_router
 
-        return ProgramRouter(RouterConfig(**(options or {})))
-    from agentserve.router.baselines import make_baseline
+    return make_router(name, config=RouterConfig(**options) if options else None)
 
-    return make_baseline(name)
+
+_ACTIVE: dict[str, AgentserveRequestRouter] = {}
+
+
+def routing_counters() -> dict[str, dict[str, int]]:
+    """The routing logic's counters (decisions by reason, programs lost...) of every request
+    router in this process, by deployment: the ingress shows them on /metrics."""
+    return {name: dict(r.logic.counters()) for name, r in list(_ACTIVE.items())}
 
 
 def load_of(replica: RunningReplica) -> ReplicaLoad:
@@ -55,6 +62,7 @@ class AgentserveRequestRouter(RequestRouter):
     def initialize_state(self, logic: str = "program", options: dict[str, Any] | None = None, **kwargs) -> None:
         self.logic_name = logic
         self.logic = make_logic(logic, options)
+        _ACTIVE[self._deployment_id.name] = self
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
