@@ -72,6 +72,12 @@ class ProgramTable:
             gone.append(self.end(pid))
         return gone
 
+    def entries(self) -> list[tuple[str, ProgramState]]:
+        """(id, state) of every live program, least recently active first: a copy made
+        in one C-level call, so that another thread (a router's load report) can read
+        the table while the engine changes it."""
+        return list(self._programs.items())
+
     def __len__(self) -> int:
         return len(self._programs)
 

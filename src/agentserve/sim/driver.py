@@ -19,6 +19,7 @@ import heapq
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from agentserve.workload.tokens import program_token_plan, shared_token_pool
@@ -43,7 +44,7 @@ class SimConfig:
     disk_tier: bool = False  # and the profile's disk tier below it (implies host_tier)
     # tier copies overlap compute on a copy timeline, as the model runner's do (False: they run in the step)
     overlap_copies: bool = True
-    kv_tokens: int | None = None  # device KV capacity; default: the profile's
+    kv_tokens: int | None = None  # device KV capacity (in all, split evenly over replicas); default: the profile's per replica
     host_kv_tokens: int | None = None  # the host tier's capacity (with host_tier); default: the profile's
     disk_kv_bytes: float | None = None  # the disk tier's budget (with disk_tier); default: the profile's
     max_num_batched_tokens: int | None = None
@@ -77,6 +78,8 @@ class SimResult:
     decode_step_p99_s: float = 0.0  # p99 of the latest such steps
     state: dict = field(default_factory=dict)  # learned statistics and per-program state left at the end
     tiers: dict = field(default_factory=dict)  # blocks copied between the KV tiers (offloaded, loaded, spilled, ...)
+    replicas: list[dict] = field(default_factory=list)  # per replica, when there are several: turns, steps, busy_s, ...
+    router: dict = field(default_factory=dict)  # the router's name and counters (several replicas)
 
     @property
     def throughput(self) -> float:
@@ -87,30 +90,78 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
-    profile = load_profile(cfg.profile)
-    bs = cfg.block_size
-    clock = SimClock()
-    num_blocks = (cfg.kv_tokens // bs) if cfg.kv_tokens else profile.num_blocks(bs)
-    host_tier = cfg.host_tier or cfg.disk_tier
-    if cfg.host_kv_tokens is not None:
-        profile = replace(profile, host_kv_capacity_tokens=cfg.host_kv_tokens)
-    if cfg.disk_kv_bytes is not None:
-        profile = replace(profile, disk_kv_capacity_bytes=cfg.disk_kv_bytes)
-    host_blocks = profile.host_num_blocks(bs) if host_tier else 0
-    disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
-    kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks)
-    cost = CostModel(profile, block_size=bs)
-    reload_cost = cost.reload_time if host_tier else cost.prefill_time
-    sconf = SchedulerConfig(
-        max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
-        max_step_ms_with_decodes=cfg.max_step_ms_with_decodes, overlap_copies=cfg.overlap_copies,
-    )
-    name, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
-    sched = Scheduler(sconf, kv, name, clock, reload_cost, {**options, **cfg.policy_options},
-                      prefill_cost=cost.prefill_time, tier_reload=cost.tier_reloads())
-    executor = SimExecutor(clock, cost, cfg.overlap_copies)
+@dataclass(frozen=True)
+class Arrival:
+    """A turn about to be submitted, as a router sees it (`route` in `simulate`)."""
+    program: Program
+    turn: int
+    prompt: list[int]  # the turn's prompt token ids
+    max_tokens: int
+    is_last_turn: bool
+
+
+class SimReplica:
+    """One engine of the simulation: its own clock, KV manager, scheduler and
+    cost-model executor (a `router.replica_load` reads `scheduler`)."""
+
+    def __init__(self, name: str, cfg: SimConfig, num_blocks: int) -> None:
+        profile = load_profile(cfg.profile)
+        bs = cfg.block_size
+        self.name = name
+        self.clock = clock = SimClock()
+        host_tier = cfg.host_tier or cfg.disk_tier
+        if cfg.host_kv_tokens is not None:
+            profile = replace(profile, host_kv_capacity_tokens=cfg.host_kv_tokens)
+        if cfg.disk_kv_bytes is not None:
+            profile = replace(profile, disk_kv_capacity_bytes=cfg.disk_kv_bytes)
+        host_blocks = profile.host_num_blocks(bs) if host_tier else 0
+        disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
+        self.kv = kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks)
+        cost = CostModel(profile, block_size=bs)
+        reload_cost = cost.reload_time if host_tier else cost.prefill_time
+        self.config = sconf = SchedulerConfig(
+            max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
+            max_step_ms_with_decodes=cfg.max_step_ms_with_decodes, overlap_copies=cfg.overlap_copies,
+        )
+        name_, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
+        self.scheduler = Scheduler(sconf, kv, name_, clock, reload_cost, {**options, **cfg.policy_options},
+                                   prefill_cost=cost.prefill_time, tier_reload=cost.tier_reloads())
+        self.executor = SimExecutor(clock, cost, cfg.overlap_copies)
+        self.overhead = 0.0  # wall seconds in schedule() + update()
+        self.steps = 0
+        self.peak_running = self.peak_pins = 0
+        self.per_step: list[tuple[int, int, float]] = []  # (running, pins, scheduler seconds) of each step
+        self.turns = 0  # turns submitted here
+
+    def wants_at(self, events: list) -> float:
+        """When this replica next acts: now if it has work, else at the next arrival (inf: never)."""
+        if self.scheduler.has_work:
+            return self.clock.now()
+        return max(self.clock.now(), events[0][0]) if events else math.inf
+
+
+def replica_blocks(cfg: SimConfig, replicas: int) -> int:
+    """Device KV blocks of each replica: `kv_tokens` is the total, split evenly
+    (so runs with different replica counts compare at the same total KV);
+    without it every replica has the profile's (one more GPU each)."""
+    if cfg.kv_tokens:
+        return (cfg.kv_tokens // replicas) // cfg.block_size
+    return load_profile(cfg.profile).num_blocks(cfg.block_size)
+
+
+def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
+             route: Callable[[Arrival, list[SimReplica]], int] | None = None) -> SimResult:
+    """Run `programs` on `replicas` engines. Each turn goes, at its arrival, to
+    the replica `route` picks (default: the first). Every replica keeps its own
+    clock; the replica that is furthest behind in simulated time acts next
+    (ties: the lowest index), so the engines run side by side and each arrival
+    is routed once simulated time has reached it. With one replica this is the
+    single-engine loop, step for step."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    num_blocks = replica_blocks(cfg, replicas)
+    reps = [SimReplica(f"r{k}", cfg, num_blocks) for k in range(replicas)]
 
     need_shared = max((c.shared_prefix_tokens for p in programs for c in p.calls), default=0)
     shared_pool = shared_token_pool(need_shared, cfg.seed) if need_shared else None
@@ -125,46 +176,50 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
     ttft: list[float] = []
     queue_times: list[float] = []
     rejected = 0
-    overhead = 0.0
-    steps = 0
-    peak_running = peak_pins = 0
-    per_step: list[tuple[int, int, float]] = []  # (running, pins, scheduler seconds) of each step
     last_finish = 0.0
     by_rid: dict[str, tuple[int, int]] = {}
     wall0 = time.perf_counter()
 
-    def submit(i: int, turn: int) -> None:
+    def submit(i: int, turn: int, now: float) -> None:
         nonlocal rejected
         p = programs[i]
         if i not in plans:
             plans[i] = program_token_plan(p, cfg.seed, shared_pool=shared_pool)
         prompt, output = plans[i][turn]
         call = p.calls[turn]
-        now = clock.now()
+        last = cfg.end_programs and turn == len(p.calls) - 1
+        rep = reps[0]
+        if route is not None:
+            rep = reps[route(Arrival(p, turn, prompt, max(1, len(output)), last), reps)]
+        rep.clock.advance_to(now)  # an idle replica catches up; a busy one takes it after its step
+        now = rep.clock.now()
         req = Request(
             request_id=f"{p.program_id}/{turn}", program_id=p.program_id,
             prompt_token_ids=prompt, max_tokens=max(1, len(output)), arrival_time=now,
-            is_last_turn=cfg.end_programs and turn == len(p.calls) - 1, sim_output=output,
+            is_last_turn=last, sim_output=output,
         )
         # The simulator knows which tool the scripted output calls; a human or
         # unknown next step is no tool call.
         req.tool_name = call.tool_name if call.tool_name not in NON_TOOL_NAMES else None
         first_arrival.setdefault(i, now)
         try:
-            sched.add_request(req)
+            rep.scheduler.add_request(req)
         except ValueError:
             rejected += 1
             plans.pop(i, None)
             return
+        rep.turns += 1
         by_rid[req.request_id] = (i, turn)
 
-    while events or sched.has_work:
+    while events or any(r.scheduler.has_work for r in reps):
+        rep = min(reps, key=lambda r: r.wants_at(events)) if replicas > 1 else reps[0]
+        sched, clock, executor, kv = rep.scheduler, rep.clock, rep.executor, rep.kv
         if sched.copies_in_flight:  # the copies that landed by now count (the same path as a server's)
             sched.copies_done(executor.poll_copies())
         now = clock.now()
         while events and events[0][0] <= now:
             _, _, i, turn = heapq.heappop(events)
-            submit(i, turn)
+            submit(i, turn, now)
         if not sched.has_work:
             if events:
                 clock.advance_to(events[0][0])
@@ -189,13 +244,13 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
         t2 = time.perf_counter()
         finished = sched.update(out, result)
         spent = (t1 - t0) + (time.perf_counter() - t2)
-        overhead += spent
-        steps += 1
+        rep.overhead += spent
+        rep.steps += 1
         running = sched.num_running + len(finished)
-        peak_running = max(peak_running, running)
-        peak_pins = max(peak_pins, len(kv.pins))
-        per_step.append((running, len(kv.pins), spent))
-        if cfg.check_integrity_every and steps % cfg.check_integrity_every == 0:
+        rep.peak_running = max(rep.peak_running, running)
+        rep.peak_pins = max(rep.peak_pins, len(kv.pins))
+        rep.per_step.append((running, len(kv.pins), spent))
+        if cfg.check_integrity_every and rep.steps % cfg.check_integrity_every == 0:
             sched.check_integrity()
         for req in finished:
             i, turn = by_rid.pop(req.request_id)
@@ -211,30 +266,57 @@ def simulate(programs: list[Program], cfg: SimConfig) -> SimResult:
                 if math.isfinite(d):
                     heapq.heappush(events, (req.finish_time + max(0.0, d), seq, i, turn + 1))
                     seq += 1
-    if not cfg.end_programs:  # wait out every pin and then the idle timeout, as a server idles
-        clock.advance_to(max([clock.now()] + [pin.expiry for pin in kv.pins.values()]))
-        clock.advance(sconf.program_idle_timeout + 1.0)
-        sched.schedule()
-    sched.check_integrity()
-    st = sched.stats
+    for rep in reps:
+        if not cfg.end_programs:  # wait out every pin and then the idle timeout, as a server idles
+            rep.clock.advance_to(max([rep.clock.now()] + [pin.expiry for pin in rep.kv.pins.values()]))
+            rep.clock.advance(rep.config.program_idle_timeout + 1.0)
+            rep.scheduler.schedule()
+        rep.scheduler.check_integrity()
     start = min((p.arrival for p in programs), default=0.0)
-    return SimResult(
+    return _result(cfg, reps, programs, jct, ttft, queue_times, rejected, max(0.0, last_finish - start),
+                   time.perf_counter() - wall0)
+
+
+def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct: list[float],
+            ttft: list[float], queue_times: list[float], rejected: int, makespan: float, wall: float) -> SimResult:
+    """The run's result: one replica's counters as they are, several replicas' summed
+    (their per-replica figures under `replicas`)."""
+    stats = [r.scheduler.stats for r in reps]
+    ex = [r.executor.stats for r in reps]
+    steps = sum(r.steps for r in reps)
+    hit = sum(s.hit_tokens for s in stats)
+    admitted = sum(s.admitted_prompt_tokens for s in stats)
+    created = sum(s.pins_created for s in stats)
+    if len(reps) == 1:
+        rep = reps[0]
+        state = dict(_state(rep.scheduler), peak_running=rep.peak_running, peak_pins=rep.peak_pins,
+                     **_busiest(rep.per_step, rep.peak_running))
+    else:
+        state = {"peak_running": max(r.peak_running for r in reps), "peak_pins": max(r.peak_pins for r in reps)}
+    result = SimResult(
         policy=cfg.policy, programs=len(programs), completed=len(jct), rejected=rejected,
         jct=jct, ttft=ttft, queue_times=queue_times,
-        makespan=max(0.0, last_finish - start), steps=steps, preemptions=st.preemptions,
-        hit_ratio=st.hit_tokens / st.admitted_prompt_tokens if st.admitted_prompt_tokens else 0.0,
-        sched_overhead_s=overhead / steps if steps else 0.0,
-        wall_s=time.perf_counter() - wall0,
-        pins={"created": st.pins_created, "hit": st.pins_hit, "expired": st.pins_expired,
-              "reclaimed": st.pins_reclaimed, "released_early": st.pins_released_early,
-              "mean_ttl": st.ttl_sum / st.pins_created if st.pins_created else 0.0},
-        capped_steps=st.capped_steps, decode_step_max_s=st.decode_step_max_s,
-        decode_step_p99_s=st.decode_step_p99_s(),
-        tiers={"offloaded": executor.stats.offloaded_blocks, "loaded": executor.stats.loaded_blocks,
-               "spilled": executor.stats.spilled_blocks, "disk_loaded": executor.stats.disk_loaded_blocks,
-               "swapped_turns": st.swapped_turns, "onward_turns": st.onward_turns, "copy_s": executor.stats.copy_time},
-        state=dict(_state(sched), peak_running=peak_running, peak_pins=peak_pins, **_busiest(per_step, peak_running)),
+        makespan=makespan, steps=steps, preemptions=sum(s.preemptions for s in stats),
+        hit_ratio=hit / admitted if admitted else 0.0,
+        sched_overhead_s=sum(r.overhead for r in reps) / steps if steps else 0.0,
+        wall_s=wall,
+        pins={"created": created, "hit": sum(s.pins_hit for s in stats),
+              "expired": sum(s.pins_expired for s in stats), "reclaimed": sum(s.pins_reclaimed for s in stats),
+              "released_early": sum(s.pins_released_early for s in stats),
+              "mean_ttl": sum(s.ttl_sum for s in stats) / created if created else 0.0},
+        capped_steps=sum(s.capped_steps for s in stats), decode_step_max_s=max(s.decode_step_max_s for s in stats),
+        decode_step_p99_s=max(s.decode_step_p99_s() for s in stats),
+        tiers={"offloaded": sum(e.offloaded_blocks for e in ex), "loaded": sum(e.loaded_blocks for e in ex),
+               "spilled": sum(e.spilled_blocks for e in ex), "disk_loaded": sum(e.disk_loaded_blocks for e in ex),
+               "swapped_turns": sum(s.swapped_turns for s in stats), "onward_turns": sum(s.onward_turns for s in stats),
+               "copy_s": sum(e.copy_time for e in ex)},
+        state=state,
     )
+    if len(reps) > 1:
+        result.replicas = [{"replica": r.name, "turns": r.turns, "steps": r.steps, "busy_s": e.busy_time,
+                            "hit_ratio": s.hit_tokens / s.admitted_prompt_tokens if s.admitted_prompt_tokens else 0.0,
+                            "preemptions": s.preemptions} for r, s, e in zip(reps, stats, ex)]
+    return result
 
 
 def _busiest(per_step: list[tuple[int, int, float]], peak_running: int) -> dict:
