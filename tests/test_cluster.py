@@ -106,6 +106,9 @@ def test_metrics_carry_the_replica_label_and_health_is_ok(cluster):
     replicas = {ln.split('replica="', 1)[1].split('"', 1)[0] for ln in samples}
     assert len(replicas) == 2, samples
     assert "agentserve:cluster_replicas_answering 2" in text
+    counters = {ln.split('counter="', 1)[1].split('"', 1)[0]: float(ln.rsplit(" ", 1)[1])
+                for ln in text.splitlines() if ln.startswith("agentserve:router_counters{")}
+    assert counters["affinity"] >= 6 and counters["placements"] >= 4, counters  # the programs' turns above
     assert httpx.get(cluster.url + "/health", timeout=30).json() == {"status": "ok"}
 
 

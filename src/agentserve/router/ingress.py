@@ -35,6 +35,8 @@ from agentserve.server.tenants import Tenants
 log = logging.getLogger("agentserve.router")
 
 ROUTED_POSTS = ("/v1/chat/completions", "/v1/completions")
+# the routing logic of this process's request routers, by deployment (ray_router.py fills it)
+ROUTING_LOGIC: dict[str, Any] = {}
 _PROGRAM_PATH = "/v1/programs/"
 
 
@@ -196,9 +198,7 @@ class Ingress:
         for key, doc in docs.items():
             lines += [f"# HELP agentserve:cluster_{key}_total {doc}", f"# TYPE agentserve:cluster_{key}_total counter",
                       f"agentserve:cluster_{key}_total {self.counts[key]}"]
-        from agentserve.router.ray_router import routing_counters
-
-        counters = routing_counters()
+        counters = {dep: logic.counters() for dep, logic in list(ROUTING_LOGIC.items())}
         if counters:
             lines += ["# HELP agentserve:router_counters The request router's counts: decisions by reason "
                       "(affinity, escapes, prefix_matches, placements, fallbacks), programs lost with a replica, "

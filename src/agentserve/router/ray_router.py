@@ -35,15 +35,6 @@ def make_logic(name: str, options: dict[str, Any] | None = None):
     return make_router(name, config=RouterConfig(**options) if options else None)
 
 
-_ACTIVE: dict[str, AgentserveRequestRouter] = {}
-
-
-def routing_counters() -> dict[str, dict[str, int]]:
-    """The routing logic's counters (decisions by reason, programs lost...) of every request
-    router in this process, by deployment: the ingress shows them on /metrics."""
-    return {name: dict(r.logic.counters()) for name, r in list(_ACTIVE.items())}
-
-
 def load_of(replica: RunningReplica) -> ReplicaLoad:
     """What `replica` last reported, or an empty healthy load before its first report."""
     rid = replica.replica_id.unique_id
@@ -62,7 +53,11 @@ class AgentserveRequestRouter(RequestRouter):
     def initialize_state(self, logic: str = "program", options: dict[str, Any] | None = None, **kwargs) -> None:
         self.logic_name = logic
         self.logic = make_logic(logic, options)
-        _ACTIVE[self._deployment_id.name] = self
+        # Ray pickles this module by value into the ingress: its globals are a copy, so the
+        # table the ingress reads for /metrics lives in ingress.py
+        from agentserve.router.ingress import ROUTING_LOGIC
+
+        ROUTING_LOGIC[self._deployment_id.name] = self.logic
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
