@@ -57,6 +57,7 @@ def build_application(args: Any, n: int, router: str, api_keys: dict[str, str], 
         # the replica's own queue limit (--max-queue) answers overload with a 503, as `serve` does
         max_ongoing_requests=(args.max_queue or 4096) + args.max_num_seqs,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=args.graceful_shutdown_s,
+        max_constructor_retry_count=2 * n,
         request_router_config=router_config,
     ).bind(per, build, llm_factory)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -75,20 +76,40 @@ def replica_logs() -> list[str]:
     return sorted(glob.glob(pattern), key=os.path.getmtime)
 
 
-def start_failure(e: Exception) -> str:
+def start_failure(why: str) -> str:
     """One line that says why the replicas did not start, and where their log is."""
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    first = _cause(why)
     logs = replica_logs()
     where = f"see the replica's log: {logs[-1]}" if logs else "see Ray's logs under /tmp/ray/session_latest/logs"
     return f"the engine replicas did not become healthy ({first[:300]}); {where}"
 
 
+def _cause(message: str) -> str:
+    """The telling line of Ray's deployment failure: the replica's own exception if it is there."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if not ln.startswith(("File ", "Traceback", "^", "~")) and ": " in ln
+              and ln.split(":", 1)[0].replace(".", "").isidentifier() and ln.split(":", 1)[0][0].isupper()]
+    return errors[-1] if errors else (lines[0] if lines else "no reason given")
+
+
 def run(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any, llm_factory: Any = None,
-        retries: int = 2):
-    """Deploy the application on the running Ray; the ingress's handle. Raises RuntimeError with
-    `start_failure`'s line when a replica never becomes healthy."""
+        retries: int = 2, timeout_s: float = 600.0) -> None:
+    """Deploy the application on the running Ray and wait until every replica is healthy.
+    Raises RuntimeError with `start_failure`'s line when one never becomes healthy (its
+    constructor failed twice per replica, or `timeout_s` passed)."""
+    import time
+
     app = build_application(args, n, router, api_keys, build, llm_factory, retries)
-    try:
-        return serve.run(app, name=APP_NAME, route_prefix="/")
-    except Exception as e:  # Ray raises RuntimeError (DEPLOY_FAILED) among others
-        raise RuntimeError(start_failure(e)) from e
+    serve._run(app, name=APP_NAME, route_prefix="/", _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(APP_NAME)
+        state = getattr(status, "status", None)
+        if state == "RUNNING":
+            return
+        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+            replicas = status.deployments.get(REPLICA_DEPLOYMENT)
+            raise RuntimeError(start_failure(getattr(replicas, "message", "") or status.message or state))
+        if time.monotonic() > deadline:
+            raise RuntimeError(start_failure(f"not healthy after {timeout_s:.0f} s"))
+        time.sleep(0.5)
