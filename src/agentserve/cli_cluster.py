@@ -78,9 +78,10 @@ def cmd_cluster(args) -> int:
             cluster_app.run(args, args.replicas, args.router, keys, build_replica_server, retries=args.retries)
         except RuntimeError as e:
             raise CliError(str(e)) from None
-        log.info("serving %d engine replicas on http://%s:%d/v1 - router %s, %s threads and %s KV tokens each",
-                 args.replicas, args.host, args.port, args.router, args.threads or 1,
-                 args.kv_cache_tokens // args.replicas if args.kv_cache_tokens else "the default share of")
+        share = (f"{args.kv_cache_tokens // args.replicas} KV tokens" if args.kv_cache_tokens
+                 else "its share of the default KV cache")
+        log.info("serving %d engine replicas on http://%s:%d/v1 - router %s; each replica: %d CPU thread(s), %s",
+                 args.replicas, args.host, args.port, args.router, args.threads or 1, share)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
