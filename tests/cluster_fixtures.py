@@ -29,6 +29,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_ray() -> None:
+    """A local Ray of 2 CPUs whose workers import agentserve and these test helpers."""
+    import ray
+
+    paths = [str(SRC), str(TESTS), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)  # (an empty entry breaks Ray's agents)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+
+
 class Cluster:
     def __init__(self, replicas: int = 2, router: str = "program", extra: list[str] | None = None) -> None:
         self.replicas, self.router, self.extra = replicas, router, extra or []
@@ -36,18 +45,16 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Cluster:
-        import ray
         from ray import serve
 
         from agentserve.cli import build_parser
         from agentserve.cli_cluster import build_replica_server
         from agentserve.router import cluster_app
 
-        paths = [str(SRC), str(TESTS), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)  # (an empty entry breaks Ray's agents)
-        args = build_parser().parse_args(["cluster", "--served-model-name", "tiny", "tiny-alias", "--kv-cache-tokens", "8192",
-                                          "--max-num-seqs", "8", "--log-level", "warning", *self.extra])
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        args = build_parser().parse_args(["cluster", "--served-model-name", "tiny", "tiny-alias",
+                                          "--kv-cache-tokens", "8192", "--max-num-seqs", "8", "--log-level",
+                                          "warning", *self.extra])
+        local_ray()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         cluster_app.run(args, self.replicas, self.router, {}, build_replica_server, llm_factory=tiny_replica_llm)
         self.wait_healthy(60)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from cluster_fixtures import SRC, TESTS, free_port  # noqa: E402
+from cluster_fixtures import free_port, local_ray  # noqa: E402
 
 
 def broken_llm(args):
@@ -25,10 +25,8 @@ def test_a_replica_that_never_starts_fails_with_its_log_named():
     from agentserve.cli_cluster import build_replica_server
     from agentserve.router import cluster_app
 
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC), str(TESTS), *os.environ.get(
-        "PYTHONPATH", "").split(os.pathsep)] if p)
     args = build_parser().parse_args(["cluster", "--log-level", "warning"])
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    local_ray()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         with pytest.raises(RuntimeError) as e:
