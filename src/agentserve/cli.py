@@ -68,6 +68,15 @@ def _add_sim(sub) -> None:
                         "wait between turns and many pins live at once)")
     p.add_argument("--hang-fraction", type=float, default=0.0,
                    help="fraction of programs whose tool never returns at a random turn (robustness)")
+    p.add_argument("--replicas", type=csv_list(int), default=[1],
+                   help="comma-separated replica counts, e.g. 1,2,4,8: that many engines, each turn routed at its "
+                        "arrival by --router. With replicas, --rates and --programs are per replica (N replicas get "
+                        "N x the programs at N x the rate, so each sees the same pressure) and --kv-tokens is the "
+                        "total, split evenly (default: the profile's KV for every replica, one GPU each)")
+    p.add_argument("--router", type=csv_list(str), default=None,
+                   help="comma-separated routers for --replicas: program (program-aware: affinity with load "
+                        "escape, KV-load placement), pow2 (Ray Serve's power of two choices), prefix (prefix-cache "
+                        "affinity), round-robin (default: program)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
     p.add_argument("--json", default=None, help="write the result rows here")
     p.add_argument("--plot", default=None, help="write a PNG of JCT against rate per policy here")
@@ -82,7 +91,7 @@ def _add_sim(sub) -> None:
     p.set_defaults(func=cmd_sim)
 
 
-def build_workload(args, rate: float):
+def build_workload(args, rate: float, programs: int | None = None):
     from agentserve.workload.load import load_workload
 
     spec = args.workload
@@ -96,7 +105,7 @@ def build_workload(args, rate: float):
     if args.tool_time_scale != 1.0:
         opts["tool_time_scale"] = args.tool_time_scale
     try:
-        programs = load_workload(spec, args.programs, rate, args.seed, **opts)
+        programs = load_workload(spec, args.programs if programs is None else programs, rate, args.seed, **opts)
     except (OSError, ValueError) as e:
         raise CliError(str(e)) from None
     if args.hang_fraction > 0:
@@ -109,14 +118,26 @@ def _run_one(job):
     from agentserve.sim.driver import simulate
     from agentserve.sim.report import result_row
 
-    workload, profile, rate, programs, cfg = job
+    workload, profile, rate, programs, cfg, cluster = job
+    if cluster is not None:
+        from agentserve.router.sim_cluster import cluster_row, simulate_cluster
+
+        replicas, router = cluster
+        return cluster_row(workload, profile, rate, replicas, simulate_cluster(programs, cfg, replicas, router))
     return result_row(workload, profile, rate, simulate(programs, cfg))
+
+
+def _run_jobs(args, jobs: list) -> list[dict]:
+    """The simulations' rows, in the order of `jobs`, on `--jobs` processes."""
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            return list(ex.map(_run_one, jobs))
+    return [_run_one(j) for j in jobs]
 
 
 def cmd_sim(args) -> int:
     from agentserve.cost.profile import ProfileError, load_profile
     from agentserve.policy.registry import parse_policy_spec
-    from agentserve.sim.driver import SimConfig
     from agentserve.sim.report import format_table, plot, ratio_lines, write_json
 
     for spec in args.policies:
@@ -145,27 +166,17 @@ def cmd_sim(args) -> int:
         load_profile(args.profile)
     except (ProfileError, OSError) as e:
         raise CliError(str(e)) from None
+    if args.replicas != [1] or args.router is not None:
+        return _cmd_sim_cluster(args)
     jobs = []
     for rate in args.rates:
         programs = build_workload(args, rate)
         for pol in args.policies:
-            cfg = SimConfig(profile=args.profile, policy=pol, block_size=args.block_size, eviction=args.eviction,
-                            host_tier=args.host_tier or args.host_kv_tokens is not None,
-                            disk_tier=args.disk_tier or args.disk_kv_bytes is not None, kv_tokens=args.kv_tokens,
-                            host_kv_tokens=args.host_kv_tokens, disk_kv_bytes=args.disk_kv_bytes,
-                            overlap_copies=not args.sync_copies,
-                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                            max_step_ms_with_decodes=args.max_step_ms_with_decodes,
-                            seed=args.seed, check_integrity_every=args.check_integrity_every,
-                            end_programs=not args.no_end_program)
-            jobs.append((args.workload, args.profile, rate, programs, cfg))
+            cfg = _sim_config(args, pol)
+            jobs.append((args.workload, args.profile, rate, programs, cfg, None))
     print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates, "
           f"{args.programs} programs each) on {args.profile}...", file=sys.stderr)
-    if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(args.jobs) as ex:
-            rows = list(ex.map(_run_one, jobs))
-    else:
-        rows = [_run_one(j) for j in jobs]
+    rows = _run_jobs(args, jobs)
     rows.sort(key=lambda r: (r["rate"], args.policies.index(r["policy"])))
     print(format_table(rows))
     for line in ratio_lines(rows):
@@ -182,6 +193,52 @@ def cmd_sim(args) -> int:
     if args.plot:
         plot(rows, args.plot, f"{args.workload} on {args.profile}")
         print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _sim_config(args, policy: str):
+    from agentserve.sim.driver import SimConfig
+
+    return SimConfig(profile=args.profile, policy=policy, block_size=args.block_size, eviction=args.eviction,
+                     host_tier=args.host_tier or args.host_kv_tokens is not None,
+                     disk_tier=args.disk_tier or args.disk_kv_bytes is not None, kv_tokens=args.kv_tokens,
+                     host_kv_tokens=args.host_kv_tokens, disk_kv_bytes=args.disk_kv_bytes,
+                     overlap_copies=not args.sync_copies,
+                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                     max_step_ms_with_decodes=args.max_step_ms_with_decodes,
+                     seed=args.seed, check_integrity_every=args.check_integrity_every,
+                     end_programs=not args.no_end_program)
+
+
+def _cmd_sim_cluster(args) -> int:
+    """`sim --replicas N,.. --router A,..`: every (replicas, router, policy, rate), per-replica rates and programs."""
+    from agentserve.router.registry import router_names
+    from agentserve.router.sim_cluster import format_cluster_table
+    from agentserve.sim.report import write_json
+
+    routers = args.router or ["program"]
+    bad = [r for r in routers if r not in router_names()]
+    if bad:
+        raise CliError(f"unknown router {bad[0]!r}: choose from {', '.join(router_names())}")
+    if any(n < 1 for n in args.replicas):
+        raise CliError("--replicas must be at least 1")
+    if args.kv_tokens is not None and args.kv_tokens < args.block_size * max(args.replicas):
+        raise CliError("--kv-tokens (the total) must give every replica at least one block")
+    jobs = []
+    for n in args.replicas:
+        for rate in args.rates:
+            programs = build_workload(args, rate * n, args.programs * n)
+            for router in routers:
+                for pol in args.policies:
+                    jobs.append((args.workload, args.profile, rate, programs, _sim_config(args, pol), (n, router)))
+    print(f"simulating {len(jobs)} runs ({len(args.replicas)} replica counts x {len(routers)} routers x "
+          f"{len(args.policies)} policies x {len(args.rates)} rates, {args.programs} programs a replica) "
+          f"on {args.profile}...", file=sys.stderr)
+    rows = _run_jobs(args, jobs)
+    print(format_cluster_table(rows))
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import time
 from typing import Any
 
 from ray import serve
@@ -25,6 +26,7 @@ APP_NAME = "agentserve"
 REPLICA_DEPLOYMENT = "EngineReplica"
 RAY_DEFAULT = "ray-default"  # Ray Serve's own power-of-two-choices router, for comparison
 STATS_PERIOD_S = 0.5
+POLL_S = 0.5  # how often the start checks the replicas' state
 
 
 def replica_args(args: Any, n: int) -> Any:
@@ -97,12 +99,10 @@ def run(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any, ll
     """Deploy the application on the running Ray and wait until every replica is healthy.
     Raises RuntimeError with `start_failure`'s line when one never becomes healthy (its
     constructor failed twice per replica, or `timeout_s` passed)."""
-    import time
 
     app = build_application(args, n, router, api_keys, build, llm_factory, retries)
     serve._run(app, name=APP_NAME, route_prefix="/", _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while True:
+    for _ in range(max(1, round(timeout_s / POLL_S))):  # (polls, not the clock: router/ reads no clock)
         status = serve.status().applications.get(APP_NAME)
         state = getattr(status, "status", None)
         if state == "RUNNING":
@@ -110,6 +110,5 @@ def run(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any, ll
         if state in ("DEPLOY_FAILED", "UNHEALTHY"):
             replicas = status.deployments.get(REPLICA_DEPLOYMENT)
             raise RuntimeError(start_failure(getattr(replicas, "message", "") or status.message or state))
-        if time.monotonic() > deadline:
-            raise RuntimeError(start_failure(f"not healthy after {timeout_s:.0f} s"))
-        time.sleep(0.5)
+        time.sleep(POLL_S)
+    raise RuntimeError(start_failure(f"not healthy after {timeout_s:.0f} s"))

@@ -91,7 +91,7 @@ class ProgramRouter:
             if found is not None:
                 top, why = found, "prefix_matches"
         if why != "placements" and self._overloaded(live[top], least):
-            top, why = order[0].replica, "escapes"
+            top, why = next(l.replica for l in order if l.replica != top), "escapes"  # overloaded: never the least
         self._pending[key] = (top, why)
         if len(self._pending) > _PENDING:
             self._pending.popitem(last=False)

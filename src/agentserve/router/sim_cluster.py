@@ -12,7 +12,7 @@ from agentserve.router.registry import make_router
 from agentserve.router.replica_load import replica_load
 from agentserve.router.route_key import RouteKey, token_prefix_keys
 from agentserve.sim.driver import Arrival, SimConfig, SimReplica, SimResult, simulate
-from agentserve.sim.report import result_row
+from agentserve.sim.report import aligned, result_row
 from agentserve.workload.trace import Program
 
 
@@ -63,10 +63,4 @@ def format_cluster_table(rows: list[dict]) -> str:
                       f"{r['completed']}/{r['programs']}", f"{r['mean_jct']:.1f}", f"{r['p99_ttft']:.2f}",
                       f"{100 * r['hit_ratio']:.1f}", f"{r['load_spread']:.2f}"]
                      + [str(c.get(k, "-")) for k in ("affinity", "escapes", "prefix_matches", "placements")])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    out = []
-    for j, row in enumerate(lines):
-        out.append("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return aligned(lines, left=3)

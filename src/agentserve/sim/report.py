@@ -40,10 +40,15 @@ def format_table(rows: list[dict]) -> str:
             _f(r["p99_ttft"], 2), _f(r["max_queue"]), str(r["preemptions"]), str(r["pins"]["created"]),
             _f(r["pins"]["mean_ttl"], 2), _f(r["sched_overhead_us"], 0), _f(r["sim_wall_s"]),
         ])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return aligned(lines)
+
+
+def aligned(lines: list[list[str]], left: int = 1) -> str:
+    """A header row and rows as columns: the first `left` flush left, the rest right, a rule under the header."""
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     out = []
     for j, row in enumerate(lines):
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        out.append("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
