@@ -112,6 +112,26 @@ def test_metrics_carry_the_replica_label_and_health_is_ok(cluster):
     assert httpx.get(cluster.url + "/health", timeout=30).json() == {"status": "ok"}
 
 
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(cluster):
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "a stream nobody reads"}],
+            "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=long, timeout=60,
+                      headers={"X-Program-Id": "leaver"}) as s:
+        replica = s.headers[REPLICA]
+        for n, _ in enumerate(s.iter_lines()):
+            if n > 10:
+                break  # close the connection mid-stream
+    deadline = time.monotonic() + 20
+    while True:  # the replica counts it as aborted (it would take seconds more to finish)
+        text = httpx.get(cluster.url + "/metrics", timeout=30).text
+        prefix = f'agentserve:request_success_total{{replica="{replica}"'
+        aborted = [ln for ln in text.splitlines() if ln.startswith(prefix) and 'finished_reason="abort"' in ln]
+        if aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 1:
+            break
+        assert time.monotonic() < deadline, "the replica did not abort the abandoned request"
+        time.sleep(0.2)
+
+
 def test_a_killed_replica_fails_over(cluster):
     """Kill the replica serving a program mid-run: its stream that had begun ends with an error
     event and [DONE]; its request that had no output yet is retried on the other replica; the
