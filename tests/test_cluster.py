@@ -67,6 +67,9 @@ def test_a_programs_turns_stay_on_one_replica(cluster):
             msgs = msgs + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or "ok"},
                            {"role": "user", "content": f"turn {turn}"}]
         assert len(seen) == 1, (program, seen)
+        for command in ("release", "end"):  # the program's replica answers (and the router forgets it on end)
+            r = httpx.post(f"{cluster.url}/v1/programs/{program}/{command}", timeout=30)
+            assert r.status_code == 200 and r.headers[REPLICA] in seen, (command, r.text)
 
 
 def test_an_id_less_conversation_follows_its_prefix(cluster):

@@ -110,7 +110,9 @@ class Ingress:
             except (ValueError, RecursionError):
                 obj = {}
         elif path.startswith(_PROGRAM_PATH) and path.endswith(("/release", "/end")):
-            obj = {"program_id": path[len(_PROGRAM_PATH):].rsplit("/", 1)[0]}
+            # to the program's replica; an end makes the router forget the program
+            obj = {"program_id": path[len(_PROGRAM_PATH):].rsplit("/", 1)[0], "messages": [],
+                   "end_program": path.endswith("/end")}
         else:
             return None
         try:
