@@ -53,7 +53,7 @@ class Cluster:
 
         args = build_parser().parse_args(["cluster", "--served-model-name", "tiny", "tiny-alias",
                                           "--kv-cache-tokens", "8192", "--max-num-seqs", "8", "--log-level",
-                                          "warning", *self.extra])
+                                          "warning", "--max-body-bytes", str(64 * 1024), *self.extra])
         local_ray()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         cluster_app.run(args, self.replicas, self.router, {}, build_replica_server, llm_factory=tiny_replica_llm)

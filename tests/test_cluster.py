@@ -82,19 +82,24 @@ def test_an_id_less_conversation_follows_its_prefix(cluster):
     assert follow.status_code == 200 and follow.headers[REPLICA] == first.headers[REPLICA]
 
 
-def test_bad_input_gets_the_single_servers_400(cluster):
+def test_bad_input_gets_the_single_servers_error(cluster):
     server, _, _ = start_tiny_server(api_key=None)
     try:
         for body in (b"{not json", json.dumps({"model": "tiny"}).encode(),
                      json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                  "max_tokens": -1}).encode(),
-                     json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode()):
+                     json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+                     json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]}).encode()):
             got = httpx.post(cluster.url + "/v1/chat/completions", content=body, timeout=30,
                              headers={"content-type": "application/json"})
             want = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
                               headers={"content-type": "application/json"})
-            assert got.status_code == want.status_code and got.status_code in (400, 404), got.text
+            assert got.status_code == want.status_code and got.status_code in (400, 404, 413), got.text
             assert got.json() == want.json()
+        big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]}).encode()
+        got = httpx.post(cluster.url + "/v1/chat/completions", content=iter([big]), timeout=30)  # chunked
+        want = httpx.post(server.url + "/v1/chat/completions", content=iter([big]), timeout=30)
+        assert got.status_code == want.status_code == 413 and got.json() == want.json()
     finally:
         server.stop()
 
