@@ -72,6 +72,23 @@ def test_a_programs_turns_stay_on_one_replica(cluster):
             assert r.status_code == 200 and r.headers[REPLICA] in seen, (command, r.text)
 
 
+def test_a_burst_of_new_programs_is_spread_over_the_replicas(cluster):
+    """The replicas' reports are up to a stats period old; the requests in flight count at once."""
+    got: list = []
+
+    def one(i: int) -> None:
+        got.append(chat(cluster.url, [{"role": "user", "content": f"burst {i}"}], program=f"burst-{i}",
+                        max_tokens=60, ignore_eos=True))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [r.status_code for r in got] == [200] * 8
+    assert len({r.headers[REPLICA] for r in got}) == 2
+
+
 def test_an_id_less_conversation_follows_its_prefix(cluster):
     system = {"role": "system", "content": "You are a careful agent. " * 8}
     msgs = [system, {"role": "user", "content": "an id-less conversation " * 4}]

@@ -10,12 +10,15 @@ back here as `RunningReplica.routing_stats`. The logic (program_router.py, or
 a baseline from baselines.py, picked by `request_router_kwargs["logic"]`)
 ranks replica ids; they are mapped back to Ray's replicas, and every replica
 the logic left out is added as a last rank so that Ray always has somewhere to
-send the request. The logic hears where each request went (`routed`) and
-which replicas are gone (`replica_gone`: a dead actor, or one the controller
-dropped), so a dead replica's programs are placed afresh on their next turn."""
+send the request. A replica's reported queue is raised to the requests Ray's
+own queue-length cache says it runs now (fresher than the last report). The
+logic hears where each request went (`routed`) and which replicas are gone
+(`replica_gone`: a dead actor, or one the controller dropped), so a dead
+replica's programs are placed afresh on their next turn."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -35,16 +38,25 @@ def make_logic(name: str, options: dict[str, Any] | None = None):
     return make_router(name, config=RouterConfig(**options) if options else None)
 
 
-def load_of(replica: RunningReplica) -> ReplicaLoad:
-    """What `replica` last reported, or an empty healthy load before its first report."""
+def load_of(replica: RunningReplica, ongoing: int | None = None) -> ReplicaLoad:
+    """What `replica` last reported (an empty healthy load before its first report), its queue
+    raised to `ongoing`, the requests Ray knows it is running now: a report is up to a stats
+    period old, and without this a burst of new programs would all be placed on the replica that
+    looked least loaded when it last reported."""
     rid = replica.replica_id.unique_id
     stats = replica.routing_stats
+    load = None
     if stats:
-        load = ReplicaLoad.from_dict(stats)
-        if load.replica == rid:
-            return load
-    return ReplicaLoad(replica=rid, total_blocks=0, free_blocks=0, pinned_blocks=0, waiting=0, running=0,
-                       programs=frozenset(), healthy=True)
+        try:
+            load = ReplicaLoad.from_dict(stats)
+        except ValueError:
+            log.warning("replica %s reported malformed routing stats", rid, exc_info=True)
+    if load is None or load.replica != rid:
+        load = ReplicaLoad(replica=rid, total_blocks=0, free_blocks=0, pinned_blocks=0, waiting=0, running=0,
+                           programs=frozenset(), healthy=True)
+    if ongoing is not None and ongoing > load.queue:
+        load = dataclasses.replace(load, waiting=ongoing - load.running)
+    return load
 
 
 class AgentserveRequestRouter(RequestRouter):
@@ -71,7 +83,8 @@ class AgentserveRequestRouter(RequestRouter):
             return [candidates]
         by_id = {r.replica_id.unique_id: r for r in candidates}
         try:
-            ranked = self.logic.rank(key, [load_of(r) for r in candidates])
+            cache = self.replica_queue_len_cache
+            ranked = self.logic.rank(key, [load_of(r, cache.get(r.replica_id)) for r in candidates])
         except Exception:  # a bug in the logic must not stop traffic: log it and let Ray choose
             log.exception("routing logic %s failed; routing by Ray's order", self.logic_name)
             return [candidates]
