@@ -88,7 +88,11 @@ class Ingress:
             return await self._health()
         body = await self._read_body(request)
         route = self._route(method, path, body, request.headers)
-        return await self._forward(method, path, request.url.query.encode(), headers, body, route)
+        try:
+            return await self._forward(method, path, request.url.query.encode(), headers, body, route)
+        except Exception as e:  # a failure of the plumbing, never the app's own errors (those are replies)
+            log.exception("forwarding %s %s failed", method, path)
+            return APIError(500, f"internal server error: {type(e).__name__}", "server_error").response()
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, cut one byte past the limit (the replica's app then answers 413 as `serve` does)."""
@@ -148,8 +152,12 @@ class Ingress:
                     tried.append(head["replica"])
                 log.warning("replica %s failed before any output (%s); attempt %d of %d",
                             head["replica"] if head else "?", type(e).__name__, attempt + 1, self.retries + 1)
-                self.counts["retries"] += 1
+                if attempt < self.retries:
+                    self.counts["retries"] += 1
                 continue
+            except BaseException:  # the client left (cancelled), or the replica's code raised
+                gen.cancel()
+                raise
             if head is None:  # the app answered nothing at all: should not happen
                 return _replica_gone_error().response()
             return StreamingResponse(self._rest(gen, held, head), status_code=head["status"],
