@@ -43,15 +43,16 @@ LAYERS = [
     {"cost", "workload"},  # step costs and profiles; workloads and traces
     {"runner", "sim"},  # the real executor; the simulated one
     {"server"},
-    {"router"},  # scale-out: routing over replicas (reads engines, the server's identity rules, the simulator)
+    {"router"},  # scale-out: routing over replicas (engines, identity rules, the simulator); its Ray Serve plumbing
     {"llm"},  # the offline API: entry point
     {"bench"},  # benchmarks: servers over HTTP, the simulator, the offline LLM
     # entry points; "agentserve" is the package root (its lazy LLM export)
     {"agentserve", "cli_model", "cli_bench"},
     {"cli_serve"},
+    {"cli_cluster"},
     {"cli"},
 ]
-ENTRY_POINTS = {"llm", "cli", "cli_model", "cli_serve", "cli_bench", "agentserve"}
+ENTRY_POINTS = {"llm", "cli", "cli_model", "cli_serve", "cli_cluster", "cli_bench", "agentserve"}
 LLM_USERS = ENTRY_POINTS | {"bench"}
 
 
@@ -255,12 +256,20 @@ def import_without_torch(modules: list[str], src: pathlib.Path = SRC) -> dict:
 
 
 def _torch_free_modules() -> list[str]:
+    """The torch-free layers' modules; without Ray (the optional `cluster` extra), not those that import it."""
+    import importlib.util
+
+    ray_missing = importlib.util.find_spec("ray") is None
     out = []
     for layer in TORCH_FREE:
         files = [PKG / layer] if layer.endswith(".py") else sorted((PKG / layer).rglob("*.py"))
         assert files and files[0].exists(), f"layer {layer} has no modules"
-        out += [_module_name(p) for p in files]
+        out += [_module_name(p) for p in files if not (ray_missing and _imports_ray(p))]
     return out
+
+
+def _imports_ray(path: pathlib.Path) -> bool:
+    return any(m == "ray" or m.startswith("ray.") for m, _ in _imported_names(_module_name(path), path))
 
 
 def test_torch_free_layers_import_without_torch():

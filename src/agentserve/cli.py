@@ -9,6 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from agentserve.argtypes import csv_list, non_negative_ms
 from agentserve.cli_bench import add_bench
+from agentserve.cli_cluster import add_cluster
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_generate, add_profile
 from agentserve.cli_serve import add_serve
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_sim(sub)
     add_serve(sub)
+    add_cluster(sub)
     add_bench(sub)
     add_generate(sub)
     add_profile(sub)

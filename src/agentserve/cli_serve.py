@@ -41,7 +41,7 @@ def _non_negative(kind: str):
     return parse
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None ones (their help says what happens)."""
 
     def _get_help_string(self, action):
@@ -61,7 +61,13 @@ def add_serve(sub) -> None:
                     "POST /v1/programs/{id}/release|end, and GET /openapi.json. Requests of one agent program are tied together by "
                     "the X-Program-Id header (or program_id / session_id / user); the scheduler keeps a "
                     "program's KV across its tool calls for a learned TTL.",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
+    add_server_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_server_options(p) -> None:
+    """The flags of `serve` (server, caches, model and engine, tool calls); `cluster` takes them too."""
     g = p.add_argument_group("server")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients send as `model`; the first is reported in responses "
@@ -114,7 +120,6 @@ def add_serve(sub) -> None:
                         "or 'Cache-Control: no-cache', for a fresh sample). 0: off")
     add_model_options(p)
     _add_tool_call_options(p)
-    p.set_defaults(func=cmd_serve)
 
 
 def _graceful_server(config, engine, grace: float):
@@ -173,7 +178,8 @@ def _tool_call_config(args):
                            undeclared=args.undeclared_tool_calls, bash_blocks=args.bash_block_early_stop)
 
 
-def _api_keys(args) -> dict[str, str]:
+def api_keys(args) -> dict[str, str]:
+    """The API keys and their tenants that the flags name (a CliError if malformed)."""
     from agentserve.server.tenants import TenantConfigError, key_tenants
 
     try:
@@ -189,33 +195,52 @@ def _keys_line(tenants, n_keys: int) -> str:
     return f"required ({n_keys} key(s), {len(tenants)} tenant(s){scoped})"
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
-
-    from agentserve.engine.gc_policy import POLICIES
-    from agentserve.server.app import create_app
-    from agentserve.server.server_state import ServerConfig
-
+def check_serve_args(args) -> None:
+    """The server flags' values make sense (before anything is loaded)."""
     if not 0 < args.port < 65536:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
     if args.log_stats_interval < 0:
         raise CliError(f"--log-stats-interval must be 0 or more, got {args.log_stats_interval}")
     if args.max_body_bytes < 1:
         raise CliError("--max-body-bytes must be at least 1")
-    tool_calls = _tool_call_config(args)
-    keys = _api_keys(args)
+
+
+def setup_logging(args) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("agentserve").setLevel(args.log_level.upper())
-    from agentserve.server.engine_thread import EngineThread
 
+
+def build_server(args, llm_factory=None):
+    """What `agentserve serve` serves, from its flags: `(app, llm, config)`. The LLM is built
+    on the engine thread it will step on, by `llm_factory(args)` (default: `build_llm`, the
+    model flags); `agentserve cluster` builds each replica with this same function."""
+    from agentserve.engine.gc_policy import POLICIES
+    from agentserve.server.app import create_app
+    from agentserve.server.engine_thread import EngineThread
+    from agentserve.server.server_state import ServerConfig
+
+    tool_calls = _tool_call_config(args)
+    keys = api_keys(args)
+    factory = llm_factory or build_llm
     thread = EngineThread()
-    llm = thread.run(lambda: build_llm(args))  # loaded where it will step: see engine_thread.py
+    llm = thread.run(lambda: factory(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
     config = ServerConfig(names, tool_calls=tool_calls, api_keys=keys, max_queue=args.max_queue or None,
                           max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None,
                           render_cache=args.render_cache, response_cache=args.response_cache,
                           cached_tokens_report=args.cached_tokens_report, gc_policy=POLICIES[args.gc])
-    app = create_app(llm, config, thread=thread)
+    return create_app(llm, config, thread=thread), llm, config
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    check_serve_args(args)
+    _tool_call_config(args)
+    keys = api_keys(args)
+    setup_logging(args)
+    app, llm, config = build_server(args)
+    names = config.served_model_names
     kv = llm.scheduler.kv
     log.info("serving %s (%s) on http://%s:%d/v1 - max_model_len %d; KV cache %d tokens (%.1f MiB, %d blocks "
              "of %d); policy %s; max queue %s; API keys %s; render cache %s; response cache %s", names[0],

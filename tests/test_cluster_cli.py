@@ -1,0 +1,58 @@
+"""`agentserve cluster` without a cluster: Ray stays out of `agentserve serve`,
+a missing Ray gets an install hint and exit 2, and the pure helpers of the
+Ray plumbing (merged /metrics, what counts as output for failover)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentserve.cli import build_parser, main
+from agentserve.router.metrics_merge import merge_pages, with_label
+
+
+def test_serve_never_imports_ray():
+    code = ("import sys, agentserve.cli as c; p = c.build_parser(); p.parse_args(['serve']); "
+            "print('ray' in sys.modules or any(m.startswith('ray.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cluster_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert main(["cluster", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'agentserve[cluster]'" in err and err.count("\n") == 1
+
+
+def test_cluster_takes_the_serve_flags():
+    args = build_parser().parse_args(["cluster", "--replicas", "3", "--router", "pow2", "--kv-cache-tokens", "9000",
+                                      "--api-key", "k", "--max-queue", "7"])
+    assert (args.replicas, args.router, args.kv_cache_tokens, args.api_key, args.max_queue) == (3, "pow2", 9000,
+                                                                                                ["k"], 7)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cluster", "--router", "nope"])
+
+
+def test_with_label_puts_the_replica_first():
+    assert with_label('a_total{model_name="m"} 3.0', "replica", "r1") == 'a_total{replica="r1",model_name="m"} 3.0'
+    assert with_label("a_total 3.0", "replica", "r1") == 'a_total{replica="r1"} 3.0'
+    assert with_label("a{} 1", "replica", 'x"y') == 'a{replica="x\\"y"} 1'
+
+
+def test_merge_pages_has_one_header_per_family():
+    page = ("# HELP a_total Things.\n# TYPE a_total counter\na_total{m=\"x\"} 1.0\n"
+            "# HELP g A gauge.\n# TYPE g gauge\ng 2.0\n")
+    merged = merge_pages([("r1", page), ("r2", page.replace("1.0", "5.0"))])
+    lines = merged.splitlines()
+    assert lines == ["# HELP a_total Things.", "# TYPE a_total counter", 'a_total{replica="r1",m="x"} 1.0',
+                     'a_total{replica="r2",m="x"} 5.0', "# HELP g A gauge.", "# TYPE g gauge",
+                     'g{replica="r1"} 2.0', 'g{replica="r2"} 2.0']
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert {s.labels["replica"] for s in fams["a"].samples} == {"r1", "r2"}
