@@ -180,6 +180,11 @@ def test_new_programs_are_placed_by_free_kv_and_queue():
     ranks = r.rank(key("new", size=1600), [load("a", free=20), load("b", free=90), load("c", free=90, waiting=2)])
     assert [x[0] for x in ranks] == ["b", "c", "a"]  # a full KV weighs more than two queued requests
     assert r.rank(key("x"), [load("b"), load("a")])[0] == ["a"]  # ties: by name, whatever the order given
+    # a run of new programs on idle replicas whose reports have not moved yet: spread in turn
+    idle = [load("b"), load("a"), load("c")]
+    assert [route(r, key(f"p{i}"), idle) for i in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    assert route(r, key("p0"), idle) == "a"  # a returning program goes home; the round does not move
+    assert route(r, key("p6"), idle) == "a"
 
 
 def test_reports_correct_the_memory_and_unhealthy_replicas_are_never_ranked():

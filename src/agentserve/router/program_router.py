@@ -15,7 +15,8 @@ Policy, for one request and the replicas' loads (only healthy ones are ranked):
 - Anything else (a new program, an escape, an id-less request with no match) is
   placed by KV load: the replica with the lowest load once the request's
   `size_hint` tokens are counted against its free KV; ties go to the most free
-  KV, then the replica's name, so the choice is deterministic.
+  KV, then in turn around the replicas' names (deterministic, and a run of new
+  programs on idle replicas is spread even while their reports lag).
 
 Load of a replica = waiting + running requests + `kv_weight` x the share of
 its device KV held by requests and pins: a full KV weighs as `kv_weight` queued
@@ -70,6 +71,7 @@ class ProgramRouter:
         self.prefixes = PrefixMemory(self.config.max_prefix_keys)  # prefix key -> replica
         self._pending: OrderedDict[RouteKey, tuple[str, str]] = OrderedDict()  # key -> (top replica, why)
         self._counts: Counter[str] = Counter()
+        self._turn = 0  # placements made: where the round of tie-breaks starts
 
     # --- deciding ---
 
@@ -80,7 +82,9 @@ class ProgramRouter:
         if not live:
             return []
         w = self.config.kv_weight
-        order = sorted(live.values(), key=lambda l: (load_of(l, w, key.size_hint), -l.free_blocks, l.replica))
+        names = sorted(live)
+        turn = {n: (i - self._turn) % len(names) for i, n in enumerate(names)}
+        order = sorted(live.values(), key=lambda l: (load_of(l, w, key.size_hint), -l.free_blocks, turn[l.replica]))
         least = min(load_of(l, w) for l in live.values())
         top, why = order[0].replica, "placements"
         home = self._home(key, live) if key.program_id is not None else None
@@ -121,6 +125,8 @@ class ProgramRouter:
         (forgotten when this was its last) and for its prefix keys."""
         top = self._pending.pop(key, None)
         self._counts[top[1] if top is not None and top[0] == replica else "fallbacks"] += 1
+        if top is not None and top[1] in ("placements", "escapes"):
+            self._turn += 1
         if key.program_id is not None:
             if key.end_program:
                 self.homes.pop(key.program_id)
