@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if ray.is_initialized():
             ray.shutdown()
         server.stop()
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # Ray's session files (the cluster's own log stays)
     rep["settings"] = {k: v for k, v in vars(a).items() if k != "json"}
     print(format_report(rep))
     if a.json:
