@@ -1,0 +1,270 @@
+"""`python -m agentserve.bench.cluster_failover`: kill one engine replica of an
+`agentserve cluster` mid-run and count what the agents saw.
+
+    python -m agentserve.bench.cluster_failover --programs 4 --rate 0.5 --token-scale 0.05 --time-scale 0.3 --kill-after 5 --baseline
+
+Starts `agentserve cluster` (the peer spec `cluster-<router>`, 2 replicas, in
+its own Ray under a private RAY_TMPDIR so no other Ray on the machine is
+touched), replays an agent workload against it with the replay client of
+`agentserve bench run`, and `--kill-after` seconds into the replay kills one
+replica actor with `ray.kill(..., no_restart=False)` (Ray restarts it).
+`--baseline` first replays the same workload and seed without a kill.
+
+The report: programs completed / total; turns sent, answered and failed;
+responses per turn (one record per sent turn: duplicates and turns sent with
+no answer and no error, `lost`, are counted from the per-turn records);
+streams cut by the kill (a stream that had begun on the dying replica ends
+with the ingress's `replica_failed` error event, by design: the replay client
+records that turn as an error and ends its program, it does not retry it);
+the ingress's /metrics counters (retried, cut, 503) over the run; and the
+re-prefill cost: prompt tokens not served from cache in turns sent after the
+kill, against the same turns (program, turn) of the baseline run, with both mean JCTs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+COUNTERS = ("retries", "failed_streams", "unavailable")
+CUT_MARK = "replica serving this stream failed"  # the ingress's replica_failed error event
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The ingress's failover counters from a /metrics page (0 when absent)."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        for key in COUNTERS:
+            if line.startswith(f"agentserve:cluster_{key}_total "):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def turn_counts(result: dict) -> dict:
+    """Per-turn accounting of one replay result (its `turns` and `program_results`)."""
+    turns, programs = result["turns"], result["program_results"]
+    seen: dict[tuple[str, int], int] = {}
+    for t in turns:
+        seen[(t["program_id"], t["turn"])] = seen.get((t["program_id"], t["turn"]), 0) + 1
+    ok = [t for t in turns if t["error"] is None]
+    errors = [t for t in turns if t["error"] is not None]
+    cut = [t for t in errors if CUT_MARK in t["error"]]
+    planned = sum(p["turns"] for p in programs)
+    return {"programs": len(programs), "completed": sum(1 for p in programs if p["completed"]),
+            "turns_planned": planned, "turns_sent": len(seen), "turns_ok": len(ok), "turns_error": len(errors),
+            "streams_cut": len(cut), "other_errors": len(errors) - len(cut),
+            "duplicates": sum(n - 1 for n in seen.values() if n > 1),
+            "lost": sum(1 for t in ok if not t["completion_tokens"]),
+            "not_sent": planned - len(seen),
+            "responses_per_turn": len(ok) / len(seen) if seen else float("nan")}
+
+
+def uncached_after(result: dict, t: float, keys: set | None = None) -> dict:
+    """Prompt tokens (all, and not cached) of the answered turns sent at or after `t` (replay
+    seconds), or with `keys`, of the answered turns whose (program_id, turn) is in keys."""
+    after = [r for r in result["turns"] if r["error"] is None
+             and ((r["program_id"], r["turn"]) in keys if keys is not None else r["t_send"] >= t)]
+    prompt = sum(r["prompt_tokens"] for r in after)
+    return {"turns": len(after), "prompt_tokens": prompt,
+            "uncached_tokens": prompt - sum(r["cached_tokens"] for r in after)}
+
+
+def build_report(killed: dict, kill_t: float | None, victim: str | None, before: dict, after: dict,
+                 baseline: dict | None = None, healthy_again_s: float | None = None) -> dict:
+    """The report dict: the killed run's counts, the ingress counters over it, and the re-prefill cost."""
+    t = kill_t if kill_t is not None else float("inf")
+    rep = {"victim": victim, "kill_t_s": kill_t, "healthy_again_s": healthy_again_s,
+           "killed": {**turn_counts(killed), "mean_jct": killed["mean_jct"], "after_kill": uncached_after(killed, t)},
+           "ingress": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS},
+           "replay_retries_cut_turns": False}
+    if baseline is not None:  # the same turns (program, turn) as the killed run's after the kill
+        keys = {(r["program_id"], r["turn"]) for r in killed["turns"] if r["error"] is None and r["t_send"] >= t}
+        rep["baseline"] = {**turn_counts(baseline), "mean_jct": baseline["mean_jct"],
+                           "after_kill": uncached_after(baseline, t, keys)}
+        rep["extra_uncached_tokens"] = (rep["killed"]["after_kill"]["uncached_tokens"]
+                                        - rep["baseline"]["after_kill"]["uncached_tokens"])
+    return rep
+
+
+def format_report(rep: dict) -> str:
+    runs = [("kill", rep["killed"])] + ([("baseline", rep["baseline"])] if "baseline" in rep else [])
+    rows = [("programs completed", lambda r: f"{r['completed']}/{r['programs']}"),
+            ("turns sent / planned", lambda r: f"{r['turns_sent']}/{r['turns_planned']}"),
+            ("turns with errors", lambda r: str(r["turns_error"])),
+            ("  streams cut by the kill", lambda r: str(r["streams_cut"])),
+            ("  other errors", lambda r: str(r["other_errors"])),
+            ("responses per sent turn", lambda r: f"{r['responses_per_turn']:.3f}"),
+            ("duplicated responses", lambda r: str(r["duplicates"])),
+            ("lost responses", lambda r: str(r["lost"])),
+            ("turns after the kill (same)", lambda r: str(r["after_kill"]["turns"])),
+            ("  prompt tokens", lambda r: str(r["after_kill"]["prompt_tokens"])),
+            ("  uncached (prefilled)", lambda r: str(r["after_kill"]["uncached_tokens"])),
+            ("mean JCT (completed) s", lambda r: f"{r['mean_jct']:.2f}")]
+    w = max(len(n) for n, _ in rows)
+    lines = [f"{'':{w}}  " + "  ".join(f"{n:>10}" for n, _ in runs)]
+    lines += [f"{name:{w}}  " + "  ".join(f"{fn(r):>10}" for _, r in runs) for name, fn in rows]
+    kt = rep["kill_t_s"]
+    lines.append(f"\nkilled replica {rep['victim']} at {kt:.1f} s of the replay" if kt is not None
+                 else "\nno replica was killed (the replay ended before --kill-after)")
+    if rep.get("healthy_again_s") is not None:
+        lines.append(f"cluster healthy again {rep['healthy_again_s']:.1f} s after the run")
+    ing = rep["ingress"]
+    lines.append(f"ingress: {ing['retries']:.0f} requests retried on another replica, "
+                 f"{ing['failed_streams']:.0f} streams cut, {ing['unavailable']:.0f} answered 503")
+    if "extra_uncached_tokens" in rep:
+        lines.append(f"re-prefill cost: {rep['extra_uncached_tokens']:+d} uncached prompt tokens after the kill "
+                     "against the baseline")
+    if rep["killed"]["streams_cut"]:
+        lines.append("the replay client does not retry a cut stream: that turn is an error and ends its program")
+    return "\n".join(lines)
+
+
+def _get(url: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _wait_healthy(url: str, timeout: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            _get(url + "/health", 5.0)
+            return time.monotonic() - t0
+        except OSError:
+            time.sleep(0.5)
+    return None
+
+
+def replica_actors() -> list[tuple[str, str]]:
+    """(name, namespace) of the engine replicas' actors on the connected Ray, sorted by name."""
+    import ray
+
+    return sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                  if "EngineReplica" in a["name"])
+
+
+def pick_replica(index: int = 0):
+    """(actor name, handle) of one engine replica actor on the connected Ray."""
+    import ray
+
+    actors = replica_actors()
+    if not actors:
+        raise RuntimeError("no EngineReplica actor on this Ray")
+    name, ns = actors[index % len(actors)]
+    return name, ray.get_actor(name, namespace=ns)
+
+
+def _replay(programs, cfg, url: str, kill_after: float | None, victim_index: int):
+    """One replay; with kill_after, a timer kills a replica that many seconds after it starts."""
+    from agentserve.bench.replay_client import replay
+
+    import ray
+
+    killed: dict = {}
+    name, handle = pick_replica(victim_index) if kill_after is not None else (None, None)
+
+    def kill() -> None:
+        killed["t"] = time.perf_counter()
+        try:
+            ray.kill(handle, no_restart=False)  # Ray restarts the replica
+            killed["name"] = name
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            killed["error"] = f"{type(e).__name__}: {e}"
+
+    before = parse_counters(_get(url + "/metrics"))
+    timer = threading.Timer(kill_after, kill) if kill_after is not None else None
+    if timer:
+        timer.start()
+    try:
+        result = replay(programs, cfg)
+    finally:
+        if timer:
+            timer.cancel()
+    t0 = time.perf_counter() - result["wall_s"]  # when the replay's clock started (after calibration)
+    kill_t = killed["t"] - t0 if "t" in killed else None
+    if "error" in killed:
+        print(f"kill failed: {killed['error']}", file=sys.stderr)
+    return result, kill_t, killed.get("name"), before
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.cluster_failover", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="swebench")
+    ap.add_argument("--programs", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=1.0, help="program arrivals per second")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--token-scale", type=float, default=0.05)
+    ap.add_argument("--time-scale", type=float, default=0.1)
+    ap.add_argument("--kill-after", type=float, default=5.0,
+                    help="seconds after the replay is called (its calibration probes included) to kill a replica")
+    ap.add_argument("--victim", type=int, default=0, help="which replica actor (sorted by name) to kill")
+    ap.add_argument("--baseline", action="store_true", help="first replay the same workload without a kill")
+    ap.add_argument("--router", default="program")
+    ap.add_argument("--kv-tokens", type=int, default=16384, help="the cluster's KV tokens (split over 2 replicas)")
+    ap.add_argument("--port", type=int, default=None, help="default: a free port")
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--json", default=None, help="write the report (and both runs' results) here")
+    a = ap.parse_args(argv)
+
+    import ray
+
+    from agentserve.bench.peers.running import start_server
+    from agentserve.bench.peers.specs import server_spec
+    from agentserve.bench.replay_client import ReplayConfig
+    from agentserve.bench.replay_results import write_json
+    from agentserve.workload.load import load_workload
+
+    if a.port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            a.port = s.getsockname()[1]
+    ray_tmp = tempfile.mkdtemp(prefix="asfo", dir="/tmp")  # short: Ray's socket paths live under it
+    logs = Path(tempfile.gettempdir()) / "agentserve-failover"
+    spec = server_spec(f"cluster-{a.router}", a.kv_tokens, port=a.port, log_dir=logs,
+                       extra_env={"RAY_TMPDIR": ray_tmp})
+    programs = load_workload(a.workload, a.programs, a.rate, a.seed)
+    print(f"starting {spec.name} on port {spec.port} (log {spec.log_path})...", file=sys.stderr)
+    server = start_server(spec)
+    try:
+        os.environ["RAY_TMPDIR"] = ray_tmp
+        ray.init(address="auto", logging_level="warning", log_to_driver=False)
+        print(f"replica actors: {[n for n, _ in replica_actors()]}", file=sys.stderr)
+
+        def cfg(label: str) -> ReplayConfig:
+            return ReplayConfig(url=server.base_url, workload=a.workload, rate=a.rate, seed=a.seed,
+                                token_scale=a.token_scale, time_scale=a.time_scale,
+                                request_timeout=a.request_timeout, label=label, progress=False)
+
+        base = None
+        if a.baseline:
+            print("baseline run (no kill)...", file=sys.stderr)
+            base, _, _, _ = _replay(programs, cfg("baseline"), server.base_url, None, a.victim)
+        print(f"run with a kill at {a.kill_after:g} s...", file=sys.stderr)
+        res, kill_t, victim, before = _replay(programs, cfg("kill"), server.base_url, a.kill_after, a.victim)
+        after = parse_counters(_get(server.base_url + "/metrics"))
+        healthy = _wait_healthy(server.base_url, 120.0)
+        rep = build_report(res, kill_t, victim, before, after, base, healthy)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        server.stop()
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # Ray's session files (the cluster's own log stays)
+    rep["settings"] = {k: v for k, v in vars(a).items() if k != "json"}
+    print(format_report(rep))
+    if a.json:
+        write_json({**rep, "runs": {"kill": res, "baseline": base}}, a.json)
+        print(f"wrote {a.json}", file=sys.stderr)
+    return 0 if rep["killed"]["completed"] == rep["killed"]["programs"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The failover benchmark's pure parts: counters from /metrics, per-turn accounting
+(cut streams, duplicates, losses) and the re-prefill cost, from fake records."""
+
+import json
+
+from agentserve.bench import cluster_failover as cf
+
+
+def rec(pid, turn, t_send, prompt=100, cached=0, out=5, error=None):
+    return {"program_id": pid, "turn": turn, "t_send": t_send, "prompt_tokens": prompt, "cached_tokens": cached,
+            "completion_tokens": out, "error": error}
+
+
+def result(turns, programs, mean_jct=2.0):
+    return {"turns": turns, "program_results": programs, "mean_jct": mean_jct}
+
+
+CUT = "error event: the engine replica serving this stream failed; retry the request"
+
+
+def test_parse_counters():
+    text = ("# HELP agentserve:cluster_retries_total x\nagentserve:cluster_retries_total 3\n"
+            "agentserve:cluster_failed_streams_total 1\nagentserve:cluster_replicas_answering 2\n")
+    assert cf.parse_counters(text) == {"retries": 3.0, "failed_streams": 1.0, "unavailable": 0.0}
+
+
+def test_turn_counts_and_report():
+    killed = result([rec("a", 0, 0.0), rec("a", 1, 5.0, cached=60), rec("b", 0, 1.0),
+                     rec("b", 1, 6.0, out=0, error=CUT), rec("c", 0, 2.0), rec("c", 0, 2.0),
+                     rec("c", 1, 7.0, out=0)],
+                    [{"turns": 2, "completed": True}, {"turns": 3, "completed": False},
+                     {"turns": 2, "completed": True}])
+    c = cf.turn_counts(killed)
+    assert (c["programs"], c["completed"], c["turns_planned"], c["turns_sent"]) == (3, 2, 7, 6)
+    assert (c["turns_error"], c["streams_cut"], c["other_errors"]) == (1, 1, 0)
+    assert (c["duplicates"], c["lost"], c["not_sent"]) == (1, 1, 1)
+    base = result([rec("a", 0, 0.0), rec("a", 1, 3.0, cached=90), rec("b", 0, 4.5), rec("c", 1, 4.0, cached=50)],
+                  [{"turns": 2, "completed": True}, {"turns": 1, "completed": True}], mean_jct=1.5)
+    rep = cf.build_report(killed, 4.0, "SERVE_REPLICA::agentserve#EngineReplica#x", {"retries": 1.0},
+                          {"retries": 3.0, "failed_streams": 1.0}, base, 3.0)
+    assert rep["killed"]["after_kill"] == {"turns": 2, "prompt_tokens": 200, "uncached_tokens": 140}
+    assert rep["baseline"]["after_kill"] == {"turns": 2, "prompt_tokens": 200, "uncached_tokens": 60}
+    assert rep["extra_uncached_tokens"] == 80
+    assert rep["ingress"] == {"retries": 2.0, "failed_streams": 1.0, "unavailable": 0.0}
+    text = cf.format_report(rep)
+    assert "streams cut by the kill" in text and "+80 uncached" in text and "does not retry" in text
+    json.dumps(rep)
+
+
+def test_report_without_kill_or_baseline():
+    r = result([rec("a", 0, 0.0)], [{"turns": 1, "completed": True}])
+    rep = cf.build_report(r, None, None, {}, {})
+    assert rep["killed"]["after_kill"]["turns"] == 0 and "baseline" not in rep
+    assert "no replica was killed" in cf.format_report(rep)
