@@ -330,3 +330,42 @@ def test_cli_run_and_report(server, tmp_path, capsys):
     assert "tiny-agentserve" in table and "other" in table
     assert (tmp_path / "cmp_timeline_other.png").exists()
     assert rr.load_result(out)["server"] == "tiny-agentserve"
+
+
+def test_replay_resends_a_turn_the_server_failed(server, monkeypatch):
+    """--retry-failed-turns: a cut stream (error event) is sent again and its program completes; the
+    failed attempt stays in the records; a client error (4xx) is never resent."""
+    real = rcl.Replayer._stream
+    cuts = {"left": 2}
+
+    async def flaky(self, messages, pid, max_tokens, end, t_send):
+        if pid == "r0" and any(m["role"] == "assistant" for m in messages) and cuts["left"]:
+            cuts["left"] -= 1
+            raise rs.ReplayError("error event: the engine replica serving this stream failed; retry the request")
+        return await real(self, messages, pid, max_tokens, end, t_send)
+
+    monkeypatch.setattr(rcl.Replayer, "_stream", flaky)
+    progs = [program("r0", 0.0, 3), program("r1", 0.0, 2)]
+    cfg = rcl.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0, progress=False,
+                           request_timeout=30, retry_failed_turns=2)
+    res = rcl.replay(progs, cfg)
+    assert (res["programs"], res["completed"]) == (2, 2)
+    r0 = [t for t in res["turns"] if t["program_id"] == "r0"]
+    assert [(t["turn"], t["error"] is None, t.get("attempt")) for t in r0] == \
+        [(0, True, None), (1, False, None), (1, False, 1), (1, True, 2), (2, True, None)]
+    assert r0[3]["t_send"] >= r0[2]["t_end"]
+    # with fewer resends than cuts, the turn ends its program as before
+    cuts["left"] = 2
+    res = rcl.replay(progs, rcl.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0,
+                                             progress=False, request_timeout=30, retry_failed_turns=1))
+    assert res["completed"] == 1 and "turn 1" in next(p for p in res["program_results"] if p["program_id"] == "r0")["error"]
+    # a refused request (HTTP 401) is the client's fault: never resent
+    res = rcl.replay(progs[:1], rcl.ReplayConfig(server.url, model="tiny", api_key="wrong", tokens_per_word=6.0,
+                                                 progress=False, retry_failed_turns=3))
+    assert res["errors"] == 1 and len(res["turns"]) == 1
+
+
+def test_retryable_errors():
+    assert rcl.retryable("error event: replica failed") and rcl.retryable("HTTP 503: busy")
+    assert rcl.retryable("RemoteProtocolError: peer closed connection")
+    assert not rcl.retryable("HTTP 400: bad request") and not rcl.retryable("timeout after 5 s")

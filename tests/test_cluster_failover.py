@@ -43,8 +43,19 @@ def test_turn_counts_and_report():
     assert rep["extra_uncached_tokens"] == 80
     assert rep["ingress"] == {"retries": 2.0, "failed_streams": 1.0, "unavailable": 0.0}
     text = cf.format_report(rep)
-    assert "streams cut by the kill" in text and "+80 uncached" in text and "does not retry" in text
+    assert "streams cut by the kill" in text and "+80 uncached" in text and "did not resend" in text
     json.dumps(rep)
+
+
+def test_resent_turns_are_not_duplicates():
+    """A cut turn the client sent again: one failed record, one answered: no duplicate, one resend."""
+    r = result([rec("a", 0, 0.0), rec("a", 1, 2.0, out=0, error=CUT), {**rec("a", 1, 2.5), "attempt": 1}],
+               [{"turns": 2, "completed": True}])
+    c = cf.turn_counts(r)
+    assert (c["turns_sent"], c["turns_ok"], c["streams_cut"], c["turns_resent"], c["duplicates"]) == (2, 2, 1, 1, 0)
+    assert c["responses_per_turn"] == 1.0
+    rep = cf.build_report(r, 1.0, "v", {}, {}, client_retries=2)
+    assert "did not resend" not in cf.format_report(rep) and "turns resent by the client" in cf.format_report(rep)
 
 
 def test_report_without_kill_or_baseline():

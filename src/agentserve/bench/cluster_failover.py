@@ -14,8 +14,9 @@ The report: programs completed / total; turns sent, answered and failed;
 responses per turn (one record per sent turn: duplicates and turns sent with
 no answer and no error, `lost`, are counted from the per-turn records);
 streams cut by the kill (a stream that had begun on the dying replica ends
-with the ingress's `replica_failed` error event, by design: the replay client
-records that turn as an error and ends its program, it does not retry it);
+with the ingress's `replica_failed` error event, by design; the replay client
+sends that turn again, `--client-retries` times at most, as an agent framework
+would; with 0 the cut turn ends its program);
 the ingress's /metrics counters (retried, cut, 503) over the run; and the
 re-prefill cost: prompt tokens not served from cache in turns sent after the
 kill, against the same turns (program, turn) of the baseline run, with both mean JCTs.
@@ -51,9 +52,10 @@ def parse_counters(text: str) -> dict[str, float]:
 def turn_counts(result: dict) -> dict:
     """Per-turn accounting of one replay result (its `turns` and `program_results`)."""
     turns, programs = result["turns"], result["program_results"]
-    seen: dict[tuple[str, int], int] = {}
+    seen: dict[tuple[str, int], int] = {}  # answers per sent turn (a resent turn counts once)
     for t in turns:
-        seen[(t["program_id"], t["turn"])] = seen.get((t["program_id"], t["turn"]), 0) + 1
+        key = (t["program_id"], t["turn"])
+        seen[key] = seen.get(key, 0) + (t["error"] is None)
     ok = [t for t in turns if t["error"] is None]
     errors = [t for t in turns if t["error"] is not None]
     cut = [t for t in errors if CUT_MARK in t["error"]]
@@ -61,6 +63,7 @@ def turn_counts(result: dict) -> dict:
     return {"programs": len(programs), "completed": sum(1 for p in programs if p["completed"]),
             "turns_planned": planned, "turns_sent": len(seen), "turns_ok": len(ok), "turns_error": len(errors),
             "streams_cut": len(cut), "other_errors": len(errors) - len(cut),
+            "turns_resent": sum(1 for t in turns if t.get("attempt")),
             "duplicates": sum(n - 1 for n in seen.values() if n > 1),
             "lost": sum(1 for t in ok if not t["completion_tokens"]),
             "not_sent": planned - len(seen),
@@ -78,13 +81,14 @@ def uncached_after(result: dict, t: float, keys: set | None = None) -> dict:
 
 
 def build_report(killed: dict, kill_t: float | None, victim: str | None, before: dict, after: dict,
-                 baseline: dict | None = None, healthy_again_s: float | None = None) -> dict:
+                 baseline: dict | None = None, healthy_again_s: float | None = None,
+                 client_retries: int = 0) -> dict:
     """The report dict: the killed run's counts, the ingress counters over it, and the re-prefill cost."""
     t = kill_t if kill_t is not None else float("inf")
     rep = {"victim": victim, "kill_t_s": kill_t, "healthy_again_s": healthy_again_s,
            "killed": {**turn_counts(killed), "mean_jct": killed["mean_jct"], "after_kill": uncached_after(killed, t)},
            "ingress": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS},
-           "replay_retries_cut_turns": False}
+           "client_retries": client_retries}
     if baseline is not None:  # the same turns (program, turn) as the killed run's after the kill
         keys = {(r["program_id"], r["turn"]) for r in killed["turns"] if r["error"] is None and r["t_send"] >= t}
         rep["baseline"] = {**turn_counts(baseline), "mean_jct": baseline["mean_jct"],
@@ -101,6 +105,7 @@ def format_report(rep: dict) -> str:
             ("turns with errors", lambda r: str(r["turns_error"])),
             ("  streams cut by the kill", lambda r: str(r["streams_cut"])),
             ("  other errors", lambda r: str(r["other_errors"])),
+            ("turns resent by the client", lambda r: str(r["turns_resent"])),
             ("responses per sent turn", lambda r: f"{r['responses_per_turn']:.3f}"),
             ("duplicated responses", lambda r: str(r["duplicates"])),
             ("lost responses", lambda r: str(r["lost"])),
@@ -122,8 +127,8 @@ def format_report(rep: dict) -> str:
     if "extra_uncached_tokens" in rep:
         lines.append(f"re-prefill cost: {rep['extra_uncached_tokens']:+d} uncached prompt tokens after the kill "
                      "against the baseline")
-    if rep["killed"]["streams_cut"]:
-        lines.append("the replay client does not retry a cut stream: that turn is an error and ends its program")
+    if rep["killed"]["streams_cut"] and not rep.get("client_retries"):
+        lines.append("the replay client did not resend a cut turn (--client-retries 0): it ended its program")
     return "\n".join(lines)
 
 
@@ -212,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=16384, help="the cluster's KV tokens (split over 2 replicas)")
     ap.add_argument("--port", type=int, default=None, help="default: a free port")
     ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--client-retries", type=int, default=2,
+                    help="times the replay client sends a turn the server failed again (default 2, as an agent "
+                         "framework's OpenAI client would; 0: a cut turn ends its program)")
     ap.add_argument("--json", default=None, help="write the report (and both runs' results) here")
     a = ap.parse_args(argv)
 
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         def cfg(label: str) -> ReplayConfig:
             return ReplayConfig(url=server.base_url, workload=a.workload, rate=a.rate, seed=a.seed,
                                 token_scale=a.token_scale, time_scale=a.time_scale,
-                                request_timeout=a.request_timeout, label=label, progress=False)
+                                request_timeout=a.request_timeout, label=label, progress=False,
+                                retry_failed_turns=a.client_retries)
 
         base = None
         if a.baseline:
@@ -252,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         res, kill_t, victim, before = _replay(programs, cfg("kill"), server.base_url, a.kill_after, a.victim)
         after = parse_counters(_get(server.base_url + "/metrics"))
         healthy = _wait_healthy(server.base_url, 120.0)
-        rep = build_report(res, kill_t, victim, before, after, base, healthy)
+        rep = build_report(res, kill_t, victim, before, after, base, healthy, a.client_retries)
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -52,7 +52,10 @@ Per program: JCT = first request sent -> last response received (tool time
 included). Per turn: TTFT, latency, prompt/cached/completion tokens. A request
 that fails (HTTP error, error event, connection error, or `--request-timeout`
 seconds in total) is recorded with its error and ends its program (counted in
-`failed` / `errors`); the run goes on.
+`failed` / `errors`); the run goes on. With `--retry-failed-turns N` a turn
+the server failed (a 5xx, a stream ended by an error event, a dropped
+connection) is sent again up to N times, as an agent framework would; each
+failed attempt stays in the records with its error and the next has `attempt`.
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per filler word (default: calibrate with three probe requests)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take in total before it counts as an error")
+    p.add_argument("--retry-failed-turns", type=int, default=0, metavar="N",
+                   help="send a turn the server failed (5xx, cut stream, dropped connection) again, up to N times "
+                        "(default 0: the failed turn ends its program)")
     p.add_argument("--tool-role", choices=("user", "tool"), default="user",
                    help="send tool results as user messages, or as tool messages answering a synthetic tool call")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -126,6 +132,8 @@ def _check_args(a) -> None:
         raise CliError("--tokens-per-word must be positive")
     if not a.request_timeout > 0:
         raise CliError("--request-timeout must be positive")
+    if a.retry_failed_turns < 0:
+        raise CliError("--retry-failed-turns must be >= 0")
 
 
 def cmd_run(a) -> int:
@@ -148,7 +156,8 @@ def cmd_run(a) -> int:
     cfg = ReplayConfig(url=a.url, model=a.model, api_key=a.api_key, workload=a.workload, rate=a.rate, seed=a.seed,
                        text_seed=a.text_seed, token_scale=a.token_scale, time_scale=a.time_scale, max_context=a.max_context,
                        tokens_per_word=a.tokens_per_word, request_timeout=a.request_timeout,
-                       ignore_eos=a.ignore_eos, tool_role=a.tool_role, label=a.label, progress=a.progress)
+                       ignore_eos=a.ignore_eos, tool_role=a.tool_role, label=a.label, progress=a.progress,
+                       retry_failed_turns=a.retry_failed_turns)
     print(f"replaying {len(programs)} programs ({sum(p.num_turns for p in programs)} turns) of {a.workload} "
           f"at {a.rate:g} jobs/s against {base_url(a.url)}...", file=sys.stderr)
     try:

@@ -39,6 +39,14 @@ class ReplayConfig:
     tool_role: str = "user"
     label: str | None = None
     progress: bool = True
+    retry_failed_turns: int = 0  # resend a turn the server failed (5xx, cut stream) up to N times
+
+
+def retryable(err: str) -> bool:
+    """Whether a failed turn is worth sending again, as an agent framework's client would: the
+    server failed it (a 5xx, a stream ended by an error event, a dropped connection), not the request."""
+    return (err.startswith(("error event:", "HTTP 5")) or
+            err.split(":", 1)[0] in ("RemoteProtocolError", "ReadError", "ConnectError", "WriteError"))
 
 
 class _Progress:
@@ -166,17 +174,25 @@ class Replayer:
                        "end_program": last, "error": None}
                 if res["start"] is None:
                     res["start"] = rec["t_send"]
-                try:
-                    acc = await self.turn(messages, pid, max_tokens, last, rec["t_send"])
-                except ReplayError as e:
-                    rec["t_end"] = self.now()
-                    rec["latency"] = rec["t_end"] - rec["t_send"]
-                    rec["error"] = str(e)
-                    self.turns.append(rec)
-                    res["error"] = f"turn {tp.turn}: {e}"
-                    self.progress.update(turns=len(plan.turns) - tp.turn, program_done=True, error=True)
-                    await self._end_quietly(pid)
-                    return
+                attempts = 0
+                while True:
+                    try:
+                        acc = await self.turn(messages, pid, max_tokens, last, rec["t_send"])
+                        break
+                    except ReplayError as e:
+                        rec["t_end"] = self.now()
+                        rec["latency"] = rec["t_end"] - rec["t_send"]
+                        rec["error"] = str(e)
+                        self.turns.append(rec)
+                        if attempts < self.cfg.retry_failed_turns and retryable(str(e)):
+                            attempts += 1
+                            rec = {**rec, "t_send": self.now(), "t_end": None, "latency": None, "error": None,
+                                   "attempt": attempts}
+                            continue
+                        res["error"] = f"turn {tp.turn}: {e}"
+                        self.progress.update(turns=len(plan.turns) - tp.turn, program_done=True, error=True)
+                        await self._end_quietly(pid)
+                        return
                 t_end = self.now()
                 rec.update(t_first=acc.t_first if acc.t_first is not None else t_end,
                            t_end=t_end, prompt_tokens=acc.prompt_tokens, cached_tokens=acc.cached_tokens,
