@@ -56,3 +56,24 @@ def test_merge_pages_has_one_header_per_family():
 
     fams = {f.name: f for f in text_string_to_metric_families(merged)}
     assert {s.labels["replica"] for s in fams["a"].samples} == {"r1", "r2"}
+
+
+def test_replica_resources_and_kv_share():
+    pytest.importorskip("ray")
+    from agentserve.router.cluster_app import actor_options, replica_args
+
+    args = build_parser().parse_args(["cluster", "--replicas", "2", "--kv-cache-tokens", "32768", "--threads", "3"])
+    per = replica_args(args, 2)
+    assert (per.kv_cache_tokens, per.threads) == (16384, 3)
+    assert actor_options(per) == {"num_cpus": 3}
+    gpu = replica_args(build_parser().parse_args(["cluster", "--gpus-per-replica", "0.5"]), 2)
+    assert actor_options(gpu) == {"num_cpus": 1, "num_gpus": 0.5}
+
+
+@pytest.mark.parametrize("flags, msg", [(["--gpus-per-replica", "-1"], "--gpus-per-replica must be 0 or more"),
+                                        (["--gpus-per-replica", "1", "--device", "cpu"], "--device cpu")])
+def test_cluster_refuses_bad_gpu_flags(flags, msg, capsys):
+    pytest.importorskip("ray")
+    assert main(["cluster", *flags]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1

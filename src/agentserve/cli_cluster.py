@@ -45,6 +45,10 @@ def add_cluster(sub) -> None:
                         "(power of two choices by queue), 'prefix' (prefix-chain affinity only) and "
                         "'round-robin', all through the same request router; 'ray-default': Ray Serve's own "
                         "power-of-two-choices router")
+    c.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G",
+                   help="GPUs Ray gives each replica (e.g. 1, or 0.5 to share one); Ray names them in the "
+                        "replica's CUDA_VISIBLE_DEVICES, so --device auto runs each replica on its own GPU "
+                        "(default 0: CPU replicas)")
     c.add_argument("--retries", type=int, default=2,
                    help="times a request whose replica failed before any output is retried on another one")
     add_server_options(p)
@@ -64,6 +68,10 @@ def cmd_cluster(args) -> int:
         raise CliError(f"--retries must be 0 or more, got {args.retries}")
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads must be at least 1, got {args.threads}")
+    if args.gpus_per_replica < 0:
+        raise CliError(f"--gpus-per-replica must be 0 or more, got {args.gpus_per_replica:g}")
+    if args.gpus_per_replica and args.device == "cpu":
+        raise CliError("--gpus-per-replica with --device cpu: the replicas would hold GPUs they do not use")
     keys = api_keys(args)
     setup_logging(args)
     from agentserve.router import cluster_app

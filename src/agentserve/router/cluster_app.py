@@ -2,7 +2,9 @@
 (replica.py) with agentserve's request router (ray_router.py), behind one
 ingress (ingress.py); and starting it, or saying clearly why it did not start.
 
-Each replica asks Ray for `--threads` CPUs (default 1) and gets its share of
+Each replica asks Ray for `--threads` CPUs (default 1), and for
+`--gpus-per-replica` GPUs when given (Ray then names them in the replica's
+CUDA_VISIBLE_DEVICES, so its `--device auto` is its own GPU), and gets its share of
 the KV cache: `--kv-cache-tokens` is the cluster's total, split evenly (without
 it, on the CPU, the single server's default is split). Ray restarts a replica
 whose actor dies or whose health check fails (the engine thread stopped)."""
@@ -41,6 +43,14 @@ def replica_args(args: Any, n: int) -> Any:
     return out
 
 
+def actor_options(per: Any) -> dict[str, float]:
+    """The Ray resources one replica asks for: its threads as CPUs, and its GPUs if any."""
+    opts = {"num_cpus": per.threads}
+    if getattr(per, "gpus_per_replica", 0):
+        opts["num_gpus"] = per.gpus_per_replica
+    return opts
+
+
 def build_application(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any,
                       llm_factory: Any = None, retries: int = 2):
     """The bound application: the ingress over `n` engine replicas routed by `router`, each
@@ -55,7 +65,7 @@ def build_application(args: Any, n: int, router: str, api_keys: dict[str, str], 
     per = replica_args(args, n)
     replicas = serve.deployment(
         EngineReplica, name=REPLICA_DEPLOYMENT, num_replicas=n,
-        ray_actor_options={"num_cpus": per.threads},
+        ray_actor_options=actor_options(per),
         # the replica's own queue limit (--max-queue) answers overload with a 503, as `serve` does
         max_ongoing_requests=(args.max_queue or 4096) + args.max_num_seqs,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=args.graceful_shutdown_s,
