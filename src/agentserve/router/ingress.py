@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -183,8 +184,11 @@ class Ingress:
             gen.cancel()
 
     async def _probe_all(self, path: str, headers: list) -> list[tuple[str, int, bytes]]:
-        results = await self.replicas.broadcast("probe", path, headers).results_async(timeout_s=10,
-                                                                                      return_exceptions=True)
+        try:
+            results = await self.replicas.broadcast("probe", path, headers).results_async(timeout_s=10,
+                                                                                          return_exceptions=True)
+        except DeploymentUnavailableError:  # no replica up yet (starting): none answers, not a failure
+            return []
         return [r for r in results if isinstance(r, tuple)]
 
     async def _metrics(self, headers: list) -> Response:
