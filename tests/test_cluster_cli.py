@@ -77,3 +77,22 @@ def test_cluster_refuses_bad_gpu_flags(flags, msg, capsys):
     assert main(["cluster", *flags]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+def test_health_before_any_replica_is_up_is_a_quiet_503():
+    pytest.importorskip("ray.serve")
+    import asyncio
+
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    from agentserve.router.ingress import Ingress
+
+    class Starting:  # the replicas' handle while Serve has none running yet
+        def broadcast(self, *a):
+            raise DeploymentUnavailableError(None)
+
+    ing = Ingress(Starting(), {}, 1 << 20, 2)
+    r = asyncio.run(ing._health())
+    assert r.status_code == 503 and b"0 of 2 engine replicas healthy" in r.body
+    m = asyncio.run(ing._metrics([]))
+    assert m.status_code == 200 and b"agentserve:cluster_replicas_answering 0" in m.body
