@@ -72,6 +72,29 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def final_metrics(base_url: str) -> str | None:
+    """The server's /metrics page at the end of its replay (a cluster's has the router's decisions
+    and each replica's counters), kept in the JSON; None if it cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+def router_summary(metrics: str | None) -> str:
+    """One line of a cluster's router decisions from its /metrics page ('' if none)."""
+    found = []
+    for line in (metrics or "").splitlines():
+        if line.startswith("agentserve:router_counters{"):
+            name = line.split('counter="', 1)[1].split('"', 1)[0]
+            if name in ("affinity", "escapes", "prefix_matches", "placements", "fallbacks", "programs_lost"):
+                found.append(f"{name} {float(line.rsplit(' ', 1)[1]):.0f}")
+    return ", ".join(found)
+
+
 def cmd_compare(a) -> int:
     from agentserve.bench import replay_report as rr
     from agentserve.bench.replay_client import ReplayConfig, replay
@@ -101,6 +124,8 @@ def cmd_compare(a) -> int:
                                    time_scale=a.time_scale, max_context=spec.max_model_len, label=spec.name,
                                    progress=a.progress)
                 result = replay(programs, cfg)
+                if spec.name.startswith(("agentserve-", "cluster-")):
+                    result["final_metrics"] = final_metrics(srv.base_url)
         except (PeerServerError, ReplayError, OSError) as e:
             print(f"{spec.name} failed: {e}", file=sys.stderr)
             continue
@@ -108,6 +133,8 @@ def cmd_compare(a) -> int:
         result["server_setup"] = spec.describe()
         results.append(result)
         print(rr.format_table([result]), file=sys.stderr)
+        if router_summary(result.get("final_metrics")):
+            print(f"router decisions: {router_summary(result.get('final_metrics'))}", file=sys.stderr)
     if not results:
         raise CliError("no server could be run")
     rows = compare_rows(results)
