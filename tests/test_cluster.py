@@ -72,6 +72,22 @@ def test_a_programs_turns_stay_on_one_replica(cluster):
             assert r.status_code == 200 and r.headers[REPLICA] in seen, (command, r.text)
 
 
+def test_the_replay_client_records_each_turns_replica(cluster):
+    """`bench run` against a cluster: every turn's record names the replica that answered it, and
+    a program's turns share one (what a compare run's JSON is read for)."""
+    from agentserve.bench.replay_client import ReplayConfig, replay
+    from agentserve.workload.generators import generate_swebench
+
+    programs = generate_swebench(3, 5.0, 1)
+    res = replay(programs, ReplayConfig(cluster.url, model="tiny", tokens_per_word=1.0, token_scale=0.005,
+                                        time_scale=0.01, progress=False, request_timeout=60))
+    assert res["completed"] == 3, res["error_kinds"]
+    by: dict[str, set] = {}
+    for t in res["turns"]:
+        by.setdefault(t["program_id"], set()).add(t["replica"])
+    assert all(len(r) == 1 and None not in r for r in by.values()), by
+
+
 def test_a_burst_of_new_programs_is_spread_over_the_replicas(cluster):
     """The replicas' reports are up to a stats period old; the requests in flight count at once."""
     got: list = []

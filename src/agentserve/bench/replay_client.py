@@ -197,6 +197,8 @@ class Replayer:
                 rec.update(t_first=acc.t_first if acc.t_first is not None else t_end,
                            t_end=t_end, prompt_tokens=acc.prompt_tokens, cached_tokens=acc.cached_tokens,
                            completion_tokens=acc.completion_tokens)
+                if acc.replica is not None:
+                    rec["replica"] = acc.replica
                 rec["ttft"] = rec["t_first"] - rec["t_send"]
                 rec["latency"] = t_end - rec["t_send"]
                 self.turns.append(rec)

@@ -25,6 +25,7 @@ async def stream_chat(client, body: dict, pid: str, acc, now):
             except (ValueError, KeyError, TypeError):
                 pass
             raise ReplayError(f"HTTP {r.status_code}: {str(detail)[:300]}")
+        acc.replica = r.headers.get("x-agentserve-replica")  # which replica of a cluster answered
         async for line in r.aiter_lines():
             acc.feed(line, now())
     return acc
@@ -49,6 +50,7 @@ class StreamAccumulator:
         self.usage: dict = {}
         self.done = False
         self.finish_reason: str | None = None
+        self.replica: str | None = None  # `agentserve cluster`'s X-Agentserve-Replica, if sent
 
     def feed(self, line: str, now: float) -> None:
         if not line.startswith("data:"):
