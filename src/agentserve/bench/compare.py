@@ -2,7 +2,8 @@
 on this machine, one after another: start a server (agentserve with a policy,
 vLLM's CPU build, llama.cpp's server; `bench/peers/`), replay the workload with
 the same seed and the same message text, stop it, and print one table with
-every server's figures and its mean-JCT ratio to agentserve-continuum."""
+every server's figures and its mean-JCT ratio to agentserve-continuum (to the
+first server of the run when continuum is not in it)."""
 
 from __future__ import annotations
 
@@ -25,25 +26,28 @@ DEFAULT_SERVERS = ("agentserve-agentserve", "agentserve-continuum", "vllm-cpu", 
 
 
 def compare_rows(results: list[dict]) -> list[dict]:
-    ref = next((r for r in results if r.get("server") == REFERENCE), None)
+    """One row a server; `jct_vs_ref` is its mean JCT over the reference's (`reference`:
+    agentserve-continuum when it ran, else the run's first server)."""
+    ref = next((r for r in results if r.get("server") == REFERENCE), results[0] if results else None)
     rows = []
     for r in results:
         ratio = r["mean_jct"] / ref["mean_jct"] if ref and ref.get("mean_jct") else float("nan")
         rows.append({"server": r["server"], "done": f"{r['completed']}/{r['programs']}", "errors": r["errors"],
                      "mean_jct": r["mean_jct"], "p95_jct": r["p95_jct"], "mean_ttft": r["mean_ttft"],
                      "throughput_jobs_s": r["throughput_jobs_s"], "cached_ratio": r["cached_ratio"],
-                     "jct_vs_continuum": ratio})
+                     "jct_vs_ref": ratio, "reference": ref["server"] if ref else None})
     return rows
 
 
 def format_compare(rows: list[dict]) -> str:
+    ref = rows[0]["reference"] if rows else REFERENCE
     head = ["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "jobs/s", "cached %",
-            "mean JCT / continuum"]
+            f"mean JCT / {ref}"]
     lines = [head]
     for r in rows:
         lines.append([r["server"], r["done"], str(r["errors"]), f"{r['mean_jct']:.2f}", f"{r['p95_jct']:.2f}",
                       f"{r['mean_ttft']:.3f}", f"{r['throughput_jobs_s']:.3f}", f"{100 * r['cached_ratio']:.1f}",
-                      f"{r['jct_vs_continuum']:.2f}x"])
+                      f"{r['jct_vs_ref']:.2f}x"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
 
