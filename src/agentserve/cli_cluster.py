@@ -48,7 +48,7 @@ def add_cluster(sub) -> None:
     c.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G",
                    help="GPUs Ray gives each replica (e.g. 1, or 0.5 to share one); Ray names them in the "
                         "replica's CUDA_VISIBLE_DEVICES, so --device auto runs each replica on its own GPU "
-                        "(default 0: CPU replicas)")
+                        "(0: CPU replicas)")
     c.add_argument("--retries", type=int, default=2,
                    help="times a request whose replica failed before any output is retried on another one")
     add_server_options(p)
