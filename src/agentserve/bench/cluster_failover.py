@@ -32,8 +32,10 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+from agentserve.bench.fastpath import parse_prometheus
+from agentserve.bench.peers.running import http_text
 
 COUNTERS = ("retries", "failed_streams", "unavailable")
 CUT_MARK = "replica serving this stream failed"  # the ingress's replica_failed error event
@@ -41,12 +43,8 @@ CUT_MARK = "replica serving this stream failed"  # the ingress's replica_failed 
 
 def parse_counters(text: str) -> dict[str, float]:
     """The ingress's failover counters from a /metrics page (0 when absent)."""
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        for key in COUNTERS:
-            if line.startswith(f"agentserve:cluster_{key}_total "):
-                out[key] = float(line.rsplit(" ", 1)[1])
-    return out
+    samples = parse_prometheus(text)
+    return {key: samples.get(f"agentserve:cluster_{key}", 0.0) for key in COUNTERS}
 
 
 def turn_counts(result: dict) -> dict:
@@ -132,16 +130,11 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _get(url: str, timeout: float = 30.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
 def _wait_healthy(url: str, timeout: float) -> float | None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         try:
-            _get(url + "/health", 5.0)
+            http_text(url + "/health", 5.0)
             return time.monotonic() - t0
         except OSError:
             time.sleep(0.5)
@@ -184,7 +177,7 @@ def _replay(programs, cfg, url: str, kill_after: float | None, victim_index: int
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             killed["error"] = f"{type(e).__name__}: {e}"
 
-    before = parse_counters(_get(url + "/metrics"))
+    before = parse_counters(http_text(url + "/metrics"))
     timer = threading.Timer(kill_after, kill) if kill_after is not None else None
     if timer:
         timer.start()
@@ -259,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             base, _, _, _ = _replay(programs, cfg("baseline"), server.base_url, None, a.victim)
         print(f"run with a kill at {a.kill_after:g} s...", file=sys.stderr)
         res, kill_t, victim, before = _replay(programs, cfg("kill"), server.base_url, a.kill_after, a.victim)
-        after = parse_counters(_get(server.base_url + "/metrics"))
+        after = parse_counters(http_text(server.base_url + "/metrics"))
         healthy = _wait_healthy(server.base_url, 120.0)
         rep = build_report(res, kill_t, victim, before, after, base, healthy, a.client_retries)
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.running import http_text, start_server
 from agentserve.bench.peers.specs import (
     HOST_KV_FACTOR,
     SERVER_NAMES,
@@ -79,11 +79,8 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
 def final_metrics(base_url: str) -> str | None:
     """The server's /metrics page at the end of its replay (a cluster's has the router's decisions
     and each replica's counters), kept in the JSON; None if it cannot be read."""
-    import urllib.request
-
     try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
-            return r.read().decode()
+        return http_text(base_url + "/metrics")
     except OSError:
         return None
 
@@ -137,8 +134,9 @@ def cmd_compare(a) -> int:
         result["server_setup"] = spec.describe()
         results.append(result)
         print(rr.format_table([result]), file=sys.stderr)
-        if router_summary(result.get("final_metrics")):
-            print(f"router decisions: {router_summary(result.get('final_metrics'))}", file=sys.stderr)
+        decisions = router_summary(result.get("final_metrics"))
+        if decisions:
+            print(f"router decisions: {decisions}", file=sys.stderr)
     if not results:
         raise CliError("no server could be run")
     rows = compare_rows(results)

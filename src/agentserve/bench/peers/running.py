@@ -35,6 +35,12 @@ def _port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def http_text(url: str, timeout_s: float = 30.0) -> str:
+    """GET; the reply's text. Raises urllib errors (OSError)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return r.read().decode()
+
+
 def http_json(url: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
     """GET (body None) or POST JSON; the decoded reply. Raises urllib errors."""
     data = None if body is None else json.dumps(body).encode()
