@@ -21,7 +21,7 @@ from agentserve.engine.executor import Executor, ExecutorResult, readable, run_c
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.engine.scheduler_output import SchedulerOutput
-from agentserve.engine.step_time import StepTimeModel, attention_pairs, step_features
+from agentserve.engine.step_time import COLD_CHUNKS, StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.program import ProgramState
 from agentserve.policy.registry import policy_names
@@ -588,7 +588,10 @@ def test_no_target_no_cap(target):
     assert h.s.stats.capped_steps == 0
 
 
-def test_static_budget_until_the_model_has_samples():
+def test_a_few_smallest_chunks_beside_decodes_until_the_model_has_samples():
+    """Before the step-time model can price a chunk, a step with decodes takes
+    COLD_CHUNKS smallest chunks of prefill, not the whole token budget (a
+    512-token chunk at first use held a decode for half a second)."""
     h = _timed()
     x = h.req("x", "px", prompt_of(60, 6), max_tokens=100)
     h.step()
@@ -597,7 +600,7 @@ def test_static_budget_until_the_model_has_samples():
     while not h.s.step_model.ready:
         out, _ = h.step()
         sizes += [n for _, _, n in _prefills(out)]
-    assert sizes == [63] * len(sizes) and len(sizes) >= 3
+    assert sizes == [COLD_CHUNKS * 4] * len(sizes) and len(sizes) >= 3  # min_prefill_chunk 4
     h.run()
     assert h.s.stats.capped_steps > 0  # once it had learned
     assert p.output_token_ids == expected(p.prompt_token_ids, 2)

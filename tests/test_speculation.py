@@ -95,6 +95,46 @@ def test_plan_holds_the_step_time_target():
     assert spec.plan(many, base_time=None, row_cost=None, max_time=0.001) != {}
 
 
+class _StepCosts:
+    """A fitted step-time model reduced to what plan_step asks: 50 ms for the
+    decodes, 10 ms a draft row, `chunk` seconds for the smallest prefill chunk
+    (a chunk's cost grows with the context it attends to)."""
+    ready = True
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+        self.asked = []
+
+    def base_time(self, rows, ctx):
+        return 0.050
+
+    def draft_row_time(self, ctx):
+        return 0.010
+
+    def chunk_time(self, start, n):
+        self.asked.append((start, n))
+        return self.chunk
+
+
+def test_drafts_leave_a_waiting_prefill_its_smallest_chunk():
+    """Drafts fill a step to its target only when no prefill waits; otherwise
+    they stop where the chunk the scheduler always computes still fits, so that
+    chunk cannot push the step past the target."""
+    spec = Speculator(SpecConfig(max_draft=30, initial_acceptance=0.99))
+    one = _Req(REPEAT * 3)
+    one.num_computed_tokens = len(one.token_ids) - 1
+
+    def rows(costs, at):
+        return len(spec.plan_step([one], costs, spare_blocks=8, max_time=0.120, prefill_at=at,
+                                  min_chunk=32).get(one, ()))
+
+    assert rows(_StepCosts(0.020), None) == 7  # (0.120 - 0.050) / 0.010
+    deep = _StepCosts(0.045)
+    assert rows(deep, 6000) == 2  # 0.120 - 0.045 leaves 25 ms for drafts
+    assert deep.asked == [(6000, 32)]
+    assert rows(_StepCosts(0.300), 6000) == 0  # the chunk alone fills the step
+
+
 def test_plan_skips_low_acceptance_and_finishing_requests():
     spec = Speculator(SpecConfig(max_draft=6))
     low = _Req(REPEAT)

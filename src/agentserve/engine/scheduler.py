@@ -16,7 +16,9 @@ While decodes run, the step's prefill tokens are capped so that the step's
 predicted time (engine/step_time.py, learned from the steps that ran) stays
 under `max_step_ms_with_decodes`: a long prompt is cut into chunks that share
 the steps with the decodes instead of stalling them. The first prefill chunk
-of a step always gets `min_prefill_chunk` tokens, so prefills progress.
+of a step always gets `min_prefill_chunk` tokens, so prefills progress (and
+speculation's drafts leave room for it); until the model has seen enough steps
+to price a chunk, a step with decodes computes a few such chunks at most.
 
 A decode may carry a speculative draft that the step verifies
 (engine/spec_decode.py: which drafts, and what stands of them); a waiting
@@ -218,7 +220,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         self._release_pins(now)  # first: a program whose pin expires now may be idle
         self.expire_programs(now)
         out = SchedulerOutput()
-        self._kv_blocked = False
+        kv_blocked_before, self._kv_blocked = self._kv_blocked, False
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
 
         # 1. Running requests: decodes first, then prefill chunks, each in admission order.
@@ -232,7 +234,9 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
             (decoding if c >= req.num_prompt_tokens and len(req.token_ids) - c == 1 else prefilling).append(req)
         target = self.config.max_step_ms_with_decodes
         drafts = self.speculator.plan_step(decoding, self.step_model, self.kv.num_free_blocks - len(self.running),
-                                           target / 1000.0 if target else None)
+                                           target / 1000.0 if target else None,
+                                           self._prefill_at(prefilling, kv_blocked_before),
+                                           self.config.min_prefill_chunk)
         room = self.kv.block_size
         scheduled = step.scheduled
         rows = context = 0
@@ -268,6 +272,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         step.decode_context = context
         if prefilling or self.waiting:
             step.time_left = self._prefill_time_left(step)
+            step.cold = bool(step.decode_rows and self.config.max_step_ms_with_decodes and not self.step_model.ready)
         for req in prefilling:
             if step.budget <= 0:
                 break
@@ -352,6 +357,17 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
             return False
         self._rereserve(req)
         return True
+
+    def _prefill_at(self, prefilling: list[Request], kv_blocked: bool) -> int | None:
+        """Where this step's first prefill chunk starts: the first running
+        prefill's position, else (a guess, before admission matches its
+        prefix) a waiting turn's delta at the end of its prompt; None when no
+        prefill waits, or the waiting ones were held back for KV last step."""
+        if prefilling:
+            return prefilling[0].num_computed_tokens
+        if self.waiting and not kv_blocked and len(self.running) < self.config.max_num_seqs:
+            return max(0, next(iter(self.waiting)).num_prompt_tokens - self.config.min_prefill_chunk)
+        return None
 
     def _prefill_time_left(self, step: StepBudget) -> float | None:
         """Seconds of prefill the step may add under the step-time target; None

@@ -17,7 +17,9 @@ class SchedulerConfig:
     # While decodes run, cap a step's prefill tokens so that its predicted time stays
     # under this many ms (None or 0: no cap, the whole token budget as without decodes).
     max_step_ms_with_decodes: float | None = 200.0
-    min_prefill_chunk: int = 32  # prefill tokens a capped step still computes
+    # prefill tokens a capped step still computes (speculation's drafts leave room for
+    # them; at 6-7k tokens of context 32 of them cost ~120 ms on a 2-core CPU, 16 half)
+    min_prefill_chunk: int = 16
     # a waiting request whose next prompt block a running request is about to compute waits for it
     group_prefill: bool = True
     # prompt-lookup speculation (engine/spec_decode.py); off unless the executor verifies drafts

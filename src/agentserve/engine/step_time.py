@@ -51,6 +51,9 @@ _MAX_CHUNK = 1 << 30
 MARGIN_QUANTILE = 0.97
 MAX_MARGIN = 2.0
 _MIN_RATIOS = 8
+# Until the model is fitted, a step with decodes computes at most this many
+# smallest chunks of prefill (a 512-token chunk took ~500 ms at first use).
+COLD_CHUNKS = 4
 
 
 def attention_pairs(start: int, n: int) -> int:
@@ -285,7 +288,7 @@ class StepBudget:
 
     __slots__ = ("budget", "scheduled", "decode_rows", "decode_context", "draft_rows", "draft_context", "time_left",
                  "prefill_tokens", "attention",
-                 "capped", "model", "min_chunk")
+                 "capped", "model", "min_chunk", "cold")
 
     def __init__(self, budget: int, model: StepTimeModel, min_chunk: int) -> None:
         self.budget = budget
@@ -300,6 +303,7 @@ class StepBudget:
         self.capped = False
         self.model = model
         self.min_chunk = min_chunk
+        self.cold = False  # decodes run under a target the model cannot price yet
 
     def add(self, req: Request, n: int) -> None:
         self.scheduled[req] = n
@@ -326,6 +330,10 @@ class StepBudget:
     def allow(self, start: int, want: int) -> int:
         """Prefill tokens a chunk after `start` may take of the `want` it could."""
         if self.time_left is None or want <= 0:
+            room = COLD_CHUNKS * self.min_chunk - self.prefill_tokens
+            if self.cold and want > room:
+                self.capped = True
+                return max(room, 0)
             return want
         n = self.model.max_chunk(start, self.time_left)
         if not self.prefill_tokens:
