@@ -51,6 +51,16 @@ def test_p99_of_steps_with_decodes_ignores_a_lone_outlier():
     assert "longest step with decodes 900 ms, p99 120 ms" in stats_line(a, b, 10.0)
 
 
+def test_p99_over_the_recent_steps_beside_the_intervals():
+    """An interval of 50 steps has its longest as its p99; the recent steps of
+    earlier intervals give a p99 that one slow step does not set."""
+    a = snap(executed_steps=0, decode_steps=150, recent_decode_step_s=(0.05,) * 150)
+    b = a.but(executed_steps=50, decode_steps=200, recent_decode_step_s=(0.05,) * 199 + (0.3,))
+    line = stats_line(a, b, 10.0)
+    assert "longest step with decodes 300 ms, p99 300 ms" in line
+    assert "p99 of the last 200 50 ms" in line
+
+
 def test_step_model_in_the_line_once_it_has_samples():
     a = snap(executed_steps=1)
     b = a.but(executed_steps=5)
