@@ -68,5 +68,9 @@ class SchedulerStats:
 
     def decode_step_p99_s(self) -> float:
         """p99 of the recent steps' times that had decodes (0 if none)."""
-        h = sorted(self.decode_step_history)
-        return h[min(len(h) - 1, int(0.99 * len(h)))] if h else 0.0
+        return p99(sorted(self.decode_step_history)) if self.decode_step_history else 0.0
+
+
+def p99(ordered) -> float:
+    """The nearest-rank p99 of sorted, non-empty `ordered` (of fewer than 100 values, the largest)."""
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]

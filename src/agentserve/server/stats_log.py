@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from agentserve.engine.scheduler_config import p99
+
 if TYPE_CHECKING:
     from agentserve.server.engine_snapshot import EngineSnapshot
 
@@ -50,10 +52,6 @@ def tool_call_part(prev: EngineSnapshot, cur: EngineSnapshot) -> str | None:
     return ", ".join([text] + [f"{v} {n}" for n, v in other if v])
 
 
-def _p99(ordered) -> float:
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str | None:
     """One line for the interval from `prev` to `cur`, or None if the model did
     not run (an idle server that only reviews its pins stays quiet)."""
@@ -85,9 +83,9 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
         # an interval's "p99" of fewer than 100 steps is its longest: the engine's recent
         # steps (up to 1024) give one that a lone slow step does not make
         recent = sorted(cur.recent_decode_step_s)
-        parts.append(f"longest step with decodes {1000 * times[-1]:.0f} ms, p99 {1000 * _p99(times):.0f} ms "
+        parts.append(f"longest step with decodes {1000 * times[-1]:.0f} ms, p99 {1000 * p99(times):.0f} ms "
                      f"(prefill capped in {cur.capped_steps - prev.capped_steps} steps), "
-                     f"p99 of the last {len(recent)} {1000 * _p99(recent):.0f} ms")
+                     f"p99 of the last {len(recent)} {1000 * p99(recent):.0f} ms")
     if cur.step_model:
         a, b, c, d, e = cur.step_model
         parts.append(f"step model {1e3 * a:.1f} ms + {1e3 * b:.3f} ms a prompt token + {1e9 * c:.2f} ms per M "
