@@ -206,8 +206,8 @@ def test_a_rewritten_context_demotes_the_superseded_turn_at_once():
     end, so memory pressure takes it, deepest first, before Q's older and still
     useful prefix (plain LRU would take Q's first)."""
     h = Harness("continuum", num_blocks=16, budget=64)
-    q = h.req("q1", "Q", prompt_of(7, 13), max_tokens=2, is_last_turn=True)
-    h.run()  # 15 tokens, 14 computed: 3 cached blocks, 1 empty
+    q = h.req("q1", "Q", prompt_of(7, 13), max_tokens=2, tool_name="search", ttl_hint=0.0)
+    h.run()  # 15 tokens, 14 computed: 3 cached blocks, 1 empty; Q goes on, unpinned
     p1 = h.req("p1", "P", prompt_of(8, 18), max_tokens=4, tool_name="search", ttl_hint=100.0)
     h.run()
     assert len(h.kv.pins["P"].blocks) == 6  # 21 computed tokens: 5 full blocks and a partial one
@@ -227,3 +227,74 @@ def test_a_turn_that_extends_its_history_demotes_nothing():
     h = Harness("continuum", num_blocks=64)
     run_program(h, "P", 4, seed=3, ttl_hint=100.0)
     assert h.s.stats.superseded_blocks == 0 and h.kv.pool.num_demoted == 0
+
+
+# ---------------------------------------------------------------- ended programs
+
+
+def test_an_ended_programs_own_chain_is_evicted_first_and_the_shared_prefix_stays():
+    """A and B share a 2-block system prompt. B is between turns, unpinned, and
+    freed its blocks before A ended: plain LRU would evict B's history first.
+    A's end sends the blocks only A's chain holds to the cold end, so memory
+    pressure takes those, deepest first, and leaves B's history and the shared
+    prompt."""
+    h = Harness("agentserve", num_blocks=16, budget=64)
+    system = prompt_of(1, 2 * BS)
+    b = h.req("b1", "B", system + prompt_of(2, 2 * BS + 1), max_tokens=2, tool_name="search", ttl_hint=0.0)
+    h.run()
+    a = h.req("a1", "A", system + prompt_of(3, 3 * BS + 1), max_tokens=2, is_last_turn=True)
+    h.run()
+    assert h.s.stats.retired_blocks == 3  # A's 3 own full blocks; the shared 2 stay where they were
+    assert "A" not in h.s.programs
+    assert h.kv.pool.num_cached_free == 7 and h.kv.num_free_blocks == 16
+    big = h.req("big", "N", prompt_of(4, 10 * BS + 1), max_tokens=1)  # 11 blocks: 2 must be evicted
+    h.run()
+    assert big.is_finished and h.kv.pool.num_evictions == 2
+    assert h.kv.match(b.token_ids).num_tokens == 4 * BS  # B's history survived whole
+    assert h.kv.match(a.token_ids).num_tokens == 3 * BS  # A's 2 deepest own blocks went first
+    h.kv.check_integrity()
+
+
+def test_a_program_ended_between_turns_or_idle_retires_its_chain():
+    """An end sent between turns (the pin is dropped) and an idle expiry both
+    retire the program's chain; a turn still running keeps its blocks until it
+    finishes, then retires them."""
+    h = Harness("agentserve", num_blocks=64, program_idle_timeout=10.0)
+    run_program(h, "P", 2, seed=1, ttl_hint=100.0)
+    assert "P" in h.kv.pins
+    h.s.end_program("P")
+    assert "P" not in h.kv.pins and h.s.stats.retired_blocks > 0
+    assert h.kv.pool.num_demoted == h.s.stats.retired_blocks
+    before = h.s.stats.retired_blocks
+    run_program(h, "Q", 2, seed=2, ttl_hint=0.0)
+    h.idle(100.0)  # Q idles past the timeout and ends
+    assert "Q" not in h.s.programs and h.s.stats.retired_blocks > before
+    before = h.s.stats.retired_blocks
+    r = h.req("r1", "R", prompt_of(5, 3 * BS + 1), max_tokens=6, tool_name="search")
+    h.step()
+    h.s.end_program("R")  # its turn is running: nothing of it is free yet
+    assert h.s.stats.retired_blocks == before
+    h.run(until=lambda: r.is_finished)
+    assert h.s.stats.retired_blocks > before
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+    h.kv.check_integrity()
+
+
+def test_anonymous_requests_retire_nothing():
+    """A request without a program id may be continued by a client that sends
+    no id (the prefix finds its conversation), so its KV keeps its LRU place."""
+    h = Harness("agentserve", num_blocks=64)
+    h.req("x", "x", prompt_of(6, 3 * BS + 1), max_tokens=2, anonymous=True, is_last_turn=True)
+    h.run()
+    assert "x" not in h.s.programs
+    assert h.s.stats.retired_blocks == 0 and h.kv.pool.num_demoted == 0
+
+
+def test_policies_that_keep_vllms_order_retire_nothing():
+    """continuum (paper-faithful) and agentserve:retire=off free an ended
+    program's KV like any turn's: newest in eviction order."""
+    for policy in ("continuum", "agentserve:retire=off"):
+        h = Harness(policy, num_blocks=64)
+        run_program(h, "P", 2, seed=1, last_is_final=True)
+        assert "P" not in h.s.programs
+        assert h.s.stats.retired_blocks == 0 and h.kv.pool.num_demoted == 0

@@ -24,7 +24,7 @@ from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.engine.step_time import COLD_CHUNKS, StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.program import ProgramState
-from agentserve.policy.registry import policy_names
+from agentserve.policy.registry import parse_policy_spec, policy_names
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 BS = 4
@@ -113,8 +113,9 @@ class Harness:
                  reload_cost=None, step_time: float = STEP, cost=None, protected: int = 0, **config) -> None:
         self.clock = SimClock()
         self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host, protected_blocks=protected)
+        name, options = parse_policy_spec(policy)  # a spec with options, e.g. "agentserve:retire=off"
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **config),
-                           self.kv, policy, self.clock, reload_cost)
+                           self.kv, name, self.clock, reload_cost, policy_options=options)
         self.ex = FakeExecutor(self.clock, BS, step_time, cost)
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []

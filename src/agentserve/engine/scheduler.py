@@ -148,8 +148,14 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         self.kv.unprotect(program_id)
         prog = self.programs.end(program_id)
         if prog is not None:
+            self._retire(prog.chain)
             self.policy.on_program_end(prog)
         return prog
+
+    def _retire(self, chain) -> None:
+        """An ended program's chain (its last turn's ChainHint): to the cold end, if the policy says so."""
+        if self.policy.retire_ended:
+            self.stats.retired_blocks += self.kv.retire(chain)
 
     def release_program(self, program_id: str) -> bool:
         """A client's explicit release: drop the pin (and the program's place in
@@ -210,6 +216,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         busy = {r.program_id for r in self.running} | {r.program_id for r in self.waiting} | set(self.kv.pins)
         for prog in self.programs.expire_idle(now, busy):
             self.kv.unprotect(prog.program_id)
+            self._retire(prog.chain)
             self.policy.on_program_end(prog)
 
     # --- the step ---

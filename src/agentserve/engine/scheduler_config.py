@@ -55,6 +55,7 @@ class SchedulerStats:
     onward_turns: int = 0  # of those, put first in line for the disk tier (a long wait)
     grouped_requests: int = 0  # requests that waited for another's prefill of their shared prefix
     superseded_blocks: int = 0  # cached blocks of a program's history that its next turn left, demoted
+    retired_blocks: int = 0  # cached blocks only an ended program's chain held, demoted
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0  # tokens sampled
     execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)

@@ -40,6 +40,8 @@ class StepResults:
     if TYPE_CHECKING:
         def end_program(self, program_id: str) -> ProgramState | None: ...  # scheduler.py
 
+        def _retire(self, chain) -> None: ...  # scheduler.py
+
         def _release_table(self, req: Request, now: float, action: str = "free",
                            protect: str | None = None) -> None: ...  # preemption.py
 
@@ -177,8 +179,14 @@ class StepResults:
         pid = req.program_id
         if req.is_last_turn or prog.anonymous or prog.ended:
             # (ended: the client ended the program while this turn ran; nothing comes back)
+            hint = None if prog.anonymous else self.kv.chain_hint(req.token_ids, req.block_table)
             self._release_table(req, now)
-            if not prog.ended:
+            if prog.ended:
+                self._retire(hint)
+            elif not prog.anonymous:
+                prog.chain = hint
+                self.end_program(pid)
+            else:
                 self.end_program(pid)
             return
         decision = self.policy.on_turn_end(req, prog, now)

@@ -297,9 +297,21 @@ class KVCacheManager:
                 pin.blocks = keep
                 pin.num_tokens = min(pin.num_tokens, common * bs)
                 self.pool.release(dropped, now)
-        for node in gone:  # shallowest first, so the deepest copy ends up first in line
+        return self._demote(gone)
+
+    def retire(self, hint: ChainHint | None) -> int:
+        """A program ended: the end of its chain (`hint`, its last turn's) that no
+        other chain hangs off will not be matched again, so its free cached
+        blocks go to the cold end of eviction, deepest first, and so do their
+        host copies; it stops at the first node another chain shares (a common
+        system prompt). Returns the number of device blocks demoted."""
+        return 0 if hint is None else self._demote(self.index.own_tail(hint.node))
+
+    def _demote(self, nodes: list) -> int:
+        """Send `nodes` (shallowest first) to the cold end of every tier."""
+        for node in nodes:  # shallowest first, so the deepest copy ends up first in line
             self.host.demote(node)
-        return self.pool.demote(n.block for n in reversed(gone) if n.block is not None)
+        return self.pool.demote(n.block for n in reversed(nodes) if n.block is not None)
 
     def reclaimable_blocks(self, program_id: str) -> int:
         """Blocks that unpinning `program_id` would return to the free set."""

@@ -163,6 +163,20 @@ class PrefixIndex:
             self.num_nodes -= 1
             node = parent
 
+    def own_tail(self, node: Node) -> list[Node]:
+        """The end of the chain through `node` that no other chain shares:
+        `node` and its ancestors up to the first that has another child (or
+        `node` has a child), shallowest first."""
+        own: list[Node] = []
+        came_from = None
+        while node is not None and node is not self.root:
+            if any(c is not came_from for c in node.children.values()):
+                break
+            own.append(node)
+            node, came_from = node.parent, node
+        own.reverse()
+        return own
+
     def iter_nodes(self):
         stack = list(self.root.children.values())
         while stack:

@@ -87,6 +87,11 @@ class Policy(abc.ABC):
     # running keep their KV and the rest wait their turn (SGLang reserves
     # decode room for running requests in the same spirit).
     decode_reserve_tokens: ClassVar[int] = 0
+    # What becomes of an ended program's own KV. False: it is freed like any
+    # turn's, newest in eviction order, as vLLM frees a finished request. True:
+    # the blocks no other chain shares go to the cold end (KVCacheManager.retire),
+    # since no turn will match them again.
+    retire_ended: bool = False
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

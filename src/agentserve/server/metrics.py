@@ -78,6 +78,8 @@ class _SnapshotCollector(Collector):
                       s.pins_reclaimed)
         yield counter("pins_released_early", "Pins the policy released before their TTL.", s.pins_released_early)
         yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
+        yield counter("kv_retired_blocks", "Cached blocks only an ended program's chain held, sent to the cold "
+                      "end of eviction.", s.retired_blocks)
         t = s.tool_calls
         yield counter("tool_call_validated_requests", "Chat requests a streaming tool-call validator followed.",
                       t.requests)

@@ -30,8 +30,12 @@ costs against its prefill (Prefill-Reload(r) / Prefill(r), about 0.05 for host
 memory): the seniority that saves little would only make newcomers wait
 (`tier_credit`).
 
+And an ended program's own KV goes first: a program's last turn (or its end
+between turns) sends the blocks that only its chain holds to the cold end of
+eviction (`retire`), where vLLM, and Continuum on it, free them as the newest.
+
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
-`tier_credit=off`, `eta=1`) for the ablations in the README."""
+`tier_credit=off`, `eta=1`, `retire=off`) for the ablations in the README."""
 
 from __future__ import annotations
 
@@ -47,13 +51,16 @@ class AgentServe(Continuum):
 
     def __init__(self, ctx: PolicyContext, pressure: bool = True, min_pin_cost: float = 0.05,
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
-                 tier_credit: bool = True, **options) -> None:
+                 tier_credit: bool = True, retire: bool = True, **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
             raise ValueError(f"min_pin_cost must be in (0, 1], got {min_pin_cost!r}")
         if not isinstance(tier_credit, bool):
             raise ValueError(f"tier_credit must be on or off, got {tier_credit!r}")
         self.tier_credit = tier_credit
+        if not isinstance(retire, bool):
+            raise ValueError(f"retire must be on or off, got {retire!r}")
+        self.retire_ended = retire
         self.pressure = pressure
         self.min_pin_cost = min_pin_cost
         self.tiers = tiers
