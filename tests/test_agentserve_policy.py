@@ -214,3 +214,87 @@ def test_the_dashboard_shows_the_pin_cost_and_where_a_miss_reloads_from():
     _turn(pol)
     d = _decision(pol.decisions.recent()[-1], 100.0, lambda pid: pid)
     assert d["pin_cost"] == 0.25 and d["reload_from"] == "prefill" and d["reload_s"] == 5.0
+
+
+# ---------------------------------------------------------------- the running share and the deadline
+
+
+def test_the_running_share_leaves_room_for_programs_between_turns():
+    """With running requests at their share of the KV, a request that would fit
+    in the free memory waits, and that wait is not KV pressure (the pins that
+    fill the rest are what the share is for); with no share it runs."""
+    from test_scheduler import Harness, prompt_of
+    for spec, admitted in (("agentserve:running_share=0.5", False), ("agentserve:running_share=1", True)):
+        h = Harness(spec, num_blocks=64, budget=64)
+        h.s.pressure = PressureMeter(horizon=1.0, initial=0.0)
+        r1 = h.req("a", "A", prompt_of(1, 20), max_tokens=200)  # 20 + 128 tokens ahead: 37 blocks of 64
+        h.step()
+        r2 = h.req("b", "B", prompt_of(2, 8), max_tokens=4)  # 3 blocks: 40 > 32, and 27 are left
+        for _ in range(50):
+            h.step()
+        assert (r2.num_output_tokens > 0) is admitted, spec
+        assert h.s.policy.ctx.kv_pressure() < 0.01, spec
+        h.run()
+        assert r1.is_finished and r2.is_finished
+        assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_a_request_held_back_by_the_share_that_would_not_fit_anyway_is_kv_pressure():
+    from test_scheduler import Harness, prompt_of
+    h = Harness("agentserve:running_share=0.5", num_blocks=64, budget=64)
+    h.s.pressure = PressureMeter(horizon=1.0, initial=0.0)
+    h.req("a", "A", prompt_of(1, 20), max_tokens=200)
+    h.step()
+    r2 = h.req("b", "B", prompt_of(2, 110), max_tokens=4)  # 29 blocks: over the share, and over the 27 left
+    for _ in range(100):
+        h.step()
+    assert r2.num_output_tokens == 0
+    assert h.s.policy.ctx.kv_pressure() > 0.5
+    h.run()
+    assert r2.is_finished
+
+
+def test_a_request_past_the_deadline_goes_first_and_may_reclaim_an_earlier_programs_pin():
+    """N, a new program, does not fit while P (an earlier program) holds a pin
+    and R runs: it may not take an earlier program's pin, so it waits. Past the
+    deadline it may, and is admitted; without a deadline it still waits."""
+    from test_scheduler import Harness, prompt_of
+    for spec, late_admits in (("agentserve:running_share=1:deadline=1", True),
+                              ("agentserve:running_share=1:deadline=none", False)):
+        h = Harness(spec, num_blocks=24, budget=64)
+        h.req("p1", "P", prompt_of(1, 20), max_tokens=2, tool_name="search", ttl_hint=100.0)
+        h.run()
+        assert "P" in h.kv.pins
+        h.req("r1", "R", prompt_of(2, 8), max_tokens=40)  # runs on, holding a reserve of 12 blocks
+        h.step()
+        n = h.req("n1", "N", prompt_of(3, 24), max_tokens=4)  # 7 blocks; 6 are left beside P's pin
+        h.step()
+        assert n not in h.s.running and "P" in h.kv.pins
+        h.clock.advance(1.0)
+        h.step()
+        assert (n in h.s.running) is late_admits, spec
+        assert ("P" in h.kv.pins) is not late_admits, spec
+        assert h.s.stats.pins_reclaimed == int(late_admits)
+        h.run()
+        assert n.is_finished
+
+
+def test_a_late_request_goes_ahead_of_a_pinned_programs_turn():
+    ctx = PolicyContext(reload_cost=lambda n: 0.0, is_pinned=lambda pid: pid == "P")
+    pol = AgentServe(ctx, deadline=10.0)
+    assert pol.time_dependent
+    newcomer = Request("n", "N", [1, 2, 3], 4, arrival_time=100.0)
+    pinned = Request("p", "P", [1, 2, 3], 4, arrival_time=104.0)
+    progs = {"N": ProgramState("N", 100.0), "P": ProgramState("P", 50.0)}
+    key = lambda r, now: pol.priority(r, progs[r.program_id], now)  # noqa: E731
+    assert key(pinned, 105.0) < key(newcomer, 105.0)  # a pinned program's turn goes first ...
+    assert key(newcomer, 110.0) < key(pinned, 110.0)  # ... until the newcomer has waited 10 s
+
+
+def test_share_and_deadline_options_are_checked():
+    ctx = PolicyContext(reload_cost=lambda n: 0.0)
+    for bad in (dict(running_share=0.0), dict(running_share=1.5), dict(deadline=0.0), dict(deadline=-3.0)):
+        with pytest.raises(ValueError):
+            AgentServe(ctx, **bad)
+    assert not AgentServe(ctx, deadline=None).time_dependent
+    assert Continuum(ctx).running_kv_share == 1.0 and not Continuum(ctx).late(None, 0.0)

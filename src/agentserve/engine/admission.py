@@ -2,8 +2,11 @@
 budget, and the policy's headroom (`Policy.decode_reserve_tokens`): a request
 is admitted only when its prompt and reserved output fit beside what the
 running requests may still take; pins of later programs are reclaimed (any
-pin, then its own, when nothing runs) before it is held back. Part of
-`Scheduler` (engine/scheduler.py), whose state it uses."""
+pin, then its own, when nothing runs; any pin for a request past the policy's
+deadline) before it is held back. A policy may also keep the running requests
+within a share of the KV (`Policy.running_kv_share`), leaving the rest to
+programs between turns. Part of `Scheduler` (engine/scheduler.py), whose state
+it uses."""
 
 from __future__ import annotations
 
@@ -36,10 +39,14 @@ class Admission:
         n = step.allow(hit, min(req.num_tokens - hit, step.budget))
         if n <= 0:
             return False  # the step-time target is spent
+        if not self._within_running_share(req, held, now):
+            if not self._has_headroom(req, match, held):
+                self._kv_blocked = True  # it would not fit in the free KV either
+            return False
         own_pin_released = False
         while not self._has_headroom(req, match, held) or (table := self.kv.admit(match, n, now)) is None:
             nothing_runs = not self.running
-            if self._reclaim_pin(req, any_program=nothing_runs, now=now):
+            if self._reclaim_pin(req, any_program=nothing_runs or self.policy.late(req, now), now=now):
                 continue
             if nothing_runs and req.program_id in self.kv.pins:
                 # Its own pin holds blocks this turn does not reuse (the partial
@@ -101,3 +108,17 @@ class Admission:
         if held is None:
             return True
         return self.kv.admit_need(match, self._ahead(req) - match.num_tokens) + held <= self.kv.num_free_blocks
+
+    def _within_running_share(self, req: Request, held: int | None, now: float) -> bool:
+        """The running requests' blocks and reserves, with `req`'s, stay within the
+        policy's running_kv_share of the device KV: the rest is for programs
+        between turns. Held back by this alone, a request is not held back for
+        KV (the pressure meter does not count it: the pins that fill the rest are
+        what the share is for), and it reclaims no pin, which would not bring the
+        running requests' share down. A request past the policy's deadline is
+        held back only for KV."""
+        share = self.policy.running_kv_share
+        if share >= 1.0 or held is None or self.policy.late(req, now):
+            return True
+        running = sum(len(r.block_table.blocks) for r in self.running if r.block_table is not None)
+        return running + held + self.kv.blocks_for(self._ahead(req)) <= share * self.kv.num_blocks

@@ -92,6 +92,15 @@ class Policy(abc.ABC):
     # the blocks no other chain shares go to the cold end (KVCacheManager.retire),
     # since no turn will match them again.
     retire_ended: bool = False
+    # The share of the device KV that running requests (their blocks and
+    # headroom) may hold when more than one runs; the rest is left to programs
+    # between turns. 1.0: no bound but the memory itself.
+    running_kv_share: float = 1.0
+
+    def late(self, req: Request, now: float) -> bool:
+        """`req` waited past the policy's deadline: it goes first and may reclaim any pin."""
+        return False
+
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
