@@ -298,3 +298,10 @@ def test_share_and_deadline_options_are_checked():
             AgentServe(ctx, **bad)
     assert not AgentServe(ctx, deadline=None).time_dependent
     assert Continuum(ctx).running_kv_share == 1.0 and not Continuum(ctx).late(None, 0.0)
+
+
+def test_the_running_share_applies_without_a_host_tier_only():
+    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0), running_share=0.9)
+    assert pol.running_kv_share == 0.9
+    tiered = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True), running_share=0.9)
+    assert tiered.running_kv_share == 1.0

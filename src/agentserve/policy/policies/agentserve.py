@@ -38,6 +38,7 @@ hit). The running requests (blocks and headroom) are kept within
 `running_share` of the KV when more than one runs; a request held back only by
 that is not KV pressure, so the pin cost falls and Eq. 2 pins longer, filling
 the rest with programs that come back (86-89% hit; mean JCT 1.3x lower there).
+Without a host tier only: with one, a program between turns loses only a reload.
 Newcomers pay with their wait, so a request that has waited `deadline`
 seconds goes first, ahead of pinned programs' turns, may reclaim any pin, and
 is held back only for KV: no request waits much longer than the deadline for
@@ -79,7 +80,7 @@ class AgentServe(Continuum):
         self.retire_ended = retire
         if not 0.0 < running_share <= 1.0:
             raise ValueError(f"running_share must be in (0, 1], got {running_share!r}")
-        self.running_kv_share = running_share
+        self.running_share = running_share
         if deadline is not None and not deadline > 0.0:
             raise ValueError(f"deadline must be > 0 seconds (or none), got {deadline!r}")
         self.deadline = deadline
@@ -102,6 +103,13 @@ class AgentServe(Continuum):
         n = req.num_prompt_tokens
         prefill = ctx.prefill_cost(n)
         return credit * min(1.0, ctx.reload_cost(n) / prefill) if prefill > 0.0 else credit
+
+    @property
+    def running_kv_share(self) -> float:
+        """Where a host tier keeps evicted KV, a program between turns loses only
+        a reload, so room kept for it would buy little and cost the running
+        batch: the share applies without a host tier only."""
+        return 1.0 if self.ctx.host_tier else self.running_share
 
     def late(self, req, now) -> bool:
         return self.deadline is not None and now - req.arrival_time >= self.deadline
