@@ -30,17 +30,20 @@ costs against its prefill (Prefill-Reload(r) / Prefill(r), about 0.05 for host
 memory): the seniority that saves little would only make newcomers wait
 (`tier_credit`).
 
+Two options for large caches under overload, off by default (measured in
+the README: they win in the simulator's 434k-token cache and lost live on a
+16k-token one, where two programs fill the cache and waits are long anyway).
 Room for programs between turns. Under overload the running requests take
 the whole cache and every program that goes to its tool loses its KV, so a
 turn that comes back re-prefills its whole context (SWE-bench at 1 job/s in
 the simulator: running requests held ~97% of the KV, 71% of prompt tokens
-hit). The running requests (blocks and headroom) are kept within
-`running_share` of the KV when more than one runs; a request held back only by
+hit). With `running_share` (0.95 there), the running requests (blocks and
+headroom) are kept within that share of the KV when more than one runs; a request held back only by
 that is not KV pressure, so the pin cost falls and Eq. 2 pins longer, filling
 the rest with programs that come back (86-89% hit; mean JCT 1.3x lower there).
 Without a host tier only: with one, a program between turns loses only a reload.
-Newcomers pay with their wait, so a request that has waited `deadline`
-seconds goes first, ahead of pinned programs' turns, may reclaim any pin, and
+Newcomers pay with their wait, so with `deadline` (50 s there) a request that
+has waited that long goes first, ahead of pinned programs' turns, may reclaim any pin, and
 is held back only for KV: no request waits much longer than the deadline for
 its first token.
 
@@ -49,8 +52,8 @@ between turns) sends the blocks that only its chain holds to the cold end of
 eviction (`retire`), where vLLM, and Continuum on it, free them as the newest.
 
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
-`tier_credit=off`, `eta=1`, `retire=off`, `running_share=1`, `deadline=none`)
-for the ablations in the README."""
+`tier_credit=off`, `eta=1`, `retire=off`) for the ablations in the README; the
+two for large caches are turned on with `running_share=0.95:deadline=50`."""
 
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ class AgentServe(Continuum):
     def __init__(self, ctx: PolicyContext, pressure: bool = True, min_pin_cost: float = 0.05,
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
                  tier_credit: bool = True, retire: bool = True,
-                 running_share: float = 0.95, deadline: float | None = 50.0,
+                 running_share: float = 1.0, deadline: float | None = None,
                  **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
