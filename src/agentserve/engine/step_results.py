@@ -183,11 +183,10 @@ class StepResults:
             self._release_table(req, now)
             if prog.ended:
                 self._retire(hint)
-            elif not prog.anonymous:
-                prog.chain = hint
-                self.end_program(pid)
-            else:
-                self.end_program(pid)
+                return
+            if not prog.anonymous:
+                prog.chain = hint  # end_program retires it
+            self.end_program(pid)
             return
         decision = self.policy.on_turn_end(req, prog, now)
         prog.last_tool = req.tool_name

@@ -101,7 +101,6 @@ class Policy(abc.ABC):
         """`req` waited past the policy's deadline: it goes first and may reclaim any pin."""
         return False
 
-
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
         self.tool_stats = ToolDurationStats()

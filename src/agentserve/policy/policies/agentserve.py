@@ -33,19 +33,19 @@ memory): the seniority that saves little would only make newcomers wait
 Two options for large caches under overload, off by default (measured in
 the README: they win in the simulator's 434k-token cache and lost live on a
 16k-token one, where two programs fill the cache and waits are long anyway).
-Room for programs between turns. Under overload the running requests take
+Room for programs between turns: under overload the running requests take
 the whole cache and every program that goes to its tool loses its KV, so a
 turn that comes back re-prefills its whole context (SWE-bench at 1 job/s in
 the simulator: running requests held ~97% of the KV, 71% of prompt tokens
-hit). With `running_share` (0.95 there), the running requests (blocks and
-headroom) are kept within that share of the KV when more than one runs; a request held back only by
-that is not KV pressure, so the pin cost falls and Eq. 2 pins longer, filling
-the rest with programs that come back (86-89% hit; mean JCT 1.3x lower there).
-Without a host tier only: with one, a program between turns loses only a reload.
-Newcomers pay with their wait, so with `deadline` (50 s there) a request that
-has waited that long goes first, ahead of pinned programs' turns, may reclaim any pin, and
-is held back only for KV: no request waits much longer than the deadline for
-its first token.
+hit). With `running_share` (0.95 there) the running requests' blocks and
+headroom stay within that share of the KV when more than one runs; a request
+held back only by that is not KV pressure, so the pin cost falls and Eq. 2
+pins longer, filling the rest with programs that come back (86-89% hit; mean
+JCT 1.3x lower there). It applies without a host tier only: with one, a
+program between turns loses only a reload. Newcomers pay with their wait, so
+with `deadline` (50 s there) a request that has waited that long goes first,
+ahead of pinned programs' turns, may reclaim any pin, and is held back only
+for KV: no request waits much longer than the deadline for its first token.
 
 And an ended program's own KV goes first: a program's last turn (or its end
 between turns) sends the blocks that only its chain holds to the cold end of
