@@ -147,6 +147,13 @@ def test_policy_specs_parse_options_and_name_what_is_wrong():
         parse_policy_spec("vllm-fcfs:x=1")
     with pytest.raises(ValueError, match="not key=value"):
         parse_policy_spec("agentserve:eta")
+    # a value the policy refuses is reported with the spec, before any run starts
+    with pytest.raises(ValueError, match="'agentserve:deadline=0': deadline must be > 0"):
+        parse_policy_spec("agentserve:deadline=0")
+    with pytest.raises(ValueError, match="agentserve:running_share=2"):
+        parse_policy_spec("agentserve:running_share=2")
+    with pytest.raises(ValueError, match="agentserve:deadline=soon"):
+        parse_policy_spec("agentserve:deadline=soon")
 
 
 # --- the scheduler feeds the meter; the "disk" retention ---

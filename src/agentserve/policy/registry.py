@@ -29,7 +29,8 @@ def parse_policy_spec(spec: str) -> tuple[str, dict]:
     """`name` or `name:option=value:...` (e.g. `agentserve:pressure=off:eta=1`, an
     ablation) -> (name, options). Values are read as numbers, on/off/true/false
     or none where they look like one, else kept as text. ValueError names what
-    is wrong: an unknown policy, or an option without `=`."""
+    is wrong: an unknown policy, an option without `=` or one the policy does not
+    take, or a value the policy refuses."""
     name, *parts = spec.split(":")
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
@@ -44,6 +45,10 @@ def parse_policy_spec(spec: str) -> tuple[str, dict]:
         if key not in accepted:
             raise ValueError(f"policy {name!r} has no option {key!r}"
                              + (f"; it takes {', '.join(sorted(accepted))}" if accepted else "; it takes none"))
+    try:  # the values: a policy checks its own, so build one on a blank context
+        make_policy(name, PolicyContext(reload_cost=lambda n: 0.0), **options)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"policy {spec!r}: {e}") from None
     return name, options
 
 
