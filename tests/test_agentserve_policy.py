@@ -234,6 +234,7 @@ def test_the_running_share_leaves_room_for_programs_between_turns():
     for spec, admitted in (("agentserve:running_share=0.5", False), ("agentserve:running_share=1", True)):
         h = Harness(spec, num_blocks=64, budget=64)
         h.s.pressure = PressureMeter(horizon=1.0, initial=0.0)
+        _turn(h.s.policy, tokens=16)  # programs hold 16 tokens between turns: the other half holds some
         r1 = h.req("a", "A", prompt_of(1, 20), max_tokens=200)  # 20 + 128 tokens ahead: 37 blocks of 64
         h.step()
         r2 = h.req("b", "B", prompt_of(2, 8), max_tokens=4)  # 3 blocks: 40 > 32, and 27 are left
@@ -250,6 +251,8 @@ def test_a_request_held_back_by_the_share_that_would_not_fit_anyway_is_kv_pressu
     from test_scheduler import Harness, prompt_of
     h = Harness("agentserve:running_share=0.5", num_blocks=64, budget=64)
     h.s.pressure = PressureMeter(horizon=1.0, initial=0.0)
+    _turn(h.s.policy, tokens=16)
+    assert h.s.policy.running_kv_share == 0.5
     h.req("a", "A", prompt_of(1, 20), max_tokens=200)
     h.step()
     r2 = h.req("b", "B", prompt_of(2, 110), max_tokens=4)  # 29 blocks: over the share, and over the 27 left
@@ -264,10 +267,13 @@ def test_a_request_held_back_by_the_share_that_would_not_fit_anyway_is_kv_pressu
 def test_a_request_past_the_deadline_goes_first_and_may_reclaim_an_earlier_programs_pin():
     """N, a new program, does not fit while P (an earlier program) holds a pin
     and R runs: it may not take an earlier program's pin, so it waits. Past the
-    deadline it may, and is admitted; without a deadline it still waits."""
+    deadline it may, and is admitted; without a deadline, or where the share
+    does not apply (at 0.8 the rest, 19 tokens of 96, would not hold P's 21),
+    it still waits."""
     from test_scheduler import Harness, prompt_of
-    for spec, late_admits in (("agentserve:running_share=1:deadline=1", True),
-                              ("agentserve:running_share=1:deadline=none", False)):
+    for spec, late_admits in (("agentserve:running_share=0.7:deadline=1", True),
+                              ("agentserve:running_share=0.7:deadline=none", False),
+                              ("agentserve:running_share=0.8:deadline=1", False)):
         h = Harness(spec, num_blocks=24, budget=64)
         h.req("p1", "P", prompt_of(1, 20), max_tokens=2, tool_name="search", ttl_hint=100.0)
         h.run()
@@ -287,9 +293,10 @@ def test_a_request_past_the_deadline_goes_first_and_may_reclaim_an_earlier_progr
 
 
 def test_a_late_request_goes_ahead_of_a_pinned_programs_turn():
-    ctx = PolicyContext(reload_cost=lambda n: 0.0, is_pinned=lambda pid: pid == "P")
+    ctx = PolicyContext(reload_cost=lambda n: 0.0, is_pinned=lambda pid: pid == "P", kv_tokens=100_000)
     pol = AgentServe(ctx, deadline=10.0)
     assert pol.time_dependent
+    _turn(pol, tokens=512)  # the share applies: its 5% holds a program
     newcomer = Request("n", "N", [1, 2, 3], 4, arrival_time=100.0)
     pinned = Request("p", "P", [1, 2, 3], 4, arrival_time=104.0)
     progs = {"N": ProgramState("N", 100.0), "P": ProgramState("P", 50.0)}
@@ -308,7 +315,25 @@ def test_share_and_deadline_options_are_checked():
 
 
 def test_the_running_share_applies_without_a_host_tier_only():
-    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0), running_share=0.9)
+    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, kv_tokens=10_000), running_share=0.9)
+    _turn(pol, tokens=512)
     assert pol.running_kv_share == 0.9
-    tiered = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True), running_share=0.9)
+    tiered = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True, kv_tokens=10_000),
+                        running_share=0.9)
+    _turn(tiered, tokens=512)
     assert tiered.running_kv_share == 1.0
+
+
+def test_the_share_and_the_deadline_apply_only_where_the_rest_holds_a_program():
+    """The default share (0.95) leaves 5% of the KV: 500 tokens of 10k. It
+    applies once programs are seen to hold less than that at their turns' ends,
+    and stops when their mean context outgrows it; the deadline goes with it."""
+    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, kv_tokens=10_000))
+    late = Request("n", "N", [1, 2, 3], 4, arrival_time=0.0)
+    assert pol.running_kv_share == 1.0 and not pol.late(late, 100.0)  # nothing measured yet
+    _turn(pol, tokens=400)
+    assert pol.running_kv_share == 0.95
+    assert pol.late(late, 50.0) and not pol.late(late, 49.0)
+    _turn(pol, tokens=700)  # mean 550 > 500
+    assert pol.running_kv_share == 1.0 and not pol.late(late, 100.0)
+    assert AgentServe(PolicyContext(reload_cost=lambda n: 0.0), running_share=0.9).running_kv_share == 1.0

@@ -356,7 +356,7 @@ def test_metrics_endpoint(server, client):
                  "pins_reclaimed", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "program_jct_seconds",
                  "pin_ttl_seconds", "request_success", "generation_tokens", "host_kv_blocks", "disk_kv_blocks",
-                 "disk_kv_blocks_written", "kv_tier_copy_failures"):
+                 "disk_kv_blocks_written", "kv_tier_copy_failures", "running_kv_share"):
         assert "agentserve:" + name in fams, name
 
     def value(name, suffix=""):
@@ -367,6 +367,8 @@ def test_metrics_endpoint(server, client):
     assert value("prompt_tokens", "_total") > 0 and value("time_to_first_token_seconds", "_count") > 0
     assert value("e2e_request_latency_seconds", "_count") > 0
     assert value("inter_token_latency_seconds", "_count") > 0
+    share = server.engine.call_sync(lambda: server.llm.scheduler.policy.running_kv_share)
+    assert 0.0 < value("running_kv_share") == share <= 1.0
 
 
 # --- units: tool output, identity, CLI ---------------------------------------------------

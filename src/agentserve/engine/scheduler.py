@@ -87,6 +87,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                 prefill_cost=prefill_cost,
                 tier_reload={name: fn for name, fn in (tier_reload or {}).items() if self._tier(name).enabled},
                 tier_residency=lambda name: self._turnover[name].residency(),
+                kv_tokens=kv.num_blocks * kv.block_size,
             )
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy

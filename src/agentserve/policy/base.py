@@ -56,6 +56,7 @@ class PolicyContext:
     prefill_cost: Callable[[int], float] | None = None
     tier_reload: dict[str, Callable[[int], float]] = field(default_factory=dict)
     tier_residency: Callable[[str], float] = lambda tier: math.inf
+    kv_tokens: int = 0  # the device KV's size in tokens (0: not known)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ class EngineSnapshot:
     disk_blocks_used: int = 0
     disk_blocks_written: int = 0
     tier_copy_failures: int = 0
+    # the share of the device KV running requests may hold now (Policy.running_kv_share; 1.0: no bound)
+    running_kv_share: float = 1.0
 
     def __getattr__(self, name: str) -> Any:
         if name in _STAT_FIELDS:
@@ -110,4 +112,5 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         kv_integrity_failures=kv_integrity_failures,
         host_blocks=kv.host.num_slots, host_blocks_used=kv.host.num_used, disk_blocks=kv.disk.num_slots,
         disk_blocks_used=kv.disk.num_used, disk_blocks_written=kv.disk_copies.num_spilled,
-        tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed)
+        tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed,
+        running_kv_share=scheduler.policy.running_kv_share)

@@ -67,6 +67,9 @@ class _SnapshotCollector(Collector):
         yield gauge("pinned_programs", "Programs whose KV is pinned across a tool call.", s.num_pinned_programs)
         yield gauge("protected_blocks", "Free device KV blocks of multi-turn programs between turns, evicted last "
                     "(--protected-kv-share).", s.num_protected_blocks)
+        yield gauge("running_kv_share", "Share of the device KV the running requests may hold (1: no bound; the "
+                    "agentserve policy keeps the rest for programs between turns where it holds one).",
+                    s.running_kv_share)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.admitted_prompt_tokens)
         yield counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache at admission.", s.hit_tokens)
         yield counter("prefix_loaded_tokens", "Prefix-hit tokens reloaded from the host tier.", s.loaded_tokens)

@@ -30,37 +30,43 @@ costs against its prefill (Prefill-Reload(r) / Prefill(r), about 0.05 for host
 memory): the seniority that saves little would only make newcomers wait
 (`tier_credit`).
 
-Two options for large caches under overload, off by default (measured in
-the README: they win in the simulator's 434k-token cache and lost live on a
-16k-token one, where two programs fill the cache and waits are long anyway).
-Room for programs between turns: under overload the running requests take
-the whole cache and every program that goes to its tool loses its KV, so a
-turn that comes back re-prefills its whole context (SWE-bench at 1 job/s in
-the simulator: running requests held ~97% of the KV, 71% of prompt tokens
-hit). With `running_share` (0.95 there) the running requests' blocks and
-headroom stay within that share of the KV when more than one runs; a request
-held back only by that is not KV pressure, so the pin cost falls and Eq. 2
-pins longer, filling the rest with programs that come back (86-89% hit; mean
-JCT 1.3x lower there). It applies without a host tier only: with one, a
-program between turns loses only a reload. Newcomers pay with their wait, so
-with `deadline` (50 s there) a request that has waited that long goes first,
-ahead of pinned programs' turns, may reclaim any pin, and is held back only
-for KV: no request waits much longer than the deadline for its first token.
+Room for programs between turns, where the cache is large enough to keep
+some. Under overload the running requests take the whole cache and every
+program that goes to its tool loses its KV, so a turn that comes back
+re-prefills its whole context (SWE-bench at 1 job/s in the simulator: running
+requests held ~97% of the KV, 71% of prompt tokens hit). So the running
+requests' blocks and headroom stay within `running_share` (0.95) of the KV when
+more than one runs; a request held back only by that is not KV pressure, so
+the pin cost falls and Eq. 2 pins longer, filling the rest with programs that
+come back. The share applies only where the rest holds at least one program's
+context as programs have held them at their turns' ends (measured; nothing
+before the first turn ends) and no host tier lies below: room for less than a
+program would only slow the running batch (a 16k-token cache on this CPU
+holds two 8k-token SWE-bench programs: the share lost there, 567 s against
+262 s, when it applied everywhere), and with a host tier a program between
+turns loses only a reload. Newcomers pay with their wait, so while the share
+applies a request that has waited `deadline` seconds (50) goes first, ahead
+of pinned programs' turns, may reclaim any pin, and is held back only for KV:
+no request waits much longer than the deadline for its first token.
 
 And an ended program's own KV goes first: a program's last turn (or its end
 between turns) sends the blocks that only its chain holds to the cold end of
 eviction (`retire`), where vLLM, and Continuum on it, free them as the newest.
 
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
-`tier_credit=off`, `eta=1`, `retire=off`) for the ablations in the README; the
-two for large caches are turned on with `running_share=0.95:deadline=50`."""
+`tier_credit=off`, `eta=1`, `retire=off`, `running_share=1`, `deadline=none`)
+for the ablations in the README."""
 
 from __future__ import annotations
+
+import logging
 
 from agentserve.policy.base import PolicyContext, Retention, register
 from agentserve.policy.decision_log import TTLInputs
 from agentserve.policy.policies.continuum import Continuum
 from agentserve.policy.tool_stats import NO_TOOL_CALL
+
+log = logging.getLogger("agentserve.policy")
 
 
 @register
@@ -70,7 +76,7 @@ class AgentServe(Continuum):
     def __init__(self, ctx: PolicyContext, pressure: bool = True, min_pin_cost: float = 0.05,
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
                  tier_credit: bool = True, retire: bool = True,
-                 running_share: float = 1.0, deadline: float | None = None,
+                 running_share: float = 0.95, deadline: float | None = 50.0,
                  **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
@@ -93,6 +99,27 @@ class AgentServe(Continuum):
         self.min_pin_cost = min_pin_cost
         self.tiers = tiers
         self.fixed_eta = eta
+        self._turn_ends = 0  # non-final turns ended, and the KV tokens they held then
+        self._turn_end_tokens = 0
+        self._share_applies = False
+
+    def on_turn_end(self, req, program, now):
+        self._turn_ends += 1
+        self._turn_end_tokens += req.num_computed_tokens
+        self._review_share()
+        return super().on_turn_end(req, program, now)
+
+    def _review_share(self) -> None:
+        """The share applies where what it leaves holds a program between turns
+        (their mean context at a turn's end) and no host tier lies below."""
+        share, ctx = self.running_share, self.ctx
+        room = (1.0 - share) * ctx.kv_tokens
+        mean = self._turn_end_tokens / self._turn_ends
+        applies = share < 1.0 and not ctx.host_tier and 0 < room and mean <= room
+        if applies != self._share_applies:
+            self._share_applies = applies
+            log.info("%s %.0f%% of the KV (%d tokens) for programs between turns: their mean context is %d "
+                     "tokens", "keeping" if applies else "no longer keeping", 100 * (1.0 - share), room, mean)
 
     def credit(self, req) -> float | None:
         """The age credit of `req`: the full credit where a miss costs the
@@ -109,13 +136,12 @@ class AgentServe(Continuum):
 
     @property
     def running_kv_share(self) -> float:
-        """Where a host tier keeps evicted KV, a program between turns loses only
-        a reload, so room kept for it would buy little and cost the running
-        batch: the share applies without a host tier only."""
-        return 1.0 if self.ctx.host_tier else self.running_share
+        return self.running_share if self._share_applies else 1.0
 
     def late(self, req, now) -> bool:
-        return self.deadline is not None and now - req.arrival_time >= self.deadline
+        """Waited past the deadline while the share applies (the wait it bounds)."""
+        return (self.deadline is not None and now - req.arrival_time >= self.deadline
+                and self.running_kv_share < 1.0)
 
     def priority(self, req, program, now):
         return (not self.late(req, now),) + super().priority(req, program, now)
