@@ -40,7 +40,7 @@ more than one runs; a request held back only by that is not KV pressure, so
 the pin cost falls and Eq. 2 pins longer, filling the rest with programs that
 come back. The share applies only where the rest holds at least one program's
 context as programs have held them at their turns' ends (measured; nothing
-before the first turn ends) and no host tier lies below: room for less than a
+before the first turn ends; let go once that mean is 10% past the room) and no host tier lies below: room for less than a
 program would only slow the running batch (a 16k-token cache on this CPU
 holds two 8k-token SWE-bench programs: the share lost there, 567 s against
 262 s, when it applied everywhere), and with a host tier a program between
@@ -67,6 +67,7 @@ from agentserve.policy.policies.continuum import Continuum
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 log = logging.getLogger("agentserve.policy")
+_STOP_MARGIN = 1.1
 
 
 @register
@@ -115,7 +116,9 @@ class AgentServe(Continuum):
         share, ctx = self.running_share, self.ctx
         room = (1.0 - share) * ctx.kv_tokens
         mean = self._turn_end_tokens / self._turn_ends
-        applies = share < 1.0 and not ctx.host_tier and 0 < room and mean <= room
+        # stopping takes a mean 10% past the room: a mean that grows across it does not flap
+        limit = room * (_STOP_MARGIN if self._share_applies else 1.0)
+        applies = share < 1.0 and not ctx.host_tier and 0 < room and mean <= limit
         if applies != self._share_applies:
             self._share_applies = applies
             log.info("%s %.0f%% of the KV (%d tokens) for programs between turns: their mean context is %d "
