@@ -40,8 +40,9 @@ more than one runs; a request held back only by that is not KV pressure, so
 the pin cost falls and Eq. 2 pins longer, filling the rest with programs that
 come back. The share applies only where the rest holds at least one program's
 context as programs have held them at their turns' ends (measured; nothing
-before the first turn ends; let go once that mean is 10% past the room) and no host tier lies below: room for less than a
-program would only slow the running batch (a 16k-token cache on this CPU
+before the first turn ends; let go once that mean is 10% past the room) and
+no host tier lies below: room for less than a program would only slow the
+running batch (a 16k-token cache on this CPU
 holds two 8k-token SWE-bench programs: the share lost there, 567 s against
 262 s, when it applied everywhere), and with a host tier a program between
 turns loses only a reload. Newcomers pay with their wait, so while the share
@@ -143,8 +144,7 @@ class AgentServe(Continuum):
 
     def late(self, req, now) -> bool:
         """Waited past the deadline while the share applies (the wait it bounds)."""
-        return (self.deadline is not None and now - req.arrival_time >= self.deadline
-                and self.running_kv_share < 1.0)
+        return self._share_applies and self.deadline is not None and now - req.arrival_time >= self.deadline
 
     def priority(self, req, program, now):
         return (not self.late(req, now),) + super().priority(req, program, now)
