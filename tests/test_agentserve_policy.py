@@ -295,8 +295,9 @@ def test_a_request_past_the_deadline_goes_first_and_may_reclaim_an_earlier_progr
 def test_a_late_request_goes_ahead_of_a_pinned_programs_turn():
     ctx = PolicyContext(reload_cost=lambda n: 0.0, is_pinned=lambda pid: pid == "P", kv_tokens=100_000)
     pol = AgentServe(ctx, deadline=10.0)
-    assert pol.time_dependent
+    assert not pol.time_dependent  # nobody can be late before the share applies
     _turn(pol, tokens=512)  # the share applies: its 5% holds a program
+    assert pol.time_dependent
     newcomer = Request("n", "N", [1, 2, 3], 4, arrival_time=100.0)
     pinned = Request("p", "P", [1, 2, 3], 4, arrival_time=104.0)
     progs = {"N": ProgramState("N", 100.0), "P": ProgramState("P", 50.0)}

@@ -82,15 +82,26 @@ def test_plan_gives_a_lone_confident_decoder_its_whole_draft_and_a_busy_batch_le
 
 
 def test_plan_holds_the_step_time_target():
-    """Draft rows stop where the step would pass the target; a step already
-    over it gets none, and without a target nothing changes."""
-    spec = Speculator(SpecConfig(max_draft=6, initial_acceptance=0.9))
+    """The target is what a stream waits per token. While a decoding stream
+    has no draft, the step's time is its inter-token latency: draft rows stop
+    at the target, and a step already over it gets none. Once every stream
+    carries a draft, each expects more than one token, and the step may take
+    that many times the target. Without a target nothing changes."""
+    spec = Speculator(SpecConfig(max_draft=4, initial_acceptance=0.9))
     many = [_Req(REPEAT) for _ in range(4)]
-    free = spec.plan(many, base_time=0.100, row_cost=0.010)
+    plain = _Req(list(range(100, 140)))  # nothing repeats: no draft to offer
+    free = spec.plan(many + [plain], base_time=0.100, row_cost=0.010)
     assert sum(map(len, free.values())) > 5 and spec.stats.capped_steps == 0
-    capped = spec.plan(many, base_time=0.100, row_cost=0.010, max_time=0.155)
+    capped = spec.plan(many + [plain], base_time=0.100, row_cost=0.010, max_time=0.155)
     assert sum(map(len, capped.values())) == 5 and spec.stats.capped_steps == 1
-    assert spec.plan(many, base_time=0.200, row_cost=0.010, max_time=0.150) == {}
+    assert spec.fewest_tokens == 1.0
+    assert spec.plan(many + [plain], base_time=0.200, row_cost=0.010, max_time=0.150) == {}
+    # every stream drafts: 16 rows make a 260 ms step, 4.1 tokens expected a stream (63 ms a token)
+    drafted = spec.plan(many, base_time=0.100, row_cost=0.010, max_time=0.155)
+    assert sum(map(len, drafted.values())) == 16 and spec.stats.capped_steps == 2  # (the {} above was one)
+    assert spec.fewest_tokens == pytest.approx(1 + 0.9 + 0.81 + 0.729 + 0.6561)
+    # a target no plan meets: the plan with the fewest seconds a token for the least-served stream
+    assert sum(map(len, spec.plan(many, base_time=0.100, row_cost=0.010, max_time=0.050).values())) == 16
     # relative (unfitted) costs carry no seconds: the target cannot apply
     assert spec.plan(many, base_time=None, row_cost=None, max_time=0.001) != {}
 
@@ -119,13 +130,16 @@ class _StepCosts:
 def test_drafts_leave_a_waiting_prefill_its_smallest_chunk():
     """Drafts fill a step to its target only when no prefill waits; otherwise
     they stop where the chunk the scheduler always computes still fits, so that
-    chunk cannot push the step past the target."""
+    chunk cannot push the step past the target. (A second stream with nothing
+    to draft keeps the target on the step's time.)"""
     spec = Speculator(SpecConfig(max_draft=30, initial_acceptance=0.99))
     one = _Req(REPEAT * 3)
     one.num_computed_tokens = len(one.token_ids) - 1
+    plain = _Req(list(range(100, 140)))
+    plain.num_computed_tokens = len(plain.token_ids) - 1
 
-    def rows(costs, at):
-        return len(spec.plan_step([one], costs, spare_blocks=8, max_time=0.120, prefill_at=at,
+    def rows(costs, at, decoding=(one, plain)):
+        return len(spec.plan_step(list(decoding), costs, spare_blocks=8, max_time=0.120, prefill_at=at,
                                   min_chunk=32).get(one, ()))
 
     assert rows(_StepCosts(0.020), None) == 7  # (0.120 - 0.050) / 0.010
@@ -133,6 +147,9 @@ def test_drafts_leave_a_waiting_prefill_its_smallest_chunk():
     assert rows(deep, 6000) == 2  # 0.120 - 0.045 leaves 25 ms for drafts
     assert deep.asked == [(6000, 32)]
     assert rows(_StepCosts(0.300), 6000) == 0  # the chunk alone fills the step
+    # alone, the stream expects ~1 token a draft row: the step may pass 120 ms, a token may not
+    alone = rows(_StepCosts(0.045), 6000, decoding=(one,))
+    assert alone > 7 and 0.050 + 0.010 * alone + 0.045 <= 0.120 * spec.fewest_tokens
 
 
 def test_plan_skips_low_acceptance_and_finishing_requests():

@@ -91,7 +91,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
             )
             policy = make_policy(policy, ctx, **(policy_options or {}))
         self.policy = policy
-        self.waiting = WaitingQueue(lambda req, now: policy.priority(req, req.program, now), policy.time_dependent)
+        self.waiting = WaitingQueue(lambda req, now: policy.priority(req, req.program, now),
+                                    lambda: policy.time_dependent)
         self._overdue: set[str] = set()  # expired pins kept because their program's next turn waits
         self._held = 0  # the running requests' reserves (admission.py), kept as they change
         self._next_expiry = 0.0
@@ -264,6 +265,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                 if draft and not self._draft_slots(req, draft, step):
                     del drafts[req]
                     draft = None
+                    self.speculator.fewest_tokens = 1.0  # a stream without its draft gets one token
                 ok = self._schedule_running(req, 1, step, now, out)
                 if ok:
                     step.add(req, 1 + len(draft) if draft else 1)
@@ -378,13 +380,15 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         return None
 
     def _prefill_time_left(self, step: StepBudget) -> float | None:
-        """Seconds of prefill the step may add under the step-time target; None
-        when no cap applies (no decode this step, no target, too few samples)."""
+        """Seconds of prefill the step may add under the step-time target (per
+        token of the least-served decoding stream: a step whose every stream
+        carries a draft may take longer); None when no cap applies (no decode
+        this step, no target, too few samples)."""
         target = self.config.max_step_ms_with_decodes
         if not step.decode_rows or not target or not self.step_model.ready:
             return None
-        return target / 1000.0 - self.step_model.base_time(step.decode_rows, step.decode_context, step.draft_rows,
-                                                           step.draft_context)
+        return target / 1000.0 * self.speculator.fewest_tokens - self.step_model.base_time(
+            step.decode_rows, step.decode_context, step.draft_rows, step.draft_context)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(r.block_table for r in self.running)

@@ -112,6 +112,7 @@ class _Candidate:
     draft: list[int]
     acceptance: float
     taken: int = 0
+    expected: float = 0.0  # draft tokens its taken rows are expected to yield
     state: SpecState | None = field(default=None, repr=False)
 
 
@@ -119,6 +120,8 @@ class Speculator:
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
         self.stats = SpecStats()
+        # tokens the least-served decoding stream expects from the last planned step (1: a plain decode)
+        self.fewest_tokens = 1.0
 
     def state(self, req) -> SpecState:
         st = req.spec
@@ -128,16 +131,22 @@ class Speculator:
         return st
 
     def plan(self, decoding: list, base_time: float | None, row_cost: float | None,
-             max_time: float | None = None) -> dict:
+             max_time: float | None = None, reserve: float = 0.0) -> dict:
         """Drafts for this step's decoding requests: {request: draft tokens}.
 
         base_time: seconds the step takes without drafts; row_cost: seconds
         one more row adds (both from the step-time model; None: unknown yet,
         then the default row cost relative to a one-row step). max_time: the
-        step-time target (seconds), which draft rows may not push the step past:
-        a draft row is paid by every stream in the step, and past the target
-        that is their inter-token latency (long contexts make rows dear)."""
+        target (seconds) for what a decoding stream waits per token: the
+        step's time over the tokens the least-served stream expects from it.
+        A draft row is paid by every stream in the step, so while one stream
+        has no draft the step's time is its inter-token latency and rows stop
+        at the target (long contexts make rows dear); once every stream
+        carries a draft, each expects more than one token and the step may
+        take that much longer. `reserve`: seconds of the step kept for
+        something else (a prefill chunk). Sets `fewest_tokens`."""
         c = self.config
+        self.fewest_tokens = 1.0
         if not c.enabled or not decoding:
             return {}
         cands = []
@@ -158,6 +167,9 @@ class Speculator:
             max_time = None  # (relative units: no target to hold)
         row_cost = max(row_cost, MIN_ROW_SHARE * base_time)
         time, gained = base_time, float(rows)
+        bare = rows  # decoding streams with no draft row yet: each expects one token from the step
+        order: list[_Candidate] = []  # the rows taken, best first
+        states = [(time, 1.0)]  # after each row: the step's time, the fewest tokens a stream expects
         heap = [(-x.acceptance, i) for i, x in enumerate(cands)]
         heapq.heapify(heap)
         while heap and rows < c.max_step_rows:
@@ -165,16 +177,27 @@ class Speculator:
             worth = -neg
             if worth * time <= row_cost * gained:  # worth per second below the step's rate
                 break
-            if max_time is not None and time + row_cost > max_time:
-                self.stats.capped_steps += 1
-                break
             x = cands[i]
+            bare -= x.taken == 0
             x.taken += 1
+            x.expected += worth
+            order.append(x)
             rows += 1
             time += row_cost
             gained += worth
+            states.append((time, 1.0 if bare else 1.0 + min(y.expected for y in cands)))
             if x.taken < len(x.draft):
                 heapq.heappush(heap, (-(worth * x.acceptance), i))
+        keep = len(order)
+        if max_time is not None:
+            keep = self._within(states, max_time, reserve)
+            if keep < len(order):
+                self.stats.capped_steps += 1
+                for x in cands:
+                    x.taken = 0
+                for x in order[:keep]:
+                    x.taken += 1
+        self.fewest_tokens = states[keep][1]
         plan = {}
         for x in cands:
             if x.taken:
@@ -184,6 +207,17 @@ class Speculator:
                 x.state.shadow = x.draft[0]
         self.stats.steps += bool(plan)
         return plan
+
+    @staticmethod
+    def _within(states: list[tuple[float, float]], max_time: float, reserve: float) -> int:
+        """Rows to keep of the planned ones: the most whose step stays within
+        `max_time` a token for the least-served stream; where none does, the
+        fewest seconds a token for it (a step already past the target without
+        drafts is shortest per token when every stream gains)."""
+        fits = [k for k, (t, fewest) in enumerate(states) if t + reserve <= max_time * fewest]
+        if fits:
+            return fits[-1]
+        return min(range(len(states)), key=lambda k: ((states[k][0] + reserve) / states[k][1], k))
 
     def plan_step(self, decoding: list, step_model, spare_blocks: int, max_time: float | None = None,
                   prefill_at: int | None = None, min_chunk: int = 1) -> dict:
@@ -199,16 +233,18 @@ class Speculator:
         Only the smallest chunk: leaving drafts less time for a larger one
         was measured, and slowed the streams more than it sped first tokens."""
         if not self.config.enabled or not decoding or spare_blocks <= 0:
+            self.fewest_tokens = 1.0
             return {}
         base = row = None
+        reserve = 0.0
         if step_model.ready:
             rows = len(decoding)
             ctx = sum(r.num_computed_tokens + 1 for r in decoding)
             base = step_model.base_time(rows, ctx)
             row = step_model.draft_row_time(ctx // rows)
             if max_time is not None and prefill_at is not None:
-                max_time -= step_model.chunk_time(prefill_at, min_chunk)
-        return self.plan(decoding, base, row, max_time)
+                reserve = step_model.chunk_time(prefill_at, min_chunk)
+        return self.plan(decoding, base, row, max_time, reserve)
 
     def verify(self, req, draft, sampled) -> list[int]:
         """The tokens a verified draft yields: the sampled token at each draft

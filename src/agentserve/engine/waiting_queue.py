@@ -5,8 +5,10 @@ kept on the request (`Request.queue_key`); the queue stays sorted by inserting
 each newcomer where it belongs, so a step reads the order without sorting it.
 A priority may depend on the request, its program and whether the program is
 pinned: when a program's pin comes or goes, the scheduler re-places that
-program's waiting requests (`replace_program`). A policy whose priorities
-change with time itself (`Policy.time_dependent`) is re-sorted every step."""
+program's waiting requests (`replace_program`). While a policy's priorities
+change with time itself (`Policy.time_dependent`, which a policy may switch on
+and off), the queue is re-sorted every step, and once more when it stops: the
+places kept meanwhile are stale."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from agentserve.engine.request import Request
 
 
 class WaitingQueue:
-    def __init__(self, priority: Callable[[Request, float], tuple], time_dependent: bool) -> None:
+    def __init__(self, priority: Callable[[Request, float], tuple], time_dependent: Callable[[], bool]) -> None:
         self._priority = priority
-        self.time_dependent = time_dependent
+        self._time_dependent = time_dependent
+        self._stale = False  # places were kept while priorities moved with time: re-sort once more
         self._entries: list[tuple[tuple, int, Request]] = []  # sorted; the int breaks ties by arrival in the queue
         self._programs: dict[str, list[Request]] = {}
         self._seq = itertools.count()
@@ -76,7 +79,9 @@ class WaitingQueue:
 
     def order(self, now: float) -> None:
         """Bring the order up to date: only a time-dependent policy's changes by itself."""
-        if self.time_dependent and self._entries:
+        moving = self._time_dependent()
+        stale, self._stale = self._stale, moving
+        if (moving or stale) and self._entries:
             prio = self._priority
             entries = [(prio(e[2], now), e[1], e[2]) for e in self._entries]
             entries.sort()
@@ -90,6 +95,8 @@ class WaitingQueue:
     def _insert(self, req: Request, now: float, seq: int) -> None:
         entry = (self._priority(req, now), seq, req)
         req.queue_key = entry
+        if self._time_dependent():  # a place taken now may be stale once priorities stop moving
+            self._stale = True
         entries = self._entries
         i = bisect.bisect_right(entries, entry)
         self._entries = entries[:i] + [entry] + entries[i:]
@@ -104,9 +111,10 @@ class WaitingQueue:
         req.queue_key = None
 
     def check(self) -> None:
-        assert all(a < b for a, b in zip(self._entries, self._entries[1:])) or self.time_dependent, "out of order"
+        moving = self._stale or self._time_dependent()
+        assert all(a < b for a, b in zip(self._entries, self._entries[1:])) or moving, "out of order"
         assert sum(len(v) for v in self._programs.values()) == len(self._entries)
         for e in self._entries:
             assert e[2].queue_key is e and e[2] in self._programs[e[2].program_id]
             # kept, not recomputed: a place must still be the one the policy gives now
-            assert self.time_dependent or e[0] == self._priority(e[2], 0.0), f"{e[2]}: stale place {e[0]}"
+            assert moving or e[0] == self._priority(e[2], 0.0), f"{e[2]}: stale place {e[0]}"

@@ -95,8 +95,6 @@ class AgentServe(Continuum):
         if deadline is not None and not deadline > 0.0:
             raise ValueError(f"deadline must be > 0 seconds (or none), got {deadline!r}")
         self.deadline = deadline
-        if deadline is not None:
-            self.time_dependent = True  # a waiting request turns late as time passes
         self.pressure = pressure
         self.min_pin_cost = min_pin_cost
         self.tiers = tiers
@@ -141,6 +139,11 @@ class AgentServe(Continuum):
     @property
     def running_kv_share(self) -> float:
         return self.running_share if self._share_applies else 1.0
+
+    @property
+    def time_dependent(self) -> bool:
+        """A waiting request can turn late as time passes: only while the share applies."""
+        return self._share_applies and self.deadline is not None
 
     def late(self, req, now) -> bool:
         """Waited past the deadline while the share applies (the wait it bounds)."""
