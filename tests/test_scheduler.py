@@ -527,6 +527,20 @@ def test_prefill_that_needs_blocks_preempts_a_later_decode_already_scheduled():
     assert h.kv.num_free_blocks == h.kv.num_blocks
 
 
+def test_prefill_beside_drafting_streams_gets_the_time_their_drafts_earn():
+    """The target is per token of the least-served decoding stream: where every
+    stream's draft is expected to give it 3 tokens, the step may take 3 targets,
+    and a prefill chunk the time the decodes leave of that."""
+    h = _timed()
+    _warm_up(h)
+    step = step_time.StepBudget(64, h.s.step_model, 4)
+    step.decode_rows, step.decode_context = 2, 100
+    h.s.speculator.fewest_tokens = 1.0
+    plain = h.s._prefill_time_left(step)
+    h.s.speculator.fewest_tokens = 3.0
+    assert h.s._prefill_time_left(step) == pytest.approx(plain + 2 * TARGET_MS / 1000)
+
+
 def test_long_prompt_beside_decodes_is_chunked_under_the_step_time_target():
     h = _timed()
     x, p, d = _long_prompt_beside_a_decode(h)

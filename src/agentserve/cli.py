@@ -63,8 +63,9 @@ def _add_sim(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: profile)")
     p.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
                    help="while requests decode, cap each step's prompt tokens so that its predicted time "
-                        "(learned from the simulated steps) stays under MS, as `serve` does; 0: no cap, "
-                        "every step may take the whole token budget")
+                        "(learned from the simulated steps) stays under MS a token for the least-served "
+                        "decoding request, as `serve` does; 0: no cap, every step may take the whole token "
+                        "budget")
     p.add_argument("--token-scale", type=float, default=1.0, help="scale every token count of the workload")
     p.add_argument("--tool-time-scale", type=float, default=1.0,
                    help="scale every tool call's duration (e.g. 30: tools that run for minutes, so most programs "

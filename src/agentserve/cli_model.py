@@ -58,11 +58,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step (prefill chunks and decode tokens together)")
     g.add_argument("--max-step-ms-with-decodes", type=non_negative_ms, default=200.0, metavar="MS",
-                   help="step-time target while requests decode: every decoding request gets its token "
-                        "first, then prompt chunks are capped so that the step's predicted time (learned "
-                        "from the steps that ran, by prompt tokens and their context) stays under MS, so a "
-                        "long prompt is prefilled beside the decodes instead of stalling them for seconds; "
-                        "at least 32 prompt tokens still run a step. Without decodes the whole "
+                   help="target for what a decoding request waits per token: every decoding request "
+                        "gets its token first, then speculation's draft rows and prompt chunks are capped "
+                        "so that the step's predicted time (learned from the steps that ran, by prompt "
+                        "tokens and their context) stays under MS times the tokens the least-served "
+                        "decoding request expects from the step (1 while one has no draft), so a long "
+                        "prompt is prefilled beside the decodes instead of stalling them for seconds; "
+                        "at least 16 prompt tokens still run a step. Without decodes the whole "
                         "--max-num-batched-tokens budget is used. 0: no cap")
     g.add_argument("--group-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="a waiting request whose next prompt block a running request is about to compute (a "

@@ -14,8 +14,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None
     program_idle_timeout: float = 600.0
-    # While decodes run, cap a step's prefill tokens so that its predicted time stays
-    # under this many ms (None or 0: no cap, the whole token budget as without decodes).
+    # While decodes run, cap a step's draft rows and prefill tokens so that its predicted
+    # time stays under this many ms a token for the least-served decoding request (a step
+    # whose every decode carries a draft expects more than one token each); None or 0: no
+    # cap, the whole token budget as without decodes.
     max_step_ms_with_decodes: float | None = 200.0
     # prefill tokens a capped step still computes (speculation's drafts leave room for
     # them; at 6-7k tokens of context 32 of them cost ~120 ms on a 2-core CPU, 16 half)
