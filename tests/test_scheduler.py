@@ -535,10 +535,10 @@ def test_prefill_beside_drafting_streams_gets_the_time_their_drafts_earn():
     _warm_up(h)
     step = step_time.StepBudget(64, h.s.step_model, 4)
     step.decode_rows, step.decode_context = 2, 100
-    h.s.speculator.fewest_tokens = 1.0
-    plain = h.s._prefill_time_left(step)
-    h.s.speculator.fewest_tokens = 3.0
-    assert h.s._prefill_time_left(step) == pytest.approx(plain + 2 * TARGET_MS / 1000)
+    plain = step.prefill_time_left(TARGET_MS)
+    step.per_token = 3.0
+    assert step.prefill_time_left(TARGET_MS) == pytest.approx(plain + 2 * TARGET_MS / 1000)
+    assert step_time.StepBudget(64, h.s.step_model, 4).prefill_time_left(TARGET_MS) is None  # no decode: no cap
 
 
 def test_long_prompt_beside_decodes_is_chunked_under_the_step_time_target():

@@ -246,6 +246,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                                            target / 1000.0 if target else None,
                                            self._prefill_at(prefilling, kv_blocked_before),
                                            self.config.min_prefill_chunk)
+        step.per_token = self.speculator.fewest_tokens
         room = self.kv.block_size
         scheduled = step.scheduled
         rows = context = 0
@@ -265,7 +266,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                 if draft and not self._draft_slots(req, draft, step):
                     del drafts[req]
                     draft = None
-                    self.speculator.fewest_tokens = 1.0  # a stream without its draft gets one token
+                    step.per_token = 1.0  # a stream without its draft gets one token
                 ok = self._schedule_running(req, 1, step, now, out)
                 if ok:
                     step.add(req, 1 + len(draft) if draft else 1)
@@ -281,7 +282,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         step.decode_rows = rows
         step.decode_context = context
         if prefilling or self.waiting:
-            step.time_left = self._prefill_time_left(step)
+            step.time_left = step.prefill_time_left(self.config.max_step_ms_with_decodes)
             step.cold = bool(step.decode_rows and self.config.max_step_ms_with_decodes and not self.step_model.ready)
         for req in prefilling:
             if step.budget <= 0:
@@ -378,17 +379,6 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         if self.waiting and not kv_blocked and len(self.running) < self.config.max_num_seqs:
             return max(0, next(iter(self.waiting)).num_prompt_tokens - self.config.min_prefill_chunk)
         return None
-
-    def _prefill_time_left(self, step: StepBudget) -> float | None:
-        """Seconds of prefill the step may add under the step-time target (per
-        token of the least-served decoding stream: a step whose every stream
-        carries a draft may take longer); None when no cap applies (no decode
-        this step, no target, too few samples)."""
-        target = self.config.max_step_ms_with_decodes
-        if not step.decode_rows or not target or not self.step_model.ready:
-            return None
-        return target / 1000.0 * self.speculator.fewest_tokens - self.step_model.base_time(
-            step.decode_rows, step.decode_context, step.draft_rows, step.draft_context)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(r.block_table for r in self.running)

@@ -120,7 +120,8 @@ class Speculator:
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
         self.stats = SpecStats()
-        # tokens the least-served decoding stream expects from the last planned step (1: a plain decode)
+        # tokens the least-served decoding stream expects from the last planned step (1: a plain decode);
+        # the scheduler copies it into the step's budget
         self.fewest_tokens = 1.0
 
     def state(self, req) -> SpecState:

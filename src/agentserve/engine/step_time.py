@@ -287,7 +287,7 @@ class StepBudget:
     while decodes run under a step-time target, the prefill time left."""
 
     __slots__ = ("budget", "scheduled", "decode_rows", "decode_context", "draft_rows", "draft_context", "time_left",
-                 "prefill_tokens", "attention",
+                 "per_token", "prefill_tokens", "attention",
                  "capped", "model", "min_chunk", "cold")
 
     def __init__(self, budget: int, model: StepTimeModel, min_chunk: int) -> None:
@@ -298,6 +298,8 @@ class StepBudget:
         self.draft_rows = 0  # speculative draft rows and the context they attend to
         self.draft_context = 0
         self.time_left: float | None = None  # None: no cap
+        # tokens the least-served decoding stream expects from this step (1: one has no draft)
+        self.per_token = 1.0
         self.prefill_tokens = 0
         self.attention = 0  # attention pairs of the prefill chunks
         self.capped = False
@@ -326,6 +328,16 @@ class StepBudget:
         else:
             self.prefill_tokens -= n
             self.attention -= attention_pairs(c, n)
+
+    def prefill_time_left(self, target_ms: float | None) -> float | None:
+        """Seconds of prefill the step may add under the step-time target, per
+        token of the least-served decoding stream (a step whose every stream
+        carries a draft may take longer); None when no cap applies (no decode
+        this step, no target, too few samples)."""
+        if not self.decode_rows or not target_ms or not self.model.ready:
+            return None
+        return target_ms / 1000.0 * self.per_token - self.model.base_time(
+            self.decode_rows, self.decode_context, self.draft_rows, self.draft_context)
 
     def allow(self, start: int, want: int) -> int:
         """Prefill tokens a chunk after `start` may take of the `want` it could."""
