@@ -20,7 +20,7 @@ from agentserve.engine.scheduler_output import SchedulerOutput
 from agentserve.llm import LLM
 from agentserve.server.app import create_app
 from agentserve.server.server_state import ServerConfig
-from tiny_models import byte_tokenizer, hf_llama, loaded
+from tiny_models import DEVICE, byte_tokenizer, hf_llama, loaded
 
 EOS = 257  # <|im_end|> of the byte tokenizer
 
@@ -50,7 +50,7 @@ class ScriptedExecutor(Executor):
 
 
 def tiny_llm(**kw) -> LLM:
-    opts = dict(dtype="float32", device="cpu", kv_cache_tokens=4096, block_size=4, max_num_seqs=8,
+    opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=4096, block_size=4, max_num_seqs=8,
                 max_num_batched_tokens=256)
     opts.update(kw)
     return LLM(loaded(hf_llama(), byte_tokenizer()), **opts)

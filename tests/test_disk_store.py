@@ -14,7 +14,7 @@ from agentserve.llm import LLM
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.disk_store import HEADER_BYTES, DiskBlockError, DiskStore, fingerprint
 from agentserve.runner.kv_cache import PagedKVCache
-from tiny_models import hf_greedy, hf_llama, loaded, prompt
+from tiny_models import DEVICE, hf_greedy, hf_llama, loaded, prompt
 
 N_NEW = 16
 GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
@@ -27,7 +27,7 @@ def hf():
 
 
 def make_llm(hf, **kw) -> LLM:
-    opts = dict(dtype="float32", device="cpu", kv_cache_tokens=160, block_size=4, policy="continuum",
+    opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=160, block_size=4, policy="continuum",
                 host_kv_tokens=128)
     opts.update(kw)
     return LLM(loaded(hf), **opts)

@@ -18,7 +18,7 @@ from agentserve.llm import LLM
 from agentserve.runner.profiling import fit_quadratic, measure_profile, reload_cost_for, tier_costs_for
 from agentserve.runner.sampler import Sampler
 from agentserve.server.chat_template import ChatTemplate, TemplateError
-from tiny_models import byte_tokenizer, hf_llama, loaded, prompt
+from tiny_models import DEVICE, byte_tokenizer, hf_llama, loaded, prompt
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def hf():
 
 
 def make_llm(hf, **kw) -> LLM:
-    opts = dict(dtype="float32", device="cpu", kv_cache_tokens=2048, block_size=4, policy="continuum")
+    opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=2048, block_size=4, policy="continuum")
     opts.update(kw)
     return LLM(loaded(hf), **opts)
 
@@ -292,6 +292,6 @@ def test_kv_cache_copies_report_failures():
     cache.device_kv[:, :, :, 0].zero_()
     assert cache.load([(2, 0)]) == []
     assert torch.equal(cache.device_kv[:, :, :, 0], cache.device_kv[:, :, :, 3])
-    cache.host_kv = torch.zeros(2, 2, 1, 3, 2, cfg.head_dim + 1)  # a copy that cannot run
+    cache.host_kv = torch.zeros(3, 2, 2, 1, 2, cfg.head_dim + 1)  # a copy that cannot run
     assert cache.offload([(1, 0), (2, 1)]) == [0, 1]
     assert cache.load([(0, 2)]) == [0]

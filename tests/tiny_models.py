@@ -6,16 +6,20 @@ which is not what the token-exactness tests are about."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.config import ModelConfig
-from agentserve.runner.tokenizer import Tokenizer
+from agentserve.runner.tokenizer import Tokenizer, byte_level_tokenizer
+
+# The device the runner tests build their LLM on: the CPU in CI;
+# AGENTSERVE_TEST_DEVICE=cuda runs the same token-exactness checks on a GPU
+# (transformers' reference stays on the CPU in float32).
+DEVICE = os.environ.get("AGENTSERVE_TEST_DEVICE", "cpu")
 
 VOCAB = 320
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
@@ -34,33 +38,7 @@ def hf_llama(tied: bool = False, seed: int = 0, layers: int = 2, kv_heads: int =
 
 def byte_tokenizer() -> Tokenizer:
     """Byte-level BPE with no merges: ids 0..255 are bytes, 256/257 the ChatML specials."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=_byte_table().__getitem__)
-    vocab = {ch: i for i, ch in enumerate(byte_chars)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    return Tokenizer(backend, eos_token_ids=[257])
-
-
-_TABLE: dict[str, int] = {}
-
-
-def _byte_table() -> dict[str, int]:
-    """ByteLevel's character for each byte: printable bytes map to themselves, the rest to U+0100 upward."""
-    if not _TABLE:
-        printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-            list(range(ord("®"), ord("ÿ") + 1))
-        chars = printable[:]
-        n = 0
-        for b in range(256):
-            if b not in printable:
-                printable.append(b)
-                chars.append(256 + n)
-                n += 1
-        _TABLE.update({chr(c): b for b, c in zip(printable, chars)})
-    return _TABLE
+    return byte_level_tokenizer(SPECIALS, eos="<|im_end|>")
 
 
 def loaded(hf_model, tokenizer: Tokenizer | None = None) -> LoadedModel:
@@ -91,6 +69,8 @@ def teacher_forced_logits(llm, ids: list[int], chunk: int) -> torch.Tensor:
     for start in range(0, n, chunk):
         k = min(chunk, n - start)
         meta = build_metadata([], [], [(table, start, k)], bs, llm.device, dtype=llm.model.dtype)
-        out.append(llm.model.forward(torch.tensor(ids[start:start + k]), torch.arange(start, start + k), meta,
-                                     llm.kv_cache, torch.arange(k)))
+        dev = llm.device
+        out.append(llm.model.forward(torch.tensor(ids[start:start + k], device=dev),
+                                     torch.arange(start, start + k, device=dev), meta, llm.kv_cache,
+                                     torch.arange(k, device=dev)).float().cpu())
     return torch.cat(out)

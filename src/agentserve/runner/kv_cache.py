@@ -7,10 +7,19 @@ request's blocks (one `index_select` of whole blocks) yields, per head, its
 context as one contiguous [tokens, head_dim] slab: the layout the attention
 kernel reads fastest (measured on this CPU: gathering by block is about 7x
 faster than gathering token slots, and a contiguous slab makes attention at
-batch 32 about 1.5x faster than a strided one). A swap or reload of any set of
-blocks is a single indexed copy over all layers. New tokens are written by
+batch 32 about 1.5x faster than a strided one). New tokens are written by
 slot (block * block_size + offset) into the per-layer view
-[kv_heads, blocks * block_size, head_dim]."""
+[kv_heads, blocks * block_size, head_dim].
+
+The host tier is block-major, [blocks, 2, layers, kv_heads, block_size,
+head_dim]: each host slot is one contiguous run of bytes, which is what a
+disk file holds and what a DMA copy moves at full speed. An offload gathers
+its device blocks on the device (one indexed copy over all layers), turns
+them block-major there, and copies each run of consecutive host slots in one
+piece; a reload does the reverse. On CUDA the host tier is pinned and those
+copies are asynchronous DMA: measured on an H200 with an 8B-shaped cache,
+the earlier path (head-major host slots, a pageable bounce through CPU
+indexing) moved 2.3 GB/s."""
 
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ class PagedKVCache:
         self.device_kv = torch.zeros(shape, dtype=dtype, device=device)
         self.host_kv: torch.Tensor | None = None
         if num_host_blocks > 0:
-            hshape = (2, cfg.num_layers, cfg.num_kv_heads, num_host_blocks, block_size, cfg.head_dim)
+            hshape = (num_host_blocks, 2, cfg.num_layers, cfg.num_kv_heads, block_size, cfg.head_dim)
             # pinned host memory makes the device<->host copies asynchronous DMA on CUDA
             pin = self.device.type == "cuda"
             self.host_kv = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
@@ -73,10 +82,9 @@ class PagedKVCache:
         if self.host_kv is None:
             raise RuntimeError("offload asked but the cache has no host tier")
         try:
-            host = torch.tensor([h for _, h in pairs])
             if staged is None:
-                staged = self.device_kv[:, :, :, torch.tensor([d for d, _ in pairs], device=self.device)]
-            self.host_kv[:, :, :, host] = staged.to("cpu")
+                staged = self.gather([d for d, _ in pairs])
+            write_host(self.host_kv, staged, [h for _, h in pairs])
         except (RuntimeError, MemoryError) as e:
             log.warning("offload of %d KV blocks failed: %s", len(pairs), e)
             return list(range(len(pairs)))
@@ -103,8 +111,7 @@ class PagedKVCache:
         failed = []
         for i, (h, d) in enumerate(pairs):
             try:
-                block = self.host_kv[:, :, :, h].contiguous()
-                self.disk.write(d, block.view(torch.uint8).reshape(-1).numpy().data)
+                self.disk.write(d, self.host_kv[h].view(torch.uint8).reshape(-1).numpy().data)
             except (OSError, RuntimeError, ValueError) as e:
                 log.warning("spill of host KV block %d to disk slot %d failed: %s", h, d, e)
                 failed.append(i)
@@ -137,10 +144,43 @@ class PagedKVCache:
         if self.host_kv is None:
             raise RuntimeError("reload asked but the cache has no host tier")
         try:
-            host = torch.tensor([h for h, _ in pairs])
             dev = torch.tensor([d for _, d in pairs], device=self.device)
-            self.device_kv[:, :, :, dev] = self.host_kv[:, :, :, host].to(self.device)
+            self.device_kv[:, :, :, dev] = read_host(self.host_kv, [h for h, _ in pairs], self.device)
         except (RuntimeError, MemoryError) as e:
             log.warning("reload of %d KV blocks failed: %s", len(pairs), e)
             return list(range(len(pairs)))
         return []
+
+
+def write_host(host: torch.Tensor, staged: torch.Tensor, slots: list[int]) -> None:
+    """Write `staged` (device blocks as `gather` returns them) into the host
+    slots `slots` of a block-major host tensor; returns once they hold it."""
+    blocks = staged.permute(3, 0, 1, 2, 4, 5)  # block-major (copy_ makes it so on the source's device)
+    for i, h, n in _runs(slots):
+        host[h:h + n].copy_(blocks[i:i + n], non_blocking=True)
+    if staged.device.type == "cuda":
+        # the host slots must hold their bytes before the copy is reported done
+        # (a spill or a reload may read them next)
+        torch.cuda.current_stream(staged.device).synchronize()
+
+
+def read_host(host: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
+    """Host slots `slots` of a block-major host tensor, on `device` in the device
+    layout ([2, layers, kv_heads, len(slots), block_size, head_dim], a view)."""
+    blocks = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, device=device)
+    for i, h, n in _runs(slots):
+        blocks[i:i + n].copy_(host[h:h + n], non_blocking=True)
+    return blocks.permute(1, 2, 3, 0, 4, 5)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(position, first slot, count) of each run of consecutive slots, in order:
+    one copy a run."""
+    runs: list[tuple[int, int, int]] = []
+    for i, h in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == h:
+            pos, first, n = runs[-1]
+            runs[-1] = (pos, first, n + 1)
+        else:
+            runs.append((i, h, 1))
+    return runs

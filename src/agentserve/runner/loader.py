@@ -38,12 +38,16 @@ def default_model_path() -> Path:
 
 def load_model(spec: str | Path | None = None, keep_quantized: bool = False) -> LoadedModel:
     """None/"default"/"smollm2" -> the bundled SmolLM2 GGUF; a `.gguf` file ->
-    `load_gguf`; a folder with config.json -> `load_safetensors_dir`.
+    `load_gguf`; a folder with config.json -> `load_safetensors_dir`;
+    "random:<shape>" -> random weights of a known shape (random_model.py).
     `keep_quantized`: a GGUF's Q4_0/Q4_1 tensors stay 4-bit (see quant.py)."""
     # Imported here: each loader pulls in its own format library (gguf, safetensors).
     from agentserve.runner.gguf_loader import load_gguf
+    from agentserve.runner.random_model import is_random_spec, random_model
     from agentserve.runner.safetensors_loader import load_safetensors_dir
 
+    if is_random_spec(spec):
+        return random_model(spec)
     if spec in _DEFAULT_SPECS:
         return load_gguf(default_model_path(), keep_quantized)
     path = Path(spec).expanduser()

@@ -27,6 +27,7 @@ from agentserve.cost.profile import ModelSpec, Profile, load_profile
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.device import dtype_name
 from agentserve.runner.disk_store import DiskStore
+from agentserve.runner.kv_cache import read_host, write_host
 
 if TYPE_CHECKING:
     from agentserve.engine.scheduler import Scheduler
@@ -151,18 +152,17 @@ class ModelTimer:
 
     def copy_bandwidth(self, num_blocks: int) -> tuple[float, float]:
         """Seconds to offload and reload `num_blocks` blocks through a scratch host
-        buffer; returns (bytes per second, seconds of a one-block copy)."""
+        buffer, by the host tier's own copies (kv_cache.write_host / read_host);
+        returns (bytes per second, seconds of a one-block copy)."""
         kv = self.kv
         num_blocks = min(num_blocks, kv.num_blocks)
-        d = kv.device_kv.shape
-        shape = (d[0], d[1], d[2], num_blocks, d[4], d[5])
-        host = torch.empty(shape, dtype=kv.dtype, pin_memory=self.device.type == "cuda")
+        host = torch.empty((num_blocks, *kv.block_shape), dtype=kv.dtype, pin_memory=self.device.type == "cuda")
         idx = torch.arange(num_blocks, device=self.device)
 
         def roundtrip(n: int) -> Callable[[], object]:
             def run() -> None:
-                host[:, :, :, :n] = kv.device_kv[:, :, :, idx[:n]].to("cpu")
-                kv.device_kv[:, :, :, idx[:n]] = host[:, :, :, :n].to(self.device)
+                write_host(host, kv.gather(list(range(n))), list(range(n)))
+                kv.device_kv[:, :, :, idx[:n]] = read_host(host, list(range(n)), self.device)
             return run
 
         t_many = median_time(roundtrip(num_blocks), self.device)

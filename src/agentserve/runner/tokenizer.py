@@ -272,6 +272,34 @@ def _unique(ids: Iterable[int]) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids))
 
 
+def byte_level_tokenizer(specials: Iterable[str] = (), eos: str | None = None) -> Tokenizer:
+    """A byte-level BPE with no merges: ids 0..255 are the bytes, then `specials`
+    (`eos` among them is the EOS). For models with no tokenizer of their own: the
+    random-weight models `agentserve profile` times, and the tests' tiny models."""
+    backend = tokenizers.Tokenizer(models.BPE(vocab={ch: b for b, ch in enumerate(_byte_chars())}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = list(specials)
+    backend.add_special_tokens(specials)
+    eos_ids = [256 + specials.index(eos)] if eos is not None else []
+    return Tokenizer(backend, eos_token_ids=eos_ids)
+
+
+def _byte_chars() -> list[str]:
+    """ByteLevel's character for each byte, in byte order: printable bytes stand
+    for themselves, the others map to U+0100 upward in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 def _byte_level_bpe_from_gguf(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
     """GPT-2-style BPE: the tokens are already in the byte->unicode spelling, the
     merges are "a b" strings, and control tokens become special tokens so chat
