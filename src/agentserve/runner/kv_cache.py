@@ -14,12 +14,13 @@ slot (block * block_size + offset) into the per-layer view
 The host tier is block-major, [blocks, 2, layers, kv_heads, block_size,
 head_dim]: each host slot is one contiguous run of bytes, which is what a
 disk file holds and what a DMA copy moves at full speed. An offload gathers
-its device blocks on the device (one indexed copy over all layers), turns
-them block-major there, and copies each run of consecutive host slots in one
-piece; a reload does the reverse. On CUDA the host tier is pinned and those
-copies are asynchronous DMA: measured on an H200 with an 8B-shaped cache,
-the earlier path (head-major host slots, a pageable bounce through CPU
-indexing) moved 2.3 GB/s."""
+its device blocks on the device (one indexed copy over all layers) and turns
+them block-major; from a GPU each run of consecutive host slots is then one
+asynchronous copy into pinned memory (on the CPU one indexed copy does it
+all); a reload does the reverse. Measured on an H200 with an 8B-shaped
+cache: 36-47 GB/s, where the earlier head-major host slots, copied through a
+pageable bounce and CPU indexing, moved 1.2-4 GB/s
+(`python -m agentserve.bench.tier_copy_speed`)."""
 
 from __future__ import annotations
 
@@ -154,8 +155,14 @@ class PagedKVCache:
 
 def write_host(host: torch.Tensor, staged: torch.Tensor, slots: list[int]) -> None:
     """Write `staged` (device blocks as `gather` returns them) into the host
-    slots `slots` of a block-major host tensor; returns once they hold it."""
+    slots `slots` of a block-major host tensor; returns once they hold it.
+    From a GPU: one DMA copy per run of consecutive slots, straight into the
+    pinned slots. On the CPU: one indexed copy (per-run copies each open an
+    OpenMP region, which stalls while the forward pass holds the cores)."""
     blocks = staged.permute(3, 0, 1, 2, 4, 5)  # block-major (copy_ makes it so on the source's device)
+    if staged.device.type == "cpu":
+        host[torch.tensor(slots)] = blocks
+        return
     for i, h, n in _runs(slots):
         host[h:h + n].copy_(blocks[i:i + n], non_blocking=True)
     if staged.device.type == "cuda":
@@ -166,7 +173,10 @@ def write_host(host: torch.Tensor, staged: torch.Tensor, slots: list[int]) -> No
 
 def read_host(host: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
     """Host slots `slots` of a block-major host tensor, on `device` in the device
-    layout ([2, layers, kv_heads, len(slots), block_size, head_dim], a view)."""
+    layout ([2, layers, kv_heads, len(slots), block_size, head_dim], a view);
+    copied as `write_host` copies."""
+    if device.type == "cpu":
+        return host[torch.tensor(slots)].permute(1, 2, 3, 0, 4, 5)
     blocks = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, device=device)
     for i, h, n in _runs(slots):
         blocks[i:i + n].copy_(host[h:h + n], non_blocking=True)

@@ -28,6 +28,8 @@ from agentserve.runner.attention import build_metadata
 from agentserve.runner.device import dtype_name
 from agentserve.runner.disk_store import DiskStore
 from agentserve.runner.kv_cache import read_host, write_host
+from agentserve.runner.random_model import PREFIX as RANDOM_PREFIX
+from agentserve.runner.random_model import is_random_spec
 
 if TYPE_CHECKING:
     from agentserve.engine.scheduler import Scheduler
@@ -227,7 +229,7 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
                  "(through its block files, checksums included)")
     cfg = llm.config
     elt = llm.model.embed.element_size()
-    name = f"{Path(llm.model_source).stem}-{dev.type}-{dtype_name(llm.dtype)}"
+    name = profile_name(llm)
     derivation = (
         f"Measured by `agentserve profile` on this machine ({os.cpu_count()} CPUs visible, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, device {dev}). Prefill: median of 3 forwards per "
@@ -284,9 +286,16 @@ def disk_bandwidth(store: DiskStore, num_blocks: int) -> tuple[float, float]:
     return total / max(wrote, 1e-9), total / max(read, 1e-9)
 
 
+def profile_name(llm: ModelHost) -> str:
+    """<model>-<device>-<dtype>: the model file's stem, or random-<shape> for a random-weight model."""
+    source = llm.model_source
+    stem = "random-" + source.removeprefix(RANDOM_PREFIX) if is_random_spec(source) else Path(source).stem
+    return f"{stem}-{llm.device.type}-{dtype_name(llm.dtype)}"
+
+
 def default_profile_path(llm: ModelHost) -> Path:
     base = Path(os.environ.get("AGENTSERVE_CACHE", Path.home() / ".cache" / "agentserve"))
-    return base / "profiles" / f"{Path(llm.model_source).stem}-{llm.device.type}-{dtype_name(llm.dtype)}.json"
+    return base / "profiles" / f"{profile_name(llm)}.json"
 
 
 def reload_cost_for(profile: str | None, llm: ModelHost, host_tier: bool) -> Callable[[int], float]:
@@ -340,3 +349,70 @@ def read_bandwidth(device: torch.device, gib: float = 1.0) -> float:
 def kv_element_size(llm: ModelHost) -> int:
     """Bytes of one element of the KV cache (2 for bfloat16)."""
     return llm.kv_cache.device_kv.element_size()
+
+
+def tier_copy_speed(device: str, shape: str, blocks: int, block_size: int = 16, repeats: int = 5) -> dict:
+    """Host-tier copy bandwidth of `blocks` blocks of a `random_model` shape's KV
+    each way, by the runner's copies and by the head-major path they replaced
+    (`python -m agentserve.bench.tier_copy_speed`)."""
+    from agentserve.runner.config import ModelConfig
+    from agentserve.runner.kv_cache import PagedKVCache
+    from agentserve.runner.random_model import SHAPES
+
+    dev = torch.device(device)
+    cfg = ModelConfig.from_hf(dict(SHAPES[shape], eos_token_id=None), name=shape)
+    kv = PagedKVCache(cfg, 2 * blocks, block_size, blocks, torch.bfloat16, dev)
+    kv.device_kv.normal_()
+    pinned = dev.type == "cuda"
+    head_major = torch.zeros((2, cfg.num_layers, cfg.num_kv_heads, blocks, block_size, cfg.head_dim),
+                             dtype=torch.bfloat16, pin_memory=pinned)
+    src = list(range(blocks))
+    src_idx = torch.tensor(src, device=dev)
+
+    def sync() -> None:
+        if pinned:
+            torch.cuda.synchronize(dev)
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def old_offload(slots: list[int]) -> None:
+        head_major[:, :, :, torch.tensor(slots)] = kv.gather(src).to("cpu")
+
+    def old_reload(slots: list[int]) -> None:
+        kv.device_kv[:, :, :, src_idx] = head_major[:, :, :, torch.tensor(slots)].to(dev)
+
+    def new_offload(slots: list[int]) -> None:
+        write_host(kv.host_kv, kv.gather(src), slots)
+
+    def new_reload(slots: list[int]) -> None:
+        kv.device_kv[:, :, :, src_idx] = read_host(kv.host_kv, slots, dev)
+
+    orders = {"consecutive": list(range(blocks)),
+              "scattered": torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()}
+    moved = blocks * kv.block_bytes
+    rows = []
+    for path, off, rel in [("head-major, pageable bounce (before)", old_offload, old_reload),
+                           ("block-major (the runner's)", new_offload, new_reload)]:
+        row = {"path": path}
+        for order, slots in orders.items():
+            row[f"offload {order}"] = moved / timed(lambda: off(slots)) / 1e9
+            row[f"reload {order}"] = moved / timed(lambda: rel(slots)) / 1e9
+        rows.append(row)
+    # the runner's path is exact: a scattered round trip into other device blocks
+    want = kv.gather(src).clone()
+    new_offload(orders["scattered"])
+    dst = torch.arange(blocks, 2 * blocks, device=dev)
+    kv.device_kv[:, :, :, dst] = read_host(kv.host_kv, orders["scattered"], dev)
+    sync()
+    name = torch.cuda.get_device_name(dev) if pinned else "cpu"
+    return {"device": name, "shape": shape, "blocks": blocks, "block_bytes": kv.block_bytes, "repeats": repeats,
+            "exact": bool(torch.equal(kv.device_kv[:, :, :, dst], want)), "rows": rows}
