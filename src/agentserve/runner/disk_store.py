@@ -20,11 +20,12 @@ import hashlib
 import os
 import re
 import struct
+import zlib
 from pathlib import Path
 
 MAGIC = b"AGSVKVB\x00"
-VERSION = 1
-_HEADER = struct.Struct("<8sI16sQ16s")  # magic, version, fingerprint, payload size, payload digest
+VERSION = 2  # 1: BLAKE2b digests
+_HEADER = struct.Struct("<8sI16sQI")  # magic, version, fingerprint, payload size, payload CRC-32
 HEADER_BYTES = _HEADER.size
 _NAME = re.compile(r"agentserve-kv-\d+\.blk(\.tmp)?")
 
@@ -38,8 +39,8 @@ def fingerprint(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
     return hashlib.blake2b(desc.encode(), digest_size=16).digest()
 
 
-def _digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def _digest(payload: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(payload)
 
 
 class DiskStore:
@@ -80,21 +81,23 @@ class DiskStore:
 
     def read(self, slot: int) -> bytearray:
         """Slot `slot`'s payload, checked; raises DiskBlockError if it cannot be trusted."""
+        payload = bytearray(self.payload_bytes)  # read into in place: no second copy of 2 MB blocks
         try:
             with open(self.path(slot), "rb") as f:
-                data = f.read(self.file_bytes + 1)
+                header = f.read(HEADER_BYTES)
+                got = f.readinto(payload) if len(header) == HEADER_BYTES else 0
+                extra = len(f.read(1))
         except OSError as e:
             raise DiskBlockError(f"cannot read disk block {slot}: {e}") from None
-        if len(data) < HEADER_BYTES:
-            raise DiskBlockError(f"disk block {slot}: short file ({len(data)} bytes)")
-        magic, version, fp, size, digest = _HEADER.unpack_from(data)
+        if len(header) < HEADER_BYTES:
+            raise DiskBlockError(f"disk block {slot}: short file ({len(header)} bytes)")
+        magic, version, fp, size, digest = _HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise DiskBlockError(f"disk block {slot}: not a KV block file of this format")
         if fp != self.fp:
             raise DiskBlockError(f"disk block {slot}: written for another model or KV layout")
-        if size != self.payload_bytes or len(data) != HEADER_BYTES + size:
-            raise DiskBlockError(f"disk block {slot}: torn ({len(data) - HEADER_BYTES} of {size} payload bytes)")
-        payload = bytearray(memoryview(data)[HEADER_BYTES:])
+        if size != self.payload_bytes or got != size or extra:
+            raise DiskBlockError(f"disk block {slot}: torn ({got + extra} of {size} payload bytes)")
         if _digest(payload) != digest:
             raise DiskBlockError(f"disk block {slot}: payload checksum mismatch")
         return payload
