@@ -115,6 +115,43 @@ def test_block_survives_device_host_disk_device_exactly(tmp_path):
     assert torch.all(cache.device_kv[:, :, :, 2] == 7.0), "a rejected file was loaded"
 
 
+
+def test_a_batch_on_threads_reports_each_failure_at_its_position(tmp_path):
+    s = DiskStore(tmp_path, FP, 64, threads=3)
+    s.clean()
+    assert s.write_many([(i, bytes([i]) * 64) for i in range(7)]) == [None] * 7
+    errors = s.write_many([(7, bytes(64)), (8, bytes(63)), (9, bytes(64))])  # a payload of the wrong size
+    assert errors[0] is None and isinstance(errors[1], ValueError) and errors[2] is None
+    s.path(4).write_bytes(s.path(4).read_bytes()[:-1])  # torn
+    s.path(6).unlink()
+    got = s.read_many(range(8))
+    assert [bytes(g) for i, g in enumerate(got) if i not in (4, 6)] == [bytes([i]) * 64 for i in (0, 1, 2, 3, 5)] + [bytes(64)]
+    assert isinstance(got[4], DiskBlockError) and isinstance(got[6], DiskBlockError)
+    assert isinstance(s.read_many([6])[0], DiskBlockError)  # one item: no pool
+    with pytest.raises(ValueError, match="threads"):
+        DiskStore(tmp_path, FP, 64, threads=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_runner_spills_and_reloads_a_batch_on_threads(tmp_path, threads):
+    cfg = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    cache = PagedKVCache(cfg, 12, 4, 6, torch.float32, torch.device("cpu"))
+    cache.attach_disk(tmp_path)
+    cache.disk.threads = threads  # reads in chunks of 4 (one thread) or 8 (two, on a pool)
+    cache.device_kv.normal_()
+    want = cache.device_kv[:, :, :, :6].clone()
+    assert cache.offload([(b, b) for b in range(6)]) == []
+    assert cache.spill([(h, 10 + h) for h in range(6)]) == []
+    cache.disk.path(15).write_bytes(b"foreign")
+    cache.device_kv[:, :, :, 6:12] = 7.0
+    assert cache.load_disk([(10 + h, 6 + h) for h in range(6)]) == [5]
+    for h in range(6):
+        if h == 5:
+            assert torch.all(cache.device_kv[:, :, :, 11] == 7.0), "a rejected file was loaded"
+        else:
+            assert torch.equal(cache.device_kv[:, :, :, 6 + h], want[:, :, :, h])
+
 def _evict_to_disk(llm, hf):
     p1 = prompt(11, 37)
     first = llm.generate([p1], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True), program_ids=["A"])[0]

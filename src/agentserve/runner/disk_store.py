@@ -4,15 +4,23 @@ A file is a fixed header then the payload (the block's K and V over all
 layers, as raw bytes). The header holds a magic, the format version, a
 fingerprint of the KV layout (layers, KV heads, head dim, block size, dtype:
 a file written by another model or layout is foreign), the payload size and
-a BLAKE2b digest of the payload. A file is written under a temporary name and
+a CRC-32 of the payload. A file is written under a temporary name and
 renamed into place, so a crash leaves at worst a stray temporary, never a
 torn file under a slot's name; a read checks every header field and the
-digest and raises `DiskBlockError` on a short, torn, foreign or corrupt file
-(the caller drops the copy and the request recomputes those tokens).
+checksum and raises `DiskBlockError` on a short, torn, foreign or corrupt
+file (the caller drops the copy and the request recomputes those tokens).
+CRC-32 because the check guards against torn and corrupt files, not against
+an adversary, and it runs at 3.5-4 GB/s where format 1's BLAKE2b ran at
+0.4-0.9 GB/s: on an H200 machine the tier moved 0.3 GB/s, bound by that hash.
 
 Slot `n`'s file is `agentserve-kv-<n>.blk` in the tier's directory; `clean`
 removes only files of that pattern (and their temporaries), at start-up:
-what a previous run left there cannot be trusted to match this run's index."""
+what a previous run left there cannot be trusted to match this run's index.
+
+`write_many` / `read_many` handle a batch of blocks on a few threads (file
+I/O and the checksum release the GIL): one file a block on one thread reads
+and writes well below what an SSD moves. Threads: half the CPUs, at most 8;
+one (no pool) on a machine of 2-3 CPUs, whose cores the forward pass holds."""
 
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MAGIC = b"AGSVKVB\x00"
@@ -43,11 +53,45 @@ def _digest(payload: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(payload)
 
 
+def default_io_threads() -> int:
+    return min(8, max(1, (os.cpu_count() or 1) // 2))
+
+
+# what one block's write or read may raise and still leave the rest of a batch to run
+_BLOCK_ERRORS = (OSError, ValueError, RuntimeError, MemoryError, DiskBlockError)
+
+
 class DiskStore:
-    def __init__(self, directory: str | os.PathLike[str], fp: bytes, payload_bytes: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], fp: bytes, payload_bytes: int,
+                 threads: int | None = None) -> None:
         self.dir = Path(directory)
         self.fp = fp
         self.payload_bytes = payload_bytes
+        self.threads = default_io_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _map(self, fn: Callable, items: Sequence) -> list:
+        """`fn` of each item, in order: its result, or the error it raised."""
+        def guarded(item):
+            try:
+                return fn(item)
+            except _BLOCK_ERRORS as e:
+                return e
+        if self.threads == 1 or len(items) <= 1:
+            return [guarded(x) for x in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="agentserve-disk")
+        return list(self._pool.map(guarded, items))
+
+    def write_many(self, items: Sequence[tuple[int, bytes | memoryview]]) -> list[Exception | None]:
+        """`write` each (slot, payload); per item None or the error that failed it."""
+        return self._map(lambda item: self.write(*item), items)
+
+    def read_many(self, slots: Sequence[int]) -> list[bytearray | Exception]:
+        """`read` each slot; per slot its payload or the error (DiskBlockError, ...) that failed it."""
+        return self._map(self.read, slots)
 
     @property
     def file_bytes(self) -> int:

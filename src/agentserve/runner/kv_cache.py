@@ -110,10 +110,10 @@ class PagedKVCache:
         if self.disk is None or self.host_kv is None:
             raise RuntimeError("spill asked but the cache has no disk tier")
         failed = []
-        for i, (h, d) in enumerate(pairs):
-            try:
-                self.disk.write(d, self.host_kv[h].view(torch.uint8).reshape(-1).numpy().data)
-            except (OSError, RuntimeError, ValueError) as e:
+        errors = self.disk.write_many([(d, self.host_kv[h].view(torch.uint8).reshape(-1).numpy().data)
+                                       for h, d in pairs])
+        for i, ((h, d), e) in enumerate(zip(pairs, errors)):
+            if e is not None:
                 log.warning("spill of host KV block %d to disk slot %d failed: %s", h, d, e)
                 failed.append(i)
         return failed
@@ -127,14 +127,18 @@ class PagedKVCache:
         if self.disk is None:
             raise RuntimeError("disk reload asked but the cache has no disk tier")
         failed = []
-        for i, (d, dev) in enumerate(pairs):
-            try:
-                payload = self.disk.read(d)
-                block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(self.block_shape)
-                self.device_kv[:, :, :, dev] = block.to(self.device)
-            except (DiskBlockError, RuntimeError, MemoryError) as e:
-                log.warning("reload of disk slot %d failed: %s", d, e)
-                failed.append(i)
+        chunk = 4 * self.disk.threads  # payloads read ahead at most: a batch may be thousands of blocks
+        for start in range(0, len(pairs), chunk):
+            part = pairs[start:start + chunk]
+            for i, ((d, dev), payload) in enumerate(zip(part, self.disk.read_many([d for d, _ in part])), start):
+                try:
+                    if isinstance(payload, Exception):
+                        raise payload
+                    block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(self.block_shape)
+                    self.device_kv[:, :, :, dev] = block.to(self.device)
+                except (DiskBlockError, OSError, ValueError, RuntimeError, MemoryError) as e:
+                    log.warning("reload of disk slot %d failed: %s", d, e)
+                    failed.append(i)
         return failed
 
     def load(self, pairs: list[tuple[int, int]]) -> list[int]:

@@ -256,15 +256,14 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
 def disk_bandwidth(store: DiskStore, num_blocks: int) -> tuple[float, float]:
     """(write, read) bytes per second of the disk tier's own block files:
     `num_blocks` files written (checksummed, renamed into place) then read back
-    and checked, the payload counted. The page cache is asked to drop the files
+    and checked, the payload counted, on the store's threads as the tier runs. The page cache is asked to drop the files
     before they are read, where the OS allows, so reads come from the device.
     The files are removed afterwards (`clean`)."""
     payload = os.urandom(store.payload_bytes)
     store.clean()
     try:
         t0 = time.perf_counter()
-        for slot in range(num_blocks):
-            store.write(slot, payload)
+        _raise_first(store.write_many([(slot, payload) for slot in range(num_blocks)]))
         fd = os.open(store.dir, os.O_RDONLY)
         try:
             os.fsync(fd)  # the renames; each file's data is flushed below before reading
@@ -277,13 +276,18 @@ def disk_bandwidth(store: DiskStore, num_blocks: int) -> tuple[float, float]:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         wrote = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for slot in range(num_blocks):
-            store.read(slot)
+        _raise_first(store.read_many(range(num_blocks)))
         read = time.perf_counter() - t0
     finally:
         store.clean()
     total = num_blocks * store.payload_bytes
     return total / max(wrote, 1e-9), total / max(read, 1e-9)
+
+
+def _raise_first(results: list) -> None:
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
 
 
 def profile_name(llm: ModelHost) -> str:
