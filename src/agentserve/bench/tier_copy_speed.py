@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tier_copy_speed: {e}", file=sys.stderr)
         return 2
     shape = args.shape or ("llama3.1-8b" if dev.type == "cuda" else "smollm2-135m")
-    from agentserve.runner.profiling import tier_copy_speed
+    from agentserve.runner.tier_speed import tier_copy_speed
 
     res = tier_copy_speed(str(dev), shape, args.blocks, repeats=args.repeats)
     print_table(res)
