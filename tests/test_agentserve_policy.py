@@ -109,26 +109,101 @@ def _waiting(program_id, arrival, prompt=30_000):
                            output_text=None, tool_name=None, ttl_hint=None)
 
 
-def test_the_age_credit_is_priced_like_a_miss():
-    prefill = lambda n: n * 1e-4  # noqa: E731  (30k tokens: 3 s)
-    host = PolicyContext(reload_cost=lambda n: n * 5e-6, prefill_cost=prefill, host_tier=True,
-                         tier_reload={"host": lambda n: n * 5e-6})  # a reload 1/20 of the prefill
-    flat = PolicyContext(reload_cost=prefill, prefill_cost=prefill)  # no tier: a miss is the prefill
+def test_with_a_host_tier_the_order_is_the_programs_own():
+    """Where a host tier keeps evicted KV, seniority has no cap (the wait bound
+    bounds the wait instead); without a tier, or with the bound off, the 50 s credit."""
+    host = PolicyContext(reload_cost=lambda n: n * 5e-6, host_tier=True)
+    flat = PolicyContext(reload_cost=lambda n: n * 1e-4)
     old, new = ProgramState("old", 0.0), ProgramState("new", 100.0)
-    newcomer, returning = _waiting("new", 100.0), _waiting("old", 110.0)  # old's turn, 10 s after new's first
+    newcomer, returning = _waiting("new", 100.0), _waiting("old", 170.0)  # old's turn, 70 s after new's first
     pol = AgentServe(host)
-    assert pol.credit(returning) == pytest.approx(50.0 / 20)
-    # with the KV in host memory the old program's 2.5 s of credit do not cover the 10 s: the newcomer first
-    assert pol.priority(newcomer, new, 110.0) < pol.priority(returning, old, 110.0)
-    assert pol.priority(_waiting("old", 102.0), old, 110.0) < pol.priority(newcomer, new, 110.0)
-    # without a tier, or with the ablation, the full 50 s: the old program first, as before
-    for same in (AgentServe(flat), AgentServe(host, tier_credit=False)):
-        assert same.credit(returning) == 50.0
-        assert same.priority(returning, old, 110.0) < same.priority(newcomer, new, 110.0)
-    assert AgentServe(host, age_credit=None).credit(returning) is None  # pure program order stays so
+    assert pol.bounded and pol.credit(returning) is None
+    assert pol.priority(returning, old, 170.0) < pol.priority(newcomer, new, 170.0)
+    for capped in (AgentServe(flat), AgentServe(host, wait_bound=None)):
+        assert not capped.bounded and capped.credit(returning) == 50.0
+        # 50 s of credit do not cover the 70 s: the newcomer first
+        assert capped.priority(newcomer, new, 170.0) < capped.priority(returning, old, 170.0)
     assert Continuum(host).credit(returning) == 15.0  # the paper's policy is unchanged
-    with pytest.raises(ValueError, match="tier_credit"):
-        AgentServe(host, tier_credit=3)
+    for bad in (0, -1.0, True, "soon"):
+        with pytest.raises((ValueError, TypeError)):
+            AgentServe(host, wait_bound=bad)
+
+
+def _feed(pol, n, wait, start=0.0):
+    """n requests of new programs, each admitted `wait(i)` seconds after it arrived, in order."""
+    for i in range(n):
+        t = start + i
+        r = _waiting(f"w{start}-{i}", t)
+        prog = ProgramState(r.program_id, t)
+        pol.on_arrival(r, prog, t)
+        pol.on_admitted(r, prog, t + wait(i), wait(i), False)
+
+
+def test_the_wait_bound_is_twice_the_p90_of_fcfs_waits_fixed_at_arrival():
+    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True))
+    _feed(pol, 60, lambda i: i % 10)  # FCFS's waits 0..9 s, six times each: p90 9 s
+    assert not pol.time_dependent  # nobody waits with a deadline
+    assert pol.fcfs_wait.quantile(0.9) == 9.0
+    newcomer, old = _waiting("new", 100.0), ProgramState("old", 0.0)
+    pol.on_arrival(newcomer, ProgramState("new", 100.0), 100.0)
+    returning = _waiting("old", 101.0)
+    pol.on_arrival(returning, old, 101.0)
+    assert pol.time_dependent
+    assert not pol.late(newcomer, 117.9) and pol.late(newcomer, 118.0)  # 100 + 2 x 9
+    prog = ProgramState("new", 100.0)
+    assert pol.priority(returning, old, 117.9) < pol.priority(newcomer, prog, 117.9)  # the program under way first
+    assert pol.priority(newcomer, prog, 118.0) < pol.priority(returning, old, 118.0)  # until the newcomer is late
+    pol.on_admitted(returning, old, 102.0, 1.0, True)
+    pol.on_withdrawn(newcomer, 120.0)  # aborted while waiting: it leaves FCFS's queue too
+    assert not pol.time_dependent and not pol.late(newcomer, 200.0)
+    _feed(pol, 1, lambda i: 0.0, start=300.0)  # paired with its own arrival, not the withdrawn one's
+    assert pol.fcfs_wait.quantile(1.0) == 9.0
+    # the paper's Continuum and the bound's ablation keep no deadlines
+    off = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True), wait_bound=None)
+    _feed(off, 60, lambda i: i % 10)
+    off.on_arrival(newcomer, ProgramState("new", 100.0), 100.0)
+    assert not off.time_dependent and not off.late(newcomer, 1e6)
+
+
+def test_a_late_request_is_held_back_only_for_kv_not_for_headroom():
+    """N fits in the free blocks but not beside R's decode reserve: it waits
+    for the headroom until its wait-bound deadline, then is admitted as vLLM
+    admits; with the bound off it waits for R to finish."""
+    from agentserve.policy.fcfs_wait import FcfsWait
+    from test_scheduler import Harness, prompt_of
+    for spec, late_admits in (("agentserve", True), ("agentserve:wait_bound=none", False)):
+        h = Harness(spec, num_blocks=64, budget=64, host=32)
+        h.s.policy.fcfs_wait = FcfsWait(warmup=1)
+        a = h.req("a", "A", prompt_of(9, 8), max_tokens=1)
+        h.clock.advance(1.0)  # FCFS's wait: 1 s, so a deadline 2 s after arrival
+        h.run()
+        assert a.is_finished
+        r = h.req("r1", "R", prompt_of(2, 8), max_tokens=200)  # runs on, 128 tokens of headroom ahead
+        h.step()
+        n = h.req("n1", "N", prompt_of(3, 120), max_tokens=4)  # 31 blocks: they fit, but not beside R's reserve
+        for _ in range(3):
+            h.step()
+        assert n not in h.s.running and r.reserve + 31 > h.kv.num_free_blocks >= 31, spec
+        h.clock.advance(2.0)
+        h.step()
+        assert (n in h.s.running) is late_admits, spec
+        h.run()
+        assert n.is_finished and h.s.num_waiting == 0
+
+
+def test_an_aborted_waiting_request_leaves_fcfs_queue_too():
+    from test_scheduler import Harness, prompt_of
+    h = Harness("agentserve", num_blocks=64, budget=64, host=32)
+    pol = h.s.policy
+    h.req("r1", "R", prompt_of(2, 8), max_tokens=200)
+    h.step()
+    h.req("x", "X", prompt_of(4, 200), max_tokens=4)  # does not fit beside R: waits
+    h.step()
+    assert len(pol.fcfs_wait._arrivals) == 1  # R's arrival was paired with its admission
+    h.s.abort("x")
+    assert len(pol.fcfs_wait._arrivals) == 0
+    h.s.abort("r1")  # a running request was admitted: nothing more to withdraw
+    assert len(pol.fcfs_wait._arrivals) == 0 and len(pol.fcfs_wait) == 1
 
 
 # --- ablation specs ---
@@ -138,7 +213,7 @@ def test_policy_specs_parse_options_and_name_what_is_wrong():
     assert parse_policy_spec("agentserve:pressure=off:eta=1:age-credit=none") == \
         ("agentserve", {"pressure": False, "eta": 1, "age_credit": None})
     assert parse_policy_spec("continuum:max_ttl=30.5") == ("continuum", {"max_ttl": 30.5})
-    assert parse_policy_spec("agentserve:tier_credit=off") == ("agentserve", {"tier_credit": False})
+    assert parse_policy_spec("agentserve:wait_bound=none") == ("agentserve", {"wait_bound": None})
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         parse_policy_spec("nope")
     with pytest.raises(ValueError, match="has no option 'depth'.*takes"):
@@ -280,7 +355,7 @@ def test_a_request_past_the_deadline_goes_first_and_may_reclaim_an_earlier_progr
         assert "P" in h.kv.pins
         h.req("r1", "R", prompt_of(2, 8), max_tokens=40)  # runs on, holding a reserve of 12 blocks
         h.step()
-        n = h.req("n1", "N", prompt_of(3, 24), max_tokens=4)  # 7 blocks; 6 are left beside P's pin
+        n = h.req("n1", "N", prompt_of(3, 64), max_tokens=4)  # 16 blocks; 15 are free beside P's pin and R
         h.step()
         assert n not in h.s.running and "P" in h.kv.pins
         h.clock.advance(1.0)

@@ -133,6 +133,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         now = self.clock.now()
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            if req.num_cached_tokens < 0:  # never admitted
+                self.policy.on_withdrawn(req, now)
         elif req.status is RequestStatus.RUNNING:
             self._stop_running(req)
             self._release_table(req, now)
@@ -345,7 +347,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                     self.stats.grouped_requests += 1
                 continue  # admitted once its leader has computed (and indexed) the shared blocks
             # blocks the running requests may still take (None: no headroom applies)
-            held = self._held if reserving and self.running else None
+            # (a late request is held back only for KV: no headroom, as vLLM admits)
+            held = self._held if reserving and self.running and not self.policy.late(req, now) else None
             if not self._admit(req, step, now, match, held):
                 break
             admitted.append(req)

@@ -123,6 +123,9 @@ class Policy(abc.ABC):
                     returning_evicted: bool) -> None:
         """`req` got KV. `returning_evicted`: a later turn whose KV was not retained."""
 
+    def on_withdrawn(self, req: Request, now: float) -> None:
+        """`req` left the waiting queue without ever being admitted (aborted)."""
+
     def on_turn_end(self, req: Request, program: ProgramState, now: float) -> Retention:
         """A non-final turn finished: record its tool call, then decide."""
         if req.tool_name is None and req.output_text:

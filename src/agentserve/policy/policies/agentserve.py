@@ -19,16 +19,23 @@ turn's KV goes when it is not pinned: left on the device to be spilled to host
 memory on eviction, or, for a wait the host tier will not outlast but the disk
 tier will, copied out now and first in line for the disk ("disk").
 
-And a longer age credit, priced like a miss: a program earns up to 50 s of
-seniority over later arrivals, not 15 (Continuum's), where a turn kept waiting
-loses KV that must be prefilled again. Keeping programs that are under way
-ahead finishes them sooner; the 50 s bound keeps newcomers' p99 TTFT within 2x
-of request-level FCFS's on the README's workloads without tiers (60 s did not,
-at one point). Where a tier below the device keeps evicted KV, a waiting turn
-loses only the reload, so the credit is scaled by what a miss of its prompt
-costs against its prefill (Prefill-Reload(r) / Prefill(r), about 0.05 for host
-memory): the seniority that saves little would only make newcomers wait
-(`tier_credit`).
+And a longer age credit: a program earns up to 50 s of seniority over later
+arrivals, not 15 (Continuum's), where a turn kept waiting loses KV that must
+be prefilled again. Keeping programs that are under way ahead finishes them
+sooner; the 50 s bound keeps newcomers' p99 TTFT within 2x of request-level
+FCFS's on the README's workloads without tiers (60 s did not, at one point).
+
+Where a host tier keeps evicted KV, the order is the programs' own (no cap on
+seniority: a program's turns come back fast and most of a program's wait is
+spent by its later turns, so finishing those first pays most), bounded by a
+wait instead (`wait_bound`): no request waits more than 2x the p90 of the
+waits FCFS would give here (policy/fcfs_wait.py, measured live) before it goes
+first. Under a standing queue FCFS's p90 is near its p99, so the bound lets
+programs under way keep ahead for longest where it pays; under light, bursty
+load its p90 is far below its p99 and the bound keeps newcomers close to
+FCFS. Each request's deadline is fixed when it arrives. A capped credit did
+not get both: its seniority cost later turns their place, and the
+newcomers it held back were the first to be late.
 
 Room for programs between turns, where the cache is large enough to keep
 some. Under overload the running requests take the whole cache and every
@@ -55,7 +62,7 @@ between turns) sends the blocks that only its chain holds to the cold end of
 eviction (`retire`), where vLLM, and Continuum on it, free them as the newest.
 
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
-`tier_credit=off`, `eta=1`, `retire=off`, `running_share=1`, `deadline=none`)
+`wait_bound=none` (with a host tier: the 50 s credit instead), `eta=1`, `retire=off`, `running_share=1`, `deadline=none`)
 for the ablations in the README."""
 
 from __future__ import annotations
@@ -64,11 +71,15 @@ import logging
 
 from agentserve.policy.base import PolicyContext, Retention, register
 from agentserve.policy.decision_log import TTLInputs
+from agentserve.policy.fcfs_wait import FcfsWait
 from agentserve.policy.policies.continuum import Continuum
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 log = logging.getLogger("agentserve.policy")
 _STOP_MARGIN = 1.1
+# The quantile of FCFS's waits the wait bound multiplies: near its p99 under a standing
+# queue, far below it under light bursty load (2x gives 1.7x and 1.1x of its p99 there).
+_FCFS_QUANTILE = 0.9
 
 
 @register
@@ -77,15 +88,17 @@ class AgentServe(Continuum):
 
     def __init__(self, ctx: PolicyContext, pressure: bool = True, min_pin_cost: float = 0.05,
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
-                 tier_credit: bool = True, retire: bool = True,
+                 wait_bound: float | None = 2.0, retire: bool = True,
                  running_share: float = 0.95, deadline: float | None = 50.0,
                  **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
             raise ValueError(f"min_pin_cost must be in (0, 1], got {min_pin_cost!r}")
-        if not isinstance(tier_credit, bool):
-            raise ValueError(f"tier_credit must be on or off, got {tier_credit!r}")
-        self.tier_credit = tier_credit
+        if wait_bound is not None and (isinstance(wait_bound, bool) or not wait_bound > 0.0):
+            raise ValueError(f"wait_bound must be a number > 0 (or none), got {wait_bound!r}")
+        self.wait_bound = wait_bound
+        self.fcfs_wait = FcfsWait()
+        self._deadlines: dict[str, float] = {}  # waiting requests' wait-bound deadlines, by request id
         if not isinstance(retire, bool):
             raise ValueError(f"retire must be on or off, got {retire!r}")
         self.retire_ended = retire
@@ -123,18 +136,33 @@ class AgentServe(Continuum):
             log.info("%s %.0f%% of the KV (%d tokens) for programs between turns: their mean context is %d "
                      "tokens", "keeping" if applies else "no longer keeping", 100 * (1.0 - share), room, mean)
 
+    @property
+    def bounded(self) -> bool:
+        """The order is the programs' own, bounded by the wait bound: where a host tier lies below."""
+        return self.wait_bound is not None and self.ctx.host_tier
+
     def credit(self, req) -> float | None:
-        """The age credit of `req`: the full credit where a miss costs the
-        prefill, scaled down by Prefill-Reload(r) / Prefill(r) where a tier
-        keeps evicted KV. Depends only on the prompt's length, so a waiting
-        request's place does not change while it waits."""
-        credit = self.age_credit
-        ctx = self.ctx
-        if credit is None or not self.tier_credit or not ctx.host_tier or ctx.prefill_cost is None:
-            return credit
-        n = req.num_prompt_tokens
-        prefill = ctx.prefill_cost(n)
-        return credit * min(1.0, ctx.reload_cost(n) / prefill) if prefill > 0.0 else credit
+        """No cap on seniority where the wait bound applies; else the age credit."""
+        return None if self.bounded else self.age_credit
+
+    def on_arrival(self, req, program, now):
+        super().on_arrival(req, program, now)
+        if self.bounded:
+            self.fcfs_wait.arrive(req.arrival_time)
+            q = self.fcfs_wait.quantile(_FCFS_QUANTILE)
+            if q is not None:
+                self._deadlines[req.request_id] = req.arrival_time + self.wait_bound * q
+
+    def on_admitted(self, req, program, now, queue_delay, returning_evicted):
+        super().on_admitted(req, program, now, queue_delay, returning_evicted)
+        if self.bounded:
+            self.fcfs_wait.admit(now)
+            self._deadlines.pop(req.request_id, None)
+
+    def on_withdrawn(self, req, now):
+        if self.bounded:
+            self.fcfs_wait.withdraw()
+            self._deadlines.pop(req.request_id, None)
 
     @property
     def running_kv_share(self) -> float:
@@ -142,12 +170,16 @@ class AgentServe(Continuum):
 
     @property
     def time_dependent(self) -> bool:
-        """A waiting request can turn late as time passes: only while the share applies."""
-        return self._share_applies and self.deadline is not None
+        """A waiting request can turn late as time passes: while the share applies, or
+        a request waits with a wait-bound deadline."""
+        return (self._share_applies and self.deadline is not None) or bool(self._deadlines)
 
     def late(self, req, now) -> bool:
-        """Waited past the deadline while the share applies (the wait it bounds)."""
-        return self._share_applies and self.deadline is not None and now - req.arrival_time >= self.deadline
+        """Waited past the deadline while the share applies, or past its wait-bound deadline."""
+        if self._share_applies and self.deadline is not None and now - req.arrival_time >= self.deadline:
+            return True
+        due = self._deadlines.get(req.request_id) if self._deadlines else None
+        return due is not None and now >= due
 
     def priority(self, req, program, now):
         return (not self.late(req, now),) + super().priority(req, program, now)
