@@ -143,7 +143,7 @@ def test_the_wait_bound_is_twice_the_p90_of_fcfs_waits_fixed_at_arrival():
     pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True))
     _feed(pol, 60, lambda i: i % 10)  # FCFS's waits 0..9 s, six times each: p90 9 s
     assert not pol.time_dependent  # nobody waits with a deadline
-    assert pol.fcfs_wait.quantile(0.9) == 9.0
+    assert pol.fcfs_wait.quantile(0.9) == 9.0 and pol.max_wait() == 18.0
     newcomer, old = _waiting("new", 100.0), ProgramState("old", 0.0)
     pol.on_arrival(newcomer, ProgramState("new", 100.0), 100.0)
     returning = _waiting("old", 101.0)
@@ -162,7 +162,7 @@ def test_the_wait_bound_is_twice_the_p90_of_fcfs_waits_fixed_at_arrival():
     off = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True), wait_bound=None)
     _feed(off, 60, lambda i: i % 10)
     off.on_arrival(newcomer, ProgramState("new", 100.0), 100.0)
-    assert not off.time_dependent and not off.late(newcomer, 1e6)
+    assert not off.time_dependent and not off.late(newcomer, 1e6) and off.max_wait() is None
 
 
 def test_a_late_request_is_held_back_only_for_kv_not_for_headroom():
@@ -370,9 +370,9 @@ def test_a_request_past_the_deadline_goes_first_and_may_reclaim_an_earlier_progr
 def test_a_late_request_goes_ahead_of_a_pinned_programs_turn():
     ctx = PolicyContext(reload_cost=lambda n: 0.0, is_pinned=lambda pid: pid == "P", kv_tokens=100_000)
     pol = AgentServe(ctx, deadline=10.0)
-    assert not pol.time_dependent  # nobody can be late before the share applies
+    assert not pol.time_dependent and pol.max_wait() is None  # nobody can be late before the share applies
     _turn(pol, tokens=512)  # the share applies: its 5% holds a program
-    assert pol.time_dependent
+    assert pol.time_dependent and pol.max_wait() == 10.0
     newcomer = Request("n", "N", [1, 2, 3], 4, arrival_time=100.0)
     pinned = Request("p", "P", [1, 2, 3], 4, arrival_time=104.0)
     progs = {"N": ProgramState("N", 100.0), "P": ProgramState("P", 50.0)}

@@ -356,7 +356,7 @@ def test_metrics_endpoint(server, client):
                  "pins_reclaimed", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "program_jct_seconds",
                  "pin_ttl_seconds", "request_success", "generation_tokens", "host_kv_blocks", "disk_kv_blocks",
-                 "disk_kv_blocks_written", "kv_tier_copy_failures", "running_kv_share"):
+                 "disk_kv_blocks_written", "kv_tier_copy_failures", "running_kv_share", "max_wait_seconds"):
         assert "agentserve:" + name in fams, name
 
     def value(name, suffix=""):
@@ -369,6 +369,8 @@ def test_metrics_endpoint(server, client):
     assert value("inter_token_latency_seconds", "_count") > 0
     share = server.engine.call_sync(lambda: server.llm.scheduler.policy.running_kv_share)
     assert 0.0 < value("running_kv_share") == share <= 1.0
+    wait = server.engine.call_sync(lambda: server.llm.scheduler.policy.max_wait())
+    assert value("max_wait_seconds") == (wait or 0.0) >= 0.0
 
 
 # --- units: tool output, identity, CLI ---------------------------------------------------

@@ -102,6 +102,10 @@ class Policy(abc.ABC):
         """`req` waited past the policy's deadline: it goes first and may reclaim any pin."""
         return False
 
+    def max_wait(self) -> float | None:
+        """Seconds a request arriving now may wait before it is late (None: no deadline)."""
+        return None
+
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
         self.tool_stats = ToolDurationStats()

@@ -70,6 +70,9 @@ class _SnapshotCollector(Collector):
         yield gauge("running_kv_share", "Share of the device KV the running requests may hold (1: no bound; the "
                     "agentserve policy keeps the rest for programs between turns where it holds one).",
                     s.running_kv_share)
+        yield gauge("max_wait_seconds", "Seconds a request arriving now may wait before it goes first (0: no deadline; "
+                    "the agentserve policy's wait bound with a host tier, its deadline while it keeps room).",
+                    s.max_wait_s)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.admitted_prompt_tokens)
         yield counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache at admission.", s.hit_tokens)
         yield counter("prefix_loaded_tokens", "Prefix-hit tokens reloaded from the host tier.", s.loaded_tokens)

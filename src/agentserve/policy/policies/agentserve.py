@@ -33,9 +33,9 @@ waits FCFS would give here (policy/fcfs_wait.py, measured live) before it goes
 first. Under a standing queue FCFS's p90 is near its p99, so the bound lets
 programs under way keep ahead for longest where it pays; under light, bursty
 load its p90 is far below its p99 and the bound keeps newcomers close to
-FCFS. Each request's deadline is fixed when it arrives. A capped credit did
-not get both: its seniority cost later turns their place, and the
-newcomers it held back were the first to be late.
+FCFS. Each request's deadline is fixed when it arrives. The capped credit
+used before could not meet both bounds: the seniority it capped cost every
+later turn its place, and newcomers still waited the longest.
 
 Room for programs between turns, where the cache is large enough to keep
 some. Under overload the running requests take the whole cache and every
@@ -62,8 +62,9 @@ between turns) sends the blocks that only its chain holds to the cold end of
 eviction (`retire`), where vLLM, and Continuum on it, free them as the newest.
 
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
-`wait_bound=none` (with a host tier: the 50 s credit instead), `eta=1`, `retire=off`, `running_share=1`, `deadline=none`)
-for the ablations in the README."""
+`wait_bound=none` (with a host tier: the 50 s credit instead), `eta=1`,
+`retire=off`, `running_share=1`, `deadline=none`) for the ablations in the
+README."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ class AgentServe(Continuum):
         self.wait_bound = wait_bound
         self.fcfs_wait = FcfsWait()
         self._deadlines: dict[str, float] = {}  # waiting requests' wait-bound deadlines, by request id
+        self._bound_logged = False
         if not isinstance(retire, bool):
             raise ValueError(f"retire must be on or off, got {retire!r}")
         self.retire_ended = retire
@@ -145,13 +147,26 @@ class AgentServe(Continuum):
         """No cap on seniority where the wait bound applies; else the age credit."""
         return None if self.bounded else self.age_credit
 
+    def max_wait(self) -> float | None:
+        """The wait bound for a request arriving now (None until FCFS's waits are
+        measured), or the deadline while the share applies."""
+        if self.bounded:
+            q = self.fcfs_wait.quantile(_FCFS_QUANTILE)
+            return None if q is None else self.wait_bound * q
+        return self.deadline if self._share_applies else None
+
     def on_arrival(self, req, program, now):
         super().on_arrival(req, program, now)
         if self.bounded:
             self.fcfs_wait.arrive(req.arrival_time)
-            q = self.fcfs_wait.quantile(_FCFS_QUANTILE)
-            if q is not None:
-                self._deadlines[req.request_id] = req.arrival_time + self.wait_bound * q
+            wait = self.max_wait()
+            if wait is not None:
+                if not self._bound_logged:
+                    self._bound_logged = True
+                    log.info("wait bound from now on: a request waits at most %.1f s before it goes first (2x the "
+                             "p90 of FCFS's waits here, %d requests measured; /metrics agentserve:max_wait_seconds "
+                             "follows it)", wait, len(self.fcfs_wait))
+                self._deadlines[req.request_id] = req.arrival_time + wait
 
     def on_admitted(self, req, program, now, queue_delay, returning_evicted):
         super().on_admitted(req, program, now, queue_delay, returning_evicted)
