@@ -8,9 +8,9 @@ the k-th admission is the wait FCFS would have given it. Those waits, over a
 sliding window of requests, are the yardstick a policy that reorders can hold
 its own waits to (agentserve's wait bound). In the simulator their p99 came
 within 0.85-1.28x of vllm-fcfs's measured p99 TTFT at four host-tier
-SWE-bench points, with other orders running. A request that leaves the queue without being
-admitted (aborted) leaves FCFS's queue too: it moves the count on without a
-sample."""
+SWE-bench points, with other orders running. A request that leaves the queue
+without being admitted (aborted) leaves FCFS's queue too: it moves the count
+on without a sample."""
 
 from __future__ import annotations
 
