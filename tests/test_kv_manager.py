@@ -362,6 +362,54 @@ def test_superseded_host_copies_are_evicted_first():
     assert kv.match(old + [0]).num_tokens == 0
 
 
+def test_dead_kv_is_dropped_not_written_to_the_tier_below():
+    """A superseded chain evicted from the device is not offloaded to the host
+    tier (no turn reads it again); the live blocks evicted beside it are."""
+    kv = mk(4, host_blocks=8)
+    old = list(range(3 * BS + 1))
+    admit(kv, "p", old)
+    compute(kv, "p", old)
+    kv.free("p", 1.0)
+    assert kv.supersede("P", old, old[:BS] + [9] * (2 * BS), now=2.0) == 2
+    filler = list(range(1000, 1000 + 4 * BS - 1))
+    admit(kv, "f", filler)  # evicts all three cached blocks
+    offloads, _ = kv.take_copies()
+    assert len(offloads) == 1  # the live first block only
+    kv.finish_copies()
+    accounting_ok(kv)
+    assert kv.match(old + [0]).num_host_blocks == 1
+
+
+def test_a_dead_host_copy_is_not_spilled_unless_a_turn_revives_it():
+    kv = mk(4, host_blocks=4, disk_blocks=8)
+    a = list(range(2 * BS + 1))
+    b = list(range(300, 300 + 2 * BS + 1))
+    for rid, toks in (("a", a), ("b", b)):
+        admit(kv, rid, toks)
+        compute(kv, rid, toks)
+        kv.free(rid, 1.0)
+    filler = list(range(1000, 1000 + 4 * BS - 1))
+    admit(kv, "f", filler)  # a's and b's blocks go to the host tier
+    compute(kv, "f", filler)
+    kv.free("f", 2.0)
+    kv.take_copies()
+    kv.finish_copies()
+    assert kv.host.num_used == 4
+    for node in kv.index.walk(a):
+        kv.host.demote(node, dead=True)
+    revived = kv.index.walk(b)[0]
+    kv.host.demote(revived, dead=True)
+    kv.host.touch(revived)  # a turn reads it after all: it is live again
+    g = list(range(2000, 2000 + 4 * BS - 1))
+    admit(kv, "g", g)  # f's three blocks to the host: a's two and b's older host copy go
+    kv.take_copies()
+    spills, _ = kv.take_disk_copies()
+    assert len(spills) == 1 and not kv.host.dead  # b's copy goes to disk, a's dead ones nowhere
+    kv.finish_copies()
+    accounting_ok(kv)
+    assert kv.match(a + [0]).num_tokens == 0 and kv.match(b + [0]).num_tokens == 2 * BS
+
+
 # ---------------------------------------------------------------- host tier
 
 

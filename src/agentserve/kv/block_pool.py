@@ -32,7 +32,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.index = index
         self.strategy = strategy
-        self.on_evict = on_evict  # called with a cached block just before its content is dropped
+        # called with a cached block just before its content is dropped; not for a
+        # demoted one: no turn will read it again, so no tier below keeps it
+        self.on_evict = on_evict
         self._empty: list[Block] = list(reversed(self.blocks))
         self._cold = LinkedList()  # demoted cached free blocks, next evicted first
         self.zone = ProtectedZone(protected_blocks)  # evicted last
@@ -58,13 +60,14 @@ class BlockPool:
             if self._empty:
                 b = self._empty.pop()
             else:
-                if len(self._cold):
+                dead = bool(len(self._cold))
+                if dead:
                     b = self._cold.popleft()
                 elif len(self.strategy) or not len(self.zone):
                     b = self.strategy.pop()
                 else:
                     b = self.zone.pop()
-                self._evict(b)
+                self._evict(b, dead)
             b.ref_cnt = 1
             out.append(b)
         return out
@@ -165,10 +168,10 @@ class BlockPool:
             parent.num_children += 1
             self.strategy.on_children_changed(parent)
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, dead: bool = False) -> None:
         """Drop a free cached block's content so the block can be reused."""
         assert block.node is not None and block.ref_cnt == 0
-        if self.on_evict is not None:
+        if self.on_evict is not None and not dead:
             self.on_evict(block)
         self.num_evictions += 1
         self._unlink(block)

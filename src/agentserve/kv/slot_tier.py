@@ -31,6 +31,7 @@ class SlotTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._lru: OrderedDict[Node, None] = OrderedDict()  # least recently used first
         self.pending: set[Node] = set()  # slot given, copy not confirmed yet
+        self.dead: set[Node] = set()  # demoted as read by no turn again: not offered to on_evict
         self.num_evicted = 0
         self.num_stored = 0  # slots given to nodes, ever (how fast the tier turns over)
         # called with a confirmed copy's node and slot as it is evicted, before the slot is freed
@@ -55,6 +56,7 @@ class SlotTier:
             return None
         if self.slot(node) is not None:
             self._lru.move_to_end(node)
+            self.dead.discard(node)
             return None
         if not self._free:
             self._evict_one(protect)
@@ -82,6 +84,7 @@ class SlotTier:
         if slot is None:
             return
         self.pending.discard(node)
+        self.dead.discard(node)
         del self._lru[node]
         self._free.append(slot)
         setattr(node, self.slot_attr, None)
@@ -90,11 +93,16 @@ class SlotTier:
     def touch(self, node: Node) -> None:
         if self.slot(node) is not None:
             self._lru.move_to_end(node)
+            self.dead.discard(node)
 
-    def demote(self, node: Node) -> None:
-        """`node`'s copy is dead weight: next to be evicted."""
+    def demote(self, node: Node, dead: bool = False) -> None:
+        """`node`'s copy is next to be evicted: it waits long (and goes on to the
+        tier below first), or, `dead`, no turn will read it again (and it goes
+        nowhere)."""
         if self.slot(node) is not None:
             self._lru.move_to_end(node, last=False)
+            if dead:
+                self.dead.add(node)
 
     def _evict_one(self, protect) -> None:
         # A confirmed copy goes before a pending one: evicting a copy in flight
@@ -108,8 +116,9 @@ class SlotTier:
         slot = self.slot(victim)
         if victim in self.pending:
             self.pending.discard(victim)  # a queued copy into it is void
-        elif self.on_evict is not None:
+        elif self.on_evict is not None and victim not in self.dead:
             self.on_evict(victim, slot)
+        self.dead.discard(victim)
         self._free.append(slot)
         setattr(victim, self.slot_attr, None)
         self.num_evicted += 1
@@ -121,3 +130,4 @@ class SlotTier:
         assert not set(slots) & set(self._free), f"{self.name} slot both used and free"
         assert len(slots) + len(self._free) == self.num_slots, f"{self.name} slots leaked"
         assert all(n in self._lru for n in self.pending), "a pending copy without a slot"
+        assert all(n in self._lru for n in self.dead), "a dead copy without a slot"
