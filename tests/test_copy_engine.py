@@ -1,10 +1,13 @@
-"""The runner's copy engine (runner/copy_engine.py): tier copies on a worker
-thread beside the forward pass. An offload copies its device block as it was
-when handed over (the block may be rewritten at once); batches run in the
-order given; failures are reported per batch, never lost; a slow copy does
-not hold up the step. End to end, a request whose reloads are in flight waits
-while another decodes, and outputs stay transformers'. The CUDA path (a side
-stream) runs where a GPU is present."""
+"""The runner's copy engine (runner/copy_engine.py): tier copies on two
+worker threads (the host link, the disk link) beside the forward pass. An
+offload copies its device block as it was when handed over (the block may be
+rewritten at once); a spill writes its host slot as it was before the same
+batch's offload reused it; batches run in the order given on each link;
+failures are reported per batch and link, never lost; a slow copy does not
+hold up the step, and a slow spill does not hold up a later host reload,
+within the spill backlog's bound. End to end, a request whose reloads are in
+flight waits while another decodes, and outputs stay transformers'. The CUDA
+path (side streams) runs where a GPU is present."""
 
 from __future__ import annotations
 
@@ -82,6 +85,96 @@ def test_failures_are_reported_with_their_batch():
     d1, d2 = land(eng, 2)
     assert list(d1.failed_loads) == [1]
     assert list(d2.failed_offloads) == [0, 1] and list(d2.failed_loads) == [0]
+    eng.close()
+
+
+def disk_cache(tmp_path, host: int = 4) -> PagedKVCache:
+    c = cache(host=host)
+    c.attach_disk(tmp_path)
+    c.host_kv.copy_(torch.randn_like(c.host_kv))
+    return c
+
+
+def held(fn, gate: threading.Event):
+    def slow(*args):
+        gate.wait(10)  # a slow disk (waiting releases the GIL, as I/O does)
+        return fn(*args)
+    return slow
+
+
+def test_a_spill_writes_its_host_slot_as_it_was_before_the_batch_reused_it(tmp_path):
+    c = disk_cache(tmp_path)
+    eng = CopyEngine(c)
+    old = c.host_kv[1].clone()
+    new = c.device_kv[:, :, :, 2].clone()
+    # host slot 1 goes to disk slot 7, and the same batch offloads device block 2 into it
+    eng.submit(batch(1, blocks_to_spill=[(1, 7)], blocks_to_offload=[(2, 1)]))
+    done = {d.tier: d for d in land(eng, 2)}
+    assert done.keys() == {"host", "disk"} and {d.ticket for d in done.values()} == {1}
+    assert not list(done["disk"].failed_spills) and not list(done["host"].failed_offloads)
+    assert torch.equal(c.host_kv[1], new)  # a host slot holds one block as a device block does
+    eng.submit(batch(2, blocks_to_load_disk=[(7, 5)]))
+    [d] = land(eng)
+    assert d.tier == "disk" and not list(d.failed_disk_loads)
+    assert torch.equal(c.device_kv[:, :, :, 5], old)
+    eng.close()
+
+
+def test_a_slow_spill_does_not_hold_up_a_later_host_reload(tmp_path):
+    c = disk_cache(tmp_path, host=8)
+    eng = CopyEngine(c)
+    gate = threading.Event()
+    c.write_spills = held(c.write_spills, gate)
+    want = c.host_kv[3].clone()
+    eng.submit(batch(1, blocks_to_spill=[(0, 0)], blocks_to_offload=[(1, 0)]))
+    eng.submit(batch(2, blocks_to_load=[(3, 4)]))
+    got = land(eng, 2)  # batch 1's offload and batch 2's reload, while batch 1's spill waits
+    assert [(d.ticket, d.tier) for d in got] == [(1, "host"), (2, "host")]
+    assert torch.equal(c.device_kv[:, :, :, 4], want)
+    assert eng.in_flight == 1 and eng.backlog.blocks == 1
+    gate.set()
+    [d] = land(eng)
+    assert (d.ticket, d.tier, list(d.failed_spills)) == (1, "disk", [])
+    assert eng.backlog.blocks == 0 and eng.backlog.peak == 1
+    eng.close()
+
+
+def test_spills_past_the_backlog_bound_wait_for_the_disk(tmp_path):
+    c = disk_cache(tmp_path)  # a host tier of 4 slots: at most 1 spill waits in memory
+    eng = CopyEngine(c)
+    assert eng.backlog.cap == 1
+    gate = threading.Event()
+    c.write_spills = held(c.write_spills, gate)
+    eng.submit(batch(1, blocks_to_spill=[(0, 0)]))
+    eng.submit(batch(2, blocks_to_spill=[(1, 1)], blocks_to_load=[(2, 3)]))
+    time.sleep(0.3)
+    assert eng.poll() == []  # batch 2's reload waits behind its spill, which waits for room
+    assert eng.backlog.num_waits == 1 and eng.backlog.blocks == 1
+    gate.set()
+    got = land(eng, 3)
+    assert [(d.ticket, d.tier) for d in got if d.tier == "disk"] == [(1, "disk"), (2, "disk")]
+    assert all(not list(d.failed_spills) and not list(d.failed_loads) for d in got)
+    assert eng.backlog.blocks == 0
+    eng.close()
+
+
+def test_failed_spills_and_disk_reloads_are_reported_on_the_disk_link(tmp_path):
+    c = disk_cache(tmp_path)
+    eng = CopyEngine(c)
+
+    def broken(slots):
+        raise RuntimeError("out of memory for the staging copy")
+
+    real = c.stage_spills
+    c.stage_spills = broken
+    eng.submit(batch(1, blocks_to_spill=[(0, 0), (1, 1)], blocks_to_offload=[(1, 1)]))
+    done = {d.tier: d for d in land(eng, 2)}
+    assert list(done["disk"].failed_spills) == [0, 1] and not list(done["host"].failed_offloads)
+    assert eng.backlog.blocks == 0
+    c.stage_spills = real
+    eng.submit(batch(2, blocks_to_spill=[(2, 2)], blocks_to_load_disk=[(5, 4)]))  # no file for disk slot 5
+    [d] = land(eng)
+    assert d.tier == "disk" and not list(d.failed_spills) and list(d.failed_disk_loads) == [0]
     eng.close()
 
 

@@ -18,15 +18,21 @@ class Tiers:
     """What an executor would hold: the content (the tokens it is the KV of) of
     every device block, host slot and disk file. With `lag` > 0 the copies land
     as an overlapping executor's do: each step's batch `lag` steps later, in the
-    order taken (an offload reads its device block when taken: a snapshot)."""
+    order taken (an offload reads its device block when taken: a snapshot).
+    With `disk_lag` > 0 a batch's disk part (spills, disk reloads) lands that
+    many batches after its host part, as the runner's disk link reports it: the
+    spills' host slots are read (staged) when the host part runs, before its
+    offloads reuse them."""
 
-    def __init__(self, kv: KVCacheManager, lag: int = 0) -> None:
+    def __init__(self, kv: KVCacheManager, lag: int = 0, disk_lag: int = 0) -> None:
         self.kv = kv
         self.lag = lag
+        self.disk_lag = disk_lag
         self.dev: dict[int, tuple] = {}
         self.host: dict[int, tuple] = {}
         self.disk: dict[int, tuple] = {}
         self.flight: deque = deque()
+        self.dflight: deque = deque()  # disk parts whose host part landed
         self.ticket = 0
 
     def step(self, fail_spills=(), fail_disk_loads=(), fail_offloads=()) -> set[int]:
@@ -40,21 +46,47 @@ class Tiers:
             bad |= self.land()
         return bad
 
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.flight or self.dflight)
+
     def land(self) -> set[int]:
-        """The oldest batch in flight lands."""
+        """The oldest batch in flight lands (with `disk_lag`: its host part, and
+        the disk parts more than `disk_lag` behind; the oldest disk part when no
+        host part is in flight)."""
+        if not self.flight:
+            return self._land_disk()
         ticket, off, snap, ld, sp, dl, fail_spills, fail_disk_loads, fail_offloads = self.flight.popleft()
-        for i, (h, d) in enumerate(sp):  # spills first: an offload may reuse their host slots
-            if i not in fail_spills:
-                self.disk[d] = self.host[h]
+        staged = [self.host[h] for h, _ in sp]  # spills first: an offload may reuse their host slots
         for i, (_, h) in enumerate(off):
             if i not in fail_offloads:
                 self.host[h] = snap[i]
         for h, b in ld:
             self.dev[b] = self.host[h]
+        self.dflight.append((ticket, sp, staged, dl, fail_spills, fail_disk_loads))
+        if not self.disk_lag:
+            return self.kv.finish_copies(fail_offloads, (), fail_spills, fail_disk_loads, ticket=ticket) \
+                | self._write_disk(self.dflight.popleft())
+        bad = self.kv.finish_copies(fail_offloads, (), ticket=ticket, tier="host")
+        while len(self.dflight) > self.disk_lag:
+            bad |= self._land_disk()
+        return bad
+
+    def _land_disk(self) -> set[int]:
+        part = self.dflight.popleft()
+        self._write_disk(part)
+        ticket, _, _, _, fail_spills, fail_disk_loads = part
+        return self.kv.finish_copies((), (), fail_spills, fail_disk_loads, ticket=ticket, tier="disk")
+
+    def _write_disk(self, part) -> set[int]:
+        _, sp, staged, dl, fail_spills, fail_disk_loads = part
+        for i, (_, d) in enumerate(sp):
+            if i not in fail_spills:
+                self.disk[d] = staged[i]
         for i, (d, b) in enumerate(dl):
             if i not in fail_disk_loads:
                 self.dev[b] = self.disk[d]
-        return self.kv.finish_copies(fail_offloads, (), fail_spills, fail_disk_loads, ticket=ticket)
+        return set()
 
     def run(self, tokens, now: float = 0.0, **fail) -> tuple[int, int, int]:
         """Admit, reload, compute and free `tokens` as one request; returns the
@@ -180,15 +212,16 @@ def test_check_integrity_covers_disk_slots():
         t2.kv.check_integrity()
 
 
-@pytest.mark.parametrize("lag", [0, 1, 3])
+@pytest.mark.parametrize("lag,disk_lag", [(0, 0), (1, 0), (3, 0), (0, 2), (1, 3)])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_runs_keep_every_tier_consistent(seed, lag):
+def test_random_runs_keep_every_tier_consistent(seed, lag, disk_lag):
     """Many overlapping sequences, random failures of spills and disk reloads: every
     reused block holds its tokens' KV (checked in `run`), the accounting stays whole;
-    also with copies landing steps after they were queued, several batches in flight."""
+    also with copies landing steps after they were queued, several batches in flight,
+    and with the disk link reporting batches after the host link."""
     rng = random.Random(seed)
     t = mk(device=6, host=3, disk=5)
-    t.lag = lag
+    t.lag, t.disk_lag = lag, disk_lag
     base = {tag: [tag * 1000 + i for i in range(4 * BS)] for tag in range(1, 6)}
     disk_hits = 0
     for step in range(120):
@@ -204,7 +237,24 @@ def test_random_runs_keep_every_tier_consistent(seed, lag):
             fail["fail_offloads"] = {rng.randrange(3)}
         disk_hits += t.run(toks, now=float(step), **fail)[2]
     assert disk_hits > 0
-    while t.flight:
+    while t.in_flight:
         t.land()
     t.kv.check_integrity()
     assert not t.kv.copies_in_flight and not t.kv.host.pending and not t.kv.disk.pending
+
+
+def test_the_spill_backlog_bound():
+    from agentserve.kv.disk_tier import SPILL_STAGING_BYTES, SpillBacklog
+    assert SpillBacklog(400, 1 << 21).cap == 100  # a quarter of the host tier
+    assert SpillBacklog(10**7, 1 << 21).cap == SPILL_STAGING_BYTES // (1 << 21)  # within the byte budget
+    b = SpillBacklog(2, 64)
+    assert b.cap == 1
+    assert b.fits(5)  # an empty backlog takes a batch of any size: it never waits on itself
+    b.add(5)
+    assert not b.fits(1) and b.peak == 5
+    b.written(5)
+    assert b.fits(1) and b.blocks == 0
+    with pytest.raises(ValueError, match="staged"):
+        b.written(1)
+    with pytest.raises(ValueError, match="block_bytes"):
+        SpillBacklog(4, 0)

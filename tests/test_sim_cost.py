@@ -308,6 +308,53 @@ def test_executor_advances_clock_and_returns_scripted_tokens(h100):
     assert ex.stats.steps == 3
 
 
+def test_overlapped_copies_run_on_a_host_link_and_a_disk_link(h100):
+    """A slow disk write holds up no host reload: each link reports its part of a
+    batch when it ends, and the disk link writes a spill once the host link staged it."""
+    clock = SimClock()
+    ex = SimExecutor(clock, h100, overlap_copies=True, host_blocks=100_000)
+    spills = SchedulerOutput(copy_ticket=1, blocks_to_spill=[(i, i) for i in range(1000)],
+                             blocks_to_offload=[(i, i) for i in range(10)])
+    assert ex.execute(spills).copies_pending
+    loads = SchedulerOutput(copy_ticket=2, blocks_to_load=[(i, i) for i in range(5)])
+    ex.execute(loads)
+    host1 = h100.host_copy_time(spills)
+    assert host1 == pytest.approx(h100.copy_blocks_time(1000) + h100.copy_blocks_time(10))
+    host2 = host1 + h100.host_copy_time(loads)
+    disk1 = h100.copy_blocks_time(1000) + h100.disk_copy_time(spills)
+    assert host2 < disk1  # the reload lands long before the spills are written
+    assert ex.next_copy_time() == pytest.approx(host1)
+    got = ex.poll_copies(wait=host2)  # moves the clock to the first landing only
+    assert [(d.ticket, d.tier) for d in got] == [(1, "host")] and clock.now() == pytest.approx(host1)
+    clock.advance_to(host2)
+    assert [(d.ticket, d.tier) for d in ex.poll_copies()] == [(2, "host")]
+    assert ex.next_copy_time() == pytest.approx(disk1) and ex.backlog.blocks == 1000
+    clock.advance_to(disk1)
+    assert [(d.ticket, d.tier) for d in ex.poll_copies()] == [(1, "disk")]
+    assert ex.next_copy_time() is None
+    assert ex.stats.copy_time == pytest.approx(host2) and ex.stats.disk_copy_time == pytest.approx(
+        h100.disk_copy_time(spills))
+
+
+def test_spills_past_the_backlog_wait_for_the_disk_link(h100):
+    clock = SimClock()
+    ex = SimExecutor(clock, h100, overlap_copies=True, host_blocks=400)  # at most 100 staged spills
+    assert ex.backlog.cap == 100
+    first = SchedulerOutput(copy_ticket=1, blocks_to_spill=[(i, i) for i in range(100)])
+    ex.execute(first)
+    written = h100.copy_blocks_time(100) + h100.disk_copy_time(first)
+    second = SchedulerOutput(copy_ticket=2, blocks_to_spill=[(i, i) for i in range(50)], blocks_to_load=[(0, 0)])
+    ex.execute(second)
+    assert ex.stats.spill_waits == 1
+    # the second batch's host part starts once the first batch's spills are written
+    assert ex.next_copy_time() == pytest.approx(written)
+    clock.advance_to(written)
+    assert [(d.ticket, d.tier) for d in ex.poll_copies()] == [(1, "disk")]
+    host2 = written + h100.host_copy_time(second)
+    assert ex.next_copy_time() == pytest.approx(host2)
+    assert ex.backlog.blocks == 50 and ex.backlog.peak == 100
+
+
 def test_cost_model_is_cheap(h100):
     """Tens of thousands of steps must stay fast: no per-token work."""
     import time

@@ -31,9 +31,13 @@ in tokens, context, sequences and blocks.
 
 That is the step of an executor that runs its copies in the step. One that
 overlaps them with compute (engine/executor.py) takes `forward` a step and
-puts the step's copies on a copy timeline of their own, one batch after the
-other: `copy_time` = spill + offload_copy + load_copy + disk_load; a request
-whose reloads are on it waits until they land (sim/executor.py).
+puts the step's copies on two links of their own, each one batch after the
+other: the host link (`host_copy_time` = stage + offload_copy + load_copy,
+where stage copies the spills' host slots out before an offload may reuse
+them) and the disk link (`disk_copy_time` = spill + disk_load), which starts
+a batch once the host link has staged its spills. A request whose reloads are
+on a link waits until they land there (sim/executor.py); nobody waits for a
+spill, so a slow disk no longer holds up host reloads.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class CostModel:
         self._copy_latency = p.host_copy_latency_s
         self._copy_s_per_token = p.kv_bytes_per_token / p.host_copy_bandwidth_bytes_s
         self._copy_s_per_block = self._copy_s_per_token * block_size
-        block_bytes = p.kv_bytes_per_token * block_size
+        self.block_bytes = block_bytes = p.kv_bytes_per_token * block_size
         self._disk_write_s_per_block = block_bytes / p.disk_write_bandwidth_bytes_s
         self._disk_read_s_per_block = block_bytes / p.disk_read_bandwidth_bytes_s
 
@@ -129,12 +133,18 @@ class CostModel:
         memory = self._weights + self._kv_read * context
         return self._c + self._per_seq * (len(chunks) - 1) + max(compute, memory)
 
-    def copy_time(self, output: SchedulerOutput) -> float:
-        """The copy engine's time for a step's copies, one after the other."""
+    def host_copy_time(self, output: SchedulerOutput) -> float:
+        """The host link's time for a step's copies: the spills' host slots
+        copied out (staged for the disk link), then offloads, then reloads."""
+        return (self.copy_blocks_time(len(output.blocks_to_spill))
+                + self.copy_blocks_time(len(output.blocks_to_offload))
+                + self.copy_blocks_time(len(output.blocks_to_load)))
+
+    def disk_copy_time(self, output: SchedulerOutput) -> float:
+        """The disk link's time for a step's copies: the staged spills written,
+        then the disk reloads read and copied to the device."""
         n = len(output.blocks_to_load_disk)
         return (len(output.blocks_to_spill) * self._disk_write_s_per_block
-                + self.copy_blocks_time(len(output.blocks_to_offload))
-                + self.copy_blocks_time(len(output.blocks_to_load))
                 + n * self._disk_read_s_per_block + self.copy_blocks_time(n))
 
     def step_time(self, output: SchedulerOutput) -> float:

@@ -10,7 +10,10 @@ A step's copies are one batch under the output's `copy_ticket`. An executor
 either runs them inside the step (the result's `failed_*` then report them),
 or, overlapping them with compute, hands them to a copy engine and says so
 (`ExecutorResult.copies_pending`): it reports each batch later, from
-`poll_copies`, as a `CopiesDone`, in the order the batches were given. Such an
+`poll_copies`, as `CopiesDone`s. It may report a batch in two parts, one per
+link (`CopiesDone.tier`): the host link (offloads and host reloads) and the
+disk link (spills and disk reloads), each in the order the batches were
+given; a request then waits only for the link its reloads are on. Such an
 executor reads an offload's device block before the step's forward pass may
 write it (a snapshot), and relies on the scheduler for the rest: a request
 whose blocks are still being reloaded is not scheduled (it waits for its own
@@ -39,6 +42,9 @@ class CopiesDone:
     failed_loads: Sequence[int] = ()
     failed_spills: Sequence[int] = ()
     failed_disk_loads: Sequence[int] = ()
+    # the part of the batch this reports: "host" (offloads, reloads), "disk" (spills,
+    # disk reloads) or None (all of it); the other part's failed_* are unused
+    tier: str | None = None
 
 
 @dataclass

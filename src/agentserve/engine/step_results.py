@@ -145,13 +145,14 @@ class StepResults:
         """Batches of copies an overlapping executor finished (Executor.poll_copies)."""
         now = self.clock.now()
         for d in done:
-            self._finish_copies(d, d.ticket, now)
+            self._finish_copies(d, d.ticket, now, d.tier)
 
-    def _finish_copies(self, result: ExecutorResult | CopiesDone, ticket: int, now: float) -> None:
+    def _finish_copies(self, result: ExecutorResult | CopiesDone, ticket: int, now: float,
+                       tier: str | None = None) -> None:
         """A step's copies count now; a request whose reload failed (the
         executor computed nothing of it) recomputes from its last block with KV."""
         unloaded = self.kv.finish_copies(result.failed_offloads, result.failed_loads,
-                                         result.failed_spills, result.failed_disk_loads, ticket, now)
+                                         result.failed_spills, result.failed_disk_loads, ticket, now, tier)
         if not unloaded:
             return
         self.stats.reload_failed_blocks += len(unloaded)

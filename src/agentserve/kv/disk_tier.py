@@ -60,3 +60,40 @@ class DiskCopies(TierCopies):
         super().check_integrity()
         if self.disk.enabled:
             self.disk.check_integrity()
+
+
+# Spilled blocks waiting in memory for the disk, at most (the host tier's
+# quarter, within this many bytes): enough to ride out a burst of evictions,
+# small beside a host tier of tens to hundreds of GB.
+SPILL_STAGING_BYTES = 4 << 30
+
+
+class SpillBacklog:
+    """The spills an overlapping executor has copied out of the host tier
+    (their slots are free for the step's offloads at once) and not yet written
+    to disk. The disk link writes them behind the host link's copies, so a
+    reload never waits for a spill; the backlog bounds the memory that takes:
+    a batch whose spills do not fit waits for the disk link to catch up (the
+    host link then runs at the disk's pace, as one link would). The runner's
+    copy engine and the simulator's executor keep it alike."""
+
+    def __init__(self, host_blocks: int, block_bytes: int, budget_bytes: int = SPILL_STAGING_BYTES) -> None:
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        self.cap = max(1, min(host_blocks // 4, budget_bytes // block_bytes))
+        self.blocks = 0  # staged, not yet written
+        self.peak = 0
+        self.num_waits = 0  # batches that waited for room
+
+    def fits(self, n: int) -> bool:
+        """`n` more staged blocks fit (a batch never waits on an empty backlog)."""
+        return self.blocks == 0 or self.blocks + n <= self.cap
+
+    def add(self, n: int) -> None:
+        self.blocks += n
+        self.peak = max(self.peak, self.blocks)
+
+    def written(self, n: int) -> None:
+        if n > self.blocks:
+            raise ValueError(f"{n} staged blocks written, {self.blocks} were staged")
+        self.blocks -= n

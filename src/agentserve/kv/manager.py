@@ -300,13 +300,19 @@ class KVCacheManager(DeadChains):
 
     def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = (),
                       failed_spills: Iterable[int] = (), failed_disk_loads: Iterable[int] = (),
-                      ticket: int | None = None, now: float = 0.0) -> set[int]:
+                      ticket: int | None = None, now: float = 0.0, tier: str | None = None) -> set[int]:
         """The copies `take_copies` and `take_disk_copies` handed out under
         `ticket` (None: the oldest batch in flight) ran; those at the positions
-        given (in their lists) failed. Returns the ids of the device blocks whose
-        reload failed: the request holding one must be cut back (`cut_unloaded`)."""
-        return self.disk_copies.finish(failed_spills, failed_disk_loads, ticket, now) | self.copies.finish(
-            failed_offloads, failed_loads, ticket, now)
+        given (in their lists) failed. `tier` "host" or "disk": only that tier's
+        copies ran (an executor that reports the two links apart); None: both.
+        Returns the ids of the device blocks whose reload failed: the request
+        holding one must be cut back (`cut_unloaded`)."""
+        bad: set[int] = set()
+        if tier != "host":
+            bad |= self.disk_copies.finish(failed_spills, failed_disk_loads, ticket, now)
+        if tier != "disk":
+            bad |= self.copies.finish(failed_offloads, failed_loads, ticket, now)
+        return bad
 
     @property
     def copies_in_flight(self) -> bool:

@@ -107,11 +107,25 @@ class PagedKVCache:
         Returns the positions of the writes that failed."""
         if not pairs:
             return []
+        return self.write_spills(pairs, self.stage_spills([h for h, _ in pairs]))
+
+    def stage_spills(self, slots: list[int]) -> torch.Tensor:
+        """A copy of host slots (block-major, in host memory) for `write_spills`
+        to write later: the slots may be reused by an offload meanwhile."""
         if self.disk is None or self.host_kv is None:
             raise RuntimeError("spill asked but the cache has no disk tier")
+        return self.host_kv[torch.tensor(slots)]
+
+    def write_spills(self, pairs: list[tuple[int, int]], staged: torch.Tensor) -> list[int]:
+        """Write `staged` (`stage_spills` of the pairs' host slots) to the pairs'
+        disk slots. Returns the positions of the writes that failed."""
+        if not pairs:
+            return []
+        if self.disk is None:
+            raise RuntimeError("spill asked but the cache has no disk tier")
         failed = []
-        errors = self.disk.write_many([(d, self.host_kv[h].view(torch.uint8).reshape(-1).numpy().data)
-                                       for h, d in pairs])
+        errors = self.disk.write_many([(d, staged[i].view(torch.uint8).reshape(-1).numpy().data)
+                                       for i, (_, d) in enumerate(pairs)])
         for i, ((h, d), e) in enumerate(zip(pairs, errors)):
             if e is not None:
                 log.warning("spill of host KV block %d to disk slot %d failed: %s", h, d, e)

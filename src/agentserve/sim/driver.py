@@ -129,7 +129,7 @@ class SimReplica:
         name_, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
         self.scheduler = Scheduler(sconf, kv, name_, clock, reload_cost, {**options, **cfg.policy_options},
                                    prefill_cost=cost.prefill_time, tier_reload=cost.tier_reloads())
-        self.executor = SimExecutor(clock, cost, cfg.overlap_copies)
+        self.executor = SimExecutor(clock, cost, cfg.overlap_copies, host_blocks)
         self.overhead = 0.0  # wall seconds in schedule() + update()
         self.steps = 0
         self.peak_running = self.peak_pins = 0
@@ -311,7 +311,9 @@ def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct
         tiers={"offloaded": sum(e.offloaded_blocks for e in ex), "loaded": sum(e.loaded_blocks for e in ex),
                "spilled": sum(e.spilled_blocks for e in ex), "disk_loaded": sum(e.disk_loaded_blocks for e in ex),
                "swapped_turns": sum(s.swapped_turns for s in stats), "onward_turns": sum(s.onward_turns for s in stats),
-               "copy_s": sum(e.copy_time for e in ex)},
+               "copy_s": sum(e.copy_time for e in ex), "disk_copy_s": sum(e.disk_copy_time for e in ex),
+               "spill_waits": sum(e.spill_waits for e in ex),
+               "spill_backlog_peak": max(r.executor.backlog.peak for r in reps)},
         state=state,
     )
     if len(reps) > 1:

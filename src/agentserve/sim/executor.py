@@ -3,10 +3,16 @@ moves the simulated clock by that much, and returns scripted tokens.
 
 Tier copies are priced in one of two ways. Run in the step (`overlap_copies`
 off), a step costs the cost model's `step_time`, copies included. Overlapped
-with compute, as the model runner does (engine/executor.py), a step costs its
-forward pass and its copies go on a copy timeline: they start when the copy
-engine is done with the batches before them, take `copy_time`, and are
-reported (`poll_copies`) once the simulated clock has reached their end."""
+with compute, as the model runner does (runner/copy_engine.py), a step costs
+its forward pass and its copies go on two links, as the runner's two copy
+workers run them: the host link (the spills' host slots staged, offloads,
+reloads: `host_copy_time`) and the disk link (the staged spills written, disk
+reloads: `disk_copy_time`). Each link starts a batch when it is done with the
+batches before it (the disk link also not before the host link staged the
+batch's spills, and the host link not before the disk link's backlog has room
+for them: kv/disk_tier.py `SpillBacklog`); a link's part of a batch is
+reported (`poll_copies`, `CopiesDone.tier`) once the simulated clock has
+reached its end."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from agentserve.clock import SimClock
 from agentserve.cost.cost_model import CostModel
 from agentserve.engine.executor import CopiesDone, Executor, ExecutorResult
 from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.kv.disk_tier import SpillBacklog
 
 __all__ = ["FILLER_TOKEN_ID", "SimExecutor", "SimStats"]
 
@@ -34,28 +41,31 @@ class SimStats:
     offloaded_blocks: int = 0
     spilled_blocks: int = 0  # host slots written to the disk tier
     disk_loaded_blocks: int = 0  # blocks reloaded from the disk tier
-    copy_time: float = 0.0  # seconds the copy engine was busy (overlapped copies only)
+    copy_time: float = 0.0  # seconds the host link was busy (overlapped copies only)
+    disk_copy_time: float = 0.0  # seconds the disk link was busy (overlapped copies only)
+    spill_waits: int = 0  # batches whose spills waited for room in the disk link's backlog
 
 
 class SimExecutor(Executor):
-    def __init__(self, clock: SimClock, cost_model: CostModel, overlap_copies: bool = False) -> None:
+    def __init__(self, clock: SimClock, cost_model: CostModel, overlap_copies: bool = False,
+                 host_blocks: int = 0) -> None:
         self.clock = clock
         self.cost_model = cost_model
         self.overlap_copies = overlap_copies
         self.stats = SimStats()
-        self._copies_free_at = 0.0  # when the copy engine is done with the batches it was given
-        self._flight: deque[tuple[float, int]] = deque()  # (lands at, ticket), in the order given
+        self._host_free_at = 0.0  # when each link is done with the batches it was given
+        self._disk_free_at = 0.0
+        # (lands at, ticket) of each link's parts in flight, in the order given
+        self._flight: dict[str, deque[tuple[float, int]]] = {"host": deque(), "disk": deque()}
+        self.backlog = SpillBacklog(host_blocks, cost_model.block_bytes)
+        self._staged: deque[tuple[float, int]] = deque()  # (written at, blocks) of the backlog's batches
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         if output.is_empty:
             return ExecutorResult()
         pending = self.overlap_copies and output.has_copies
         if pending:
-            took = self.cost_model.copy_time(output)
-            start = max(self.clock.now(), self._copies_free_at)
-            self._copies_free_at = start + took
-            self._flight.append((self._copies_free_at, output.copy_ticket))
-            self.stats.copy_time += took
+            self._queue_copies(output)
             elapsed = self.cost_model.forward_time(output)
         elif self.overlap_copies:
             elapsed = self.cost_model.forward_time(output)
@@ -85,18 +95,57 @@ class SimExecutor(Executor):
         stats.disk_loaded_blocks += len(output.blocks_to_load_disk)
         return ExecutorResult(sampled=sampled, elapsed=elapsed, copies_pending=pending)
 
+    def _queue_copies(self, out: SchedulerOutput) -> None:
+        cost, now = self.cost_model, self.clock.now()
+        spills = len(out.blocks_to_spill)
+        start = max(now, self._host_free_at)
+        staged_at = start
+        if spills:
+            start = self._room(spills, start)
+            staged_at = start + cost.copy_blocks_time(spills)
+        if spills or out.blocks_to_offload or out.blocks_to_load:
+            took = cost.host_copy_time(out)
+            self._host_free_at = start + took
+            self.stats.copy_time += took
+            if out.blocks_to_offload or out.blocks_to_load:
+                self._flight["host"].append((self._host_free_at, out.copy_ticket))
+        if spills or out.blocks_to_load_disk:
+            took = cost.disk_copy_time(out)
+            self._disk_free_at = max(self._disk_free_at, staged_at) + took
+            self.stats.disk_copy_time += took
+            self._flight["disk"].append((self._disk_free_at, out.copy_ticket))
+            if spills:
+                self.backlog.add(spills)
+                self._staged.append((self._disk_free_at, spills))
+
+    def _room(self, n: int, t: float) -> float:
+        """When the host link may stage `n` spills, not before `t`: the backlog
+        drops what the disk link has written by then, and waits for more if it must."""
+        staged, backlog = self._staged, self.backlog
+        while staged and staged[0][0] <= t:
+            backlog.written(staged.popleft()[1])
+        if not backlog.fits(n):
+            self.stats.spill_waits += 1
+            while not backlog.fits(n):
+                at, m = staged.popleft()
+                t = max(t, at)
+                backlog.written(m)
+        return t
+
     def next_copy_time(self) -> float | None:
-        """When the oldest batch of copies in flight lands (None: none is)."""
-        return self._flight[0][0] if self._flight else None
+        """When the next part of a batch in flight lands, on either link (None: none is)."""
+        heads = [f[0][0] for f in self._flight.values() if f]
+        return min(heads) if heads else None
 
     def poll_copies(self, wait: float = 0.0) -> list[CopiesDone]:
-        """The batches landed by now; with `wait`, the clock first moves up to
-        that much towards the next landing when none has landed."""
-        flight = self._flight
-        if wait > 0 and flight and flight[0][0] > self.clock.now():
-            self.clock.advance_to(min(flight[0][0], self.clock.now() + wait))
+        """The parts of batches landed by now; with `wait`, the clock first moves
+        up to that much towards the next landing when none has landed."""
+        nxt = self.next_copy_time()
+        if wait > 0 and nxt is not None and nxt > self.clock.now():
+            self.clock.advance_to(min(nxt, self.clock.now() + wait))
         now = self.clock.now()
         done = []
-        while flight and flight[0][0] <= now:
-            done.append(CopiesDone(flight.popleft()[1]))
+        for tier, flight in self._flight.items():
+            while flight and flight[0][0] <= now:
+                done.append(CopiesDone(flight.popleft()[1], tier=tier))
         return done
