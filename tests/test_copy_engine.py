@@ -139,7 +139,7 @@ def test_a_slow_spill_does_not_hold_up_a_later_host_reload(tmp_path):
     eng.close()
 
 
-def test_spills_past_the_backlog_bound_wait_for_the_disk(tmp_path):
+def test_spills_past_the_backlog_bound_wait_for_the_disk(tmp_path, caplog):
     c = disk_cache(tmp_path)  # a host tier of 4 slots: at most 1 spill waits in memory
     eng = CopyEngine(c)
     assert eng.backlog.cap == 1
@@ -150,6 +150,7 @@ def test_spills_past_the_backlog_bound_wait_for_the_disk(tmp_path):
     time.sleep(0.3)
     assert eng.poll() == []  # batch 2's reload waits behind its spill, which waits for room
     assert eng.backlog.num_waits == 1 and eng.backlog.blocks == 1
+    assert "disk writes slower than the host tier evicts" in caplog.text  # said once, when it starts
     gate.set()
     got = land(eng, 3)
     assert [(d.ticket, d.tier) for d in got if d.tier == "disk"] == [(1, "disk"), (2, "disk")]

@@ -356,7 +356,8 @@ def test_metrics_endpoint(server, client):
                  "pins_reclaimed", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "program_jct_seconds",
                  "pin_ttl_seconds", "request_success", "generation_tokens", "host_kv_blocks", "disk_kv_blocks",
-                 "disk_kv_blocks_written", "kv_tier_copy_failures", "running_kv_share", "max_wait_seconds"):
+                 "disk_kv_blocks_written", "kv_tier_copy_failures", "kv_spill_backlog_waits", "running_kv_share",
+                 "max_wait_seconds"):
         assert "agentserve:" + name in fams, name
 
     def value(name, suffix=""):

@@ -162,6 +162,10 @@ class CopyEngine:
         n = len(b.spills)
         with self._cv:
             if not self.backlog.fits(n):
+                if not self.backlog.num_waits:
+                    log.warning("disk KV tier: the disk writes slower than the host tier evicts; tier copies now "
+                                "wait for it when %d spilled blocks are pending (agentserve:kv_spill_backlog_waits "
+                                "counts the waits)", self.backlog.cap)
                 self.backlog.num_waits += 1
                 self._cv.wait_for(lambda: self.backlog.fits(n))
         try:

@@ -391,5 +391,6 @@ class AsyncEngine:
             self.stats_log.tick(now, self._snapshot)
 
     def _snapshot(self) -> EngineSnapshot:
+        copier = self.llm.executor.copier
         return take_snapshot(self.scheduler, self.tool_stats.counts(), self.render_cache, self.response_cache,
-                             self.integrity.failures)
+                             self.integrity.failures, copier.backlog.num_waits if copier is not None else 0)

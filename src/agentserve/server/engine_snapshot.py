@@ -67,6 +67,8 @@ class EngineSnapshot:
     disk_blocks_used: int = 0
     disk_blocks_written: int = 0
     tier_copy_failures: int = 0
+    # batches of spills that waited for the disk tier's writes to catch up (kv/disk_tier.py SpillBacklog)
+    spill_backlog_waits: int = 0
     # the share of the device KV running requests may hold now (Policy.running_kv_share; 1.0: no bound)
     running_kv_share: float = 1.0
     # seconds a request arriving now may wait before it goes first (Policy.max_wait; 0: no deadline)
@@ -94,9 +96,11 @@ class EngineSnapshot:
 
 
 def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cache: Any = None,
-                  response_cache: Any = None, kv_integrity_failures: int = 0) -> EngineSnapshot:
+                  response_cache: Any = None, kv_integrity_failures: int = 0,
+                  spill_backlog_waits: int = 0) -> EngineSnapshot:
     """The snapshot of `scheduler` (and its KV manager) now; on the engine thread.
-    The caches are objects with `stats()` (None: off)."""
+    The caches are objects with `stats()` (None: off); `spill_backlog_waits`
+    is the copy engine's count (runner/copy_engine.py)."""
     s, kv = scheduler.stats, scheduler.kv
     return EngineSnapshot(
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
@@ -114,5 +118,5 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         kv_integrity_failures=kv_integrity_failures,
         host_blocks=kv.host.num_slots, host_blocks_used=kv.host.num_used, disk_blocks=kv.disk.num_slots,
         disk_blocks_used=kv.disk.num_used, disk_blocks_written=kv.disk_copies.num_spilled,
-        tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed,
+        tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed, spill_backlog_waits=spill_backlog_waits,
         running_kv_share=scheduler.policy.running_kv_share, max_wait_s=scheduler.policy.max_wait() or 0.0)

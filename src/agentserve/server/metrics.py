@@ -113,6 +113,9 @@ class _SnapshotCollector(Collector):
                       s.disk_blocks_written)
         yield counter("kv_tier_copy_failures", "Copies between the device, host and disk tiers that failed (their "
                       "tokens are recomputed, never read).", s.tier_copy_failures)
+        yield counter("kv_spill_backlog_waits", "Batches of copies held up because the spills to the disk tier "
+                      "waiting in memory were at their bound: the disk writes slower than the host tier evicts.",
+                      s.spill_backlog_waits)
         yield counter("engine_steps", "Scheduler steps.", s.steps)
         yield counter("kv_integrity_failures", "Block-accounting checks (run each time the engine goes idle) "
                       "that failed: a bug, logged with its details; should stay 0.", s.kv_integrity_failures)
