@@ -25,6 +25,7 @@ pageable bounce and CPU indexing, moved 1.1-4 GB/s
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -107,7 +108,10 @@ class PagedKVCache:
         Returns the positions of the writes that failed."""
         if not pairs:
             return []
-        return self.write_spills(pairs, self.stage_spills([h for h, _ in pairs]))
+        if self.host_kv is None:
+            raise RuntimeError("spill asked but the cache has no disk tier")
+        # in the step nothing reuses the host slots before they are written: no staging copy
+        return self.write_spills(pairs, [self.host_kv[h] for h, _ in pairs])
 
     def stage_spills(self, slots: list[int]) -> torch.Tensor:
         """A copy of host slots (block-major, in host memory) for `write_spills`
@@ -116,15 +120,15 @@ class PagedKVCache:
             raise RuntimeError("spill asked but the cache has no disk tier")
         return self.host_kv[torch.tensor(slots)]
 
-    def write_spills(self, pairs: list[tuple[int, int]], staged: torch.Tensor) -> list[int]:
-        """Write `staged` (`stage_spills` of the pairs' host slots) to the pairs'
-        disk slots. Returns the positions of the writes that failed."""
+    def write_spills(self, pairs: list[tuple[int, int]], blocks: Sequence[torch.Tensor]) -> list[int]:
+        """Write `blocks` (the pairs' host slots, or `stage_spills` of them) to the
+        pairs' disk slots. Returns the positions of the writes that failed."""
         if not pairs:
             return []
         if self.disk is None:
             raise RuntimeError("spill asked but the cache has no disk tier")
         failed = []
-        errors = self.disk.write_many([(d, staged[i].view(torch.uint8).reshape(-1).numpy().data)
+        errors = self.disk.write_many([(d, blocks[i].view(torch.uint8).reshape(-1).numpy().data)
                                        for i, (_, d) in enumerate(pairs)])
         for i, ((h, d), e) in enumerate(zip(pairs, errors)):
             if e is not None:
