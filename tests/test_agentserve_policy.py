@@ -140,7 +140,8 @@ def _feed(pol, n, wait, start=0.0):
 
 
 def test_the_wait_bound_is_twice_the_p90_of_fcfs_waits_fixed_at_arrival():
-    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True))
+    # (short_first=none: the order would follow the KV pressure, time_dependent regardless)
+    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True), short_first=None)
     _feed(pol, 60, lambda i: i % 10)  # FCFS's waits 0..9 s, six times each: p90 9 s
     assert not pol.time_dependent  # nobody waits with a deadline
     assert pol.fcfs_wait.quantile(0.9) == 9.0 and pol.max_wait() == 18.0
@@ -165,30 +166,72 @@ def test_the_wait_bound_is_twice_the_p90_of_fcfs_waits_fixed_at_arrival():
     assert not off.time_dependent and not off.late(newcomer, 1e6) and off.max_wait() is None
 
 
-def test_a_late_request_is_held_back_only_for_kv_not_for_headroom():
-    """N fits in the free blocks but not beside R's decode reserve: it waits
-    for the headroom until its wait-bound deadline, then is admitted as vLLM
-    admits; with the bound off it waits for R to finish."""
+def test_with_a_host_tier_a_late_request_goes_first_but_keeps_the_headroom():
+    """N fits in the free blocks but not beside R's decode reserve. Past its
+    wait-bound deadline it goes first (ahead of O, an older program's turn that
+    arrived after it), yet it still waits for the headroom: admitted without it,
+    it would take the room R decodes into and be preempted. Once R is done, N
+    is admitted before O."""
     from agentserve.policy.fcfs_wait import FcfsWait
     from test_scheduler import Harness, prompt_of
-    for spec, late_admits in (("agentserve", True), ("agentserve:wait_bound=none", False)):
-        h = Harness(spec, num_blocks=64, budget=64, host=32)
-        h.s.policy.fcfs_wait = FcfsWait(warmup=1)
-        a = h.req("a", "A", prompt_of(9, 8), max_tokens=1)
-        h.clock.advance(1.0)  # FCFS's wait: 1 s, so a deadline 2 s after arrival
-        h.run()
-        assert a.is_finished
-        r = h.req("r1", "R", prompt_of(2, 8), max_tokens=200)  # runs on, 128 tokens of headroom ahead
+    h = Harness("agentserve", num_blocks=64, budget=64, host=32)
+    pol = h.s.policy
+    pol.fcfs_wait = FcfsWait(warmup=1)
+    a = h.req("a", "A", prompt_of(9, 8), max_tokens=1)
+    h.clock.advance(1.0)  # FCFS's wait: 1 s, so a deadline 2 s after arrival
+    h.run()
+    assert a.is_finished and pol.bounded
+    r = h.req("r1", "R", prompt_of(2, 8), max_tokens=200)  # runs on, 128 tokens of headroom ahead
+    h.step()
+    n = h.req("n1", "N", prompt_of(3, 120), max_tokens=4)  # 31 blocks: they fit, but not beside R's reserve
+    h.step()
+    h.clock.advance(2.0)
+    h.step()
+    assert pol.late(n, h.clock.now()) and not pol.skips_headroom(n, h.clock.now())
+    assert n not in h.s.running and r.reserve + 31 > h.kv.num_free_blocks >= 31
+    o = h.req("o1", "A", prompt_of(9, 8) + prompt_of(4, 4), max_tokens=1)  # the older program's next turn
+    h.step()
+    assert next(iter(h.s.waiting)) is n and o not in h.s.running  # the head waits; nothing overtakes it
+    while not r.is_finished:
         h.step()
-        n = h.req("n1", "N", prompt_of(3, 120), max_tokens=4)  # 31 blocks: they fit, but not beside R's reserve
-        for _ in range(3):
-            h.step()
-        assert n not in h.s.running and r.reserve + 31 > h.kv.num_free_blocks >= 31, spec
-        h.clock.advance(2.0)
-        h.step()
-        assert (n in h.s.running) is late_admits, spec
-        h.run()
-        assert n.is_finished and h.s.num_waiting == 0
+    h.step()
+    assert n in h.s.running or n.is_finished
+    h.run()
+    assert n.is_finished and o.is_finished and h.s.num_waiting == 0 and h.s.stats.preemptions == 0
+    # without a host tier a late request (past the share's deadline) is held back only for KV
+    flat = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, kv_tokens=1000))
+    flat._share_applies = True
+    late = _waiting("x", 0.0)
+    assert flat.late(late, 60.0) and flat.skips_headroom(late, 60.0)
+
+
+def test_while_compute_bound_the_turn_with_the_fewest_new_tokens_goes_first():
+    """With a host tier and the KV pressure under `short_first`, a waiting turn
+    that adds fewer tokens to its program's history goes before one that adds
+    more, whatever the programs' ages; under pressure the programs' order stands.
+    Lateness still comes first."""
+    pressure = [0.1]
+    pol = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True, kv_pressure=lambda: pressure[0]))
+    old, young = ProgramState("old", 0.0), ProgramState("young", 50.0)
+    old.history = list(range(1000))
+    long_turn = _waiting("old", 60.0, prompt=1000 + 4000)  # 4000 new tokens (a long tool output)
+    first_turn = _waiting("young", 61.0, prompt=2000)  # a first turn: 2000 new tokens
+    assert pol.time_dependent
+    assert pol.priority(first_turn, young, 62.0) < pol.priority(long_turn, old, 62.0)
+    pressure[0] = 0.5  # KV holds requests back half the time: the programs' own order
+    assert pol.priority(long_turn, old, 62.0) < pol.priority(first_turn, young, 62.0)
+    pressure[0] = 0.1
+    pol._deadlines[long_turn.request_id] = 61.5  # late: it goes first whatever its size
+    assert pol.priority(long_turn, old, 62.0) < pol.priority(first_turn, young, 62.0)
+    off = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, host_tier=True, kv_pressure=lambda: 0.0),
+                     short_first=None)
+    assert not off.time_dependent
+    assert off.priority(long_turn, old, 62.0) < off.priority(first_turn, young, 62.0)
+    flat = AgentServe(PolicyContext(reload_cost=lambda n: 0.0, kv_pressure=lambda: 0.0))  # no tier: age order
+    assert flat.priority(long_turn, old, 62.0) < flat.priority(first_turn, young, 62.0)
+    for bad in (0, 1.5, True, "low"):
+        with pytest.raises((ValueError, TypeError)):
+            AgentServe(PolicyContext(reload_cost=lambda n: 0.0), short_first=bad)
 
 
 def test_an_aborted_waiting_request_leaves_fcfs_queue_too():

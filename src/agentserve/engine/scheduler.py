@@ -347,8 +347,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                     self.stats.grouped_requests += 1
                 continue  # admitted once its leader has computed (and indexed) the shared blocks
             # blocks the running requests may still take (None: no headroom applies)
-            # (a late request is held back only for KV: no headroom, as vLLM admits)
-            held = self._held if reserving and self.running and not self.policy.late(req, now) else None
+            # (the policy may hold a late request back only for KV: no headroom, as vLLM admits)
+            held = self._held if reserving and self.running and not self.policy.skips_headroom(req, now) else None
             if not self._admit(req, step, now, match, held):
                 break
             admitted.append(req)

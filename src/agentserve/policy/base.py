@@ -102,6 +102,11 @@ class Policy(abc.ABC):
         """`req` waited past the policy's deadline: it goes first and may reclaim any pin."""
         return False
 
+    def skips_headroom(self, req: Request, now: float) -> bool:
+        """`req` is admitted without the decode headroom, held back only for KV
+        (as vLLM admits): by default once it is late."""
+        return self.late(req, now)
+
     def max_wait(self) -> float | None:
         """Seconds a request arriving now may wait before it is late (None: no deadline)."""
         return None
