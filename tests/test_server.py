@@ -357,7 +357,7 @@ def test_metrics_endpoint(server, client):
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "program_jct_seconds",
                  "pin_ttl_seconds", "request_success", "generation_tokens", "host_kv_blocks", "disk_kv_blocks",
                  "disk_kv_blocks_written", "kv_tier_copy_failures", "kv_spill_backlog_waits", "running_kv_share",
-                 "max_wait_seconds"):
+                 "max_wait_seconds", "kv_pressure"):
         assert "agentserve:" + name in fams, name
 
     def value(name, suffix=""):
@@ -372,6 +372,7 @@ def test_metrics_endpoint(server, client):
     assert 0.0 < value("running_kv_share") == share <= 1.0
     wait = server.engine.call_sync(lambda: server.llm.scheduler.policy.max_wait())
     assert value("max_wait_seconds") == (wait or 0.0) >= 0.0
+    assert 0.0 <= value("kv_pressure") <= 1.0
 
 
 # --- units: tool output, identity, CLI ---------------------------------------------------

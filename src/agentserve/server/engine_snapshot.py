@@ -73,6 +73,8 @@ class EngineSnapshot:
     running_kv_share: float = 1.0
     # seconds a request arriving now may wait before it goes first (Policy.max_wait; 0: no deadline)
     max_wait_s: float = 0.0
+    # the share of recent time a request was held back for KV (engine/scheduler.py's PressureMeter)
+    kv_pressure: float = 0.0
 
     def __getattr__(self, name: str) -> Any:
         if name in _STAT_FIELDS:
@@ -119,4 +121,5 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         host_blocks=kv.host.num_slots, host_blocks_used=kv.host.num_used, disk_blocks=kv.disk.num_slots,
         disk_blocks_used=kv.disk.num_used, disk_blocks_written=kv.disk_copies.num_spilled,
         tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed, spill_backlog_waits=spill_backlog_waits,
-        running_kv_share=scheduler.policy.running_kv_share, max_wait_s=scheduler.policy.max_wait() or 0.0)
+        running_kv_share=scheduler.policy.running_kv_share, max_wait_s=scheduler.policy.max_wait() or 0.0,
+        kv_pressure=scheduler.policy.ctx.kv_pressure())

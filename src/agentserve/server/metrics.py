@@ -73,6 +73,9 @@ class _SnapshotCollector(Collector):
         yield gauge("max_wait_seconds", "Seconds a request arriving now may wait before it goes first (0: no deadline; "
                     "the agentserve policy's wait bound with a host tier, its deadline while it keeps room).",
                     s.max_wait_s)
+        yield gauge("kv_pressure", "Share of recent time (decayed over 20 s) a request was held back for KV: the "
+                    "agentserve policy's cost of a pinned second, and with a host tier under 0.5 its order is the "
+                    "shortest turn first.", s.kv_pressure)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.admitted_prompt_tokens)
         yield counter("prefix_hit_tokens", "Prompt tokens found in the prefix cache at admission.", s.hit_tokens)
         yield counter("prefix_loaded_tokens", "Prefix-hit tokens reloaded from the host tier.", s.loaded_tokens)
