@@ -10,7 +10,7 @@ tool call and its result (this package's own source files, 2500 characters
 each), until it holds the target number of tokens. Each measured request is an
 agent's next turn: the conversation with its last call and result appended,
 sent to a cache that holds the turn before (a fresh cache every repeat), and
-timed through the server's own call site (`chat_endpoint.render_chat`: the message
+timed through the server's own call site (`chat_run.render_chat`: the message
 dump, the template, the tokenizer). `off` is that request without the cache,
 `retry` the same request sent twice (the second timed). Parsing and validating
 the JSON body, which no cache can spare, is shown beside them. Times are the
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from agentserve.server.chat_endpoint import render_chat
+from agentserve.server.chat_run import render_chat
 from agentserve.server.chat_template import ChatTemplate
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.render_cache import RenderCache

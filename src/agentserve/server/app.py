@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,8 +118,10 @@ async def metrics_endpoint(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     st = server_state(request)
     authorize(st, request)
-    cards = [ModelCard(id=name, created=st.created, max_model_len=st.llm.max_model_len,
-                       root=str(st.llm.model_source)) for name in st.config.served_model_names]
+    # the file's name, not its path: where the server keeps its files is nobody's business
+    root = Path(str(st.llm.model_source)).name
+    cards = [ModelCard(id=name, created=st.created, max_model_len=st.llm.max_model_len, root=root)
+             for name in st.config.served_model_names]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

@@ -5,17 +5,29 @@ The scheduler keeps KV and orders work by *program* (DESIGN.md, "Request
 identity"), so the server has to name the program of every request. Clients
 differ in how they say it; the first of these that is present wins:
 
-1. body `program_id`
-2. header `X-Program-Id`
-3. body `session_id`, then header `X-Session-Id` (the names vLLM accepts)
-4. the agent-hint spellings of other engines (below)
-5. body `user` (OpenAI's end-user field)
+| # | source | sent by |
+|---|---|---|
+| 1 | body `program_id` | agentserve's own field |
+| 2 | header `X-Program-Id` | agentserve's own header |
+| 3 | the Responses-API chain (`previous_response_id`): the program of the response it continues; a stored response that continues none names its own program | OpenAI Agents SDK, Codex |
+| 4 | body `prompt_cache_key` | OpenAI's cache-scope field (Codex sets it to its conversation) |
+| 5 | header `x-claude-code-session-id`, with `x-claude-code-agent-id` for a subagent (`session/agent`) | Claude Code |
+| 6 | header `session-id` / `session_id`, then `conversation-id` / `conversation_id` | Codex CLI |
+| 7 | body `metadata.user_id` | Anthropic's Messages API (Claude Code puts its session in it) |
+| 8 | body `session_id`, then header `X-Session-Id` | vLLM's names |
+| 9 | the agent-hint spellings of other engines (below) | Continuum, vLLM's RFC, SGLang |
+| 10 | body `user` | OpenAI's end-user field |
+
+agentserve's own spellings come first because a client that sends them means
+exactly that; the protocols' own identities come next because an unmodified
+agent sends them without being asked.
 
 Without any, the request is its own program: it ends when the request ends,
 so nothing is pinned for a follow-up that cannot be recognised (its blocks
 still stay in the prefix cache for whoever sends the same prefix).
 
-Hints, all optional: a TTL in seconds (body `ttl`, header `X-Program-TTL`) that
+Hints, all optional: a TTL in seconds (body `ttl`, header `X-Program-TTL`, or
+Anthropic's `cache_control.ttl` on a block, "5m" or "1h", the largest given) that
 overrides the policy's learned TTL where the policy honours hints; an explicit
 release after this turn (body `release_program: true`, header
 `X-Program-Release`); and the end of the program (body `end_program: true`,
@@ -83,16 +95,27 @@ class ProgramIdentity:
         return self.end_program or not self.explicit
 
 
-def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = None) -> ProgramIdentity:
+def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = None, *,
+                     chain: str | None = None, cache_ttl: float | None = None) -> ProgramIdentity:
     """`body` is a parsed request (attributes `program_id`, `session_id`, `user`,
-    `ttl`, `release_program`, `end_program`, `cache_salt` and the spellings of
-    other engines); `headers` is case-insensitive. `scope`: the tenant that
-    program ids and the cache salt are scoped by (None: not scoped)."""
+    `ttl`, `release_program`, `end_program`, `cache_salt`, `prompt_cache_key`,
+    `metadata` and the spellings of other engines); `headers` is
+    case-insensitive. `scope`: the tenant that program ids and the cache salt
+    are scoped by (None: not scoped). `chain`: the client's program id of the
+    Responses chain the request continues (unscoped); `cache_ttl`: Anthropic's
+    `cache_control.ttl` in seconds, a hint honoured only when a program is named
+    (clients send cache_control on every request, named or not)."""
     vllm_hint = getattr(body, "agent_hint", None)
     sgl_hints = getattr(body, "agent_hints", None)
     pid, source = None, "request"
     for value, name in ((getattr(body, "program_id", None), "program_id"),
                         (headers.get("x-program-id"), "X-Program-Id"),
+                        (chain, "previous_response_id"),
+                        (getattr(body, "prompt_cache_key", None), "prompt_cache_key"),
+                        (_claude_code_program(headers), "x-claude-code-session-id"),
+                        (_first_header(headers, "session-id", "session_id"), "session-id"),
+                        (_first_header(headers, "conversation-id", "conversation_id"), "conversation_id"),
+                        (_metadata_user(body), "metadata.user_id"),
                         (getattr(body, "session_id", None), "session_id"),
                         (headers.get("x-session-id"), "X-Session-Id"),
                         (getattr(body, "job_id", None), "job_id"),
@@ -110,6 +133,8 @@ def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = 
         break
 
     ttl, ttl_param, raw_ttl = _ttl(body, headers, vllm_hint, sgl_hints)
+    if ttl is None and cache_ttl is not None and pid is not None:
+        ttl, ttl_param, raw_ttl = cache_ttl, "cache_control.ttl", cache_ttl
     if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
         raise IdentityError(f"{ttl_param} must be a finite number >= 0, got {raw_ttl!r}", ttl_param)
 
@@ -133,6 +158,25 @@ def scoped_program_id(scope: str | None, program_id: str | None) -> str | None:
     """The engine's id for a client's program id: prefixed by the tenant when scoped. Tenant
     names hold no '/' (tenants.py), so two tenants' ids never meet."""
     return program_id if scope is None or program_id is None else f"{scope}/{program_id}"
+
+
+def _first_header(headers: Mapping[str, str], *names: str) -> str | None:
+    return next((v for v in (headers.get(n) for n in names) if v is not None and v.strip()), None)
+
+
+def _claude_code_program(headers: Mapping[str, str]) -> str | None:
+    """Claude Code's session; a subagent (its own agent id) is a program of its own beside its parent's."""
+    session = _first_header(headers, "x-claude-code-session-id")
+    if session is None:
+        return None
+    agent = _first_header(headers, "x-claude-code-agent-id")
+    return session.strip() if agent is None else f"{session.strip()}/{agent.strip()}"
+
+
+def _metadata_user(body: Any) -> str | None:
+    meta = getattr(body, "metadata", None)
+    value = meta.get("user_id") if isinstance(meta, Mapping) else getattr(meta, "user_id", None)
+    return value if isinstance(value, str) else None
 
 
 def _sglang_program(hints: Any) -> str | None:

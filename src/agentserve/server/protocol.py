@@ -255,7 +255,14 @@ class ToolCallDelta(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    tool_calls: list[ToolCallOut] | None = None  # left out when the reply made no call, as OpenAI does
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler):
+        d = handler(self)
+        if not d.get("tool_calls"):
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatChoice(BaseModel):
@@ -324,7 +331,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "agentserve"
     max_model_len: int
-    root: str  # the file or folder the weights came from
+    root: str  # the name of the file or folder the weights came from (never its path)
 
 
 class ModelList(BaseModel):

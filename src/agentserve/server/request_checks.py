@@ -133,9 +133,10 @@ def sampling_params(st: ServerState, req: Any, num_prompt: int, max_tokens: int 
     """Sampling parameters, with the length checks OpenAI makes (prompt + completion within context)."""
     limit = st.llm.max_model_len
     if num_prompt >= limit:
-        raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt is "
-                            f"{num_prompt} tokens; shorten the {prompt_param}", param=prompt_param,
-                       code="context_length_exceeded")
+        raise APIError(400, f"this model's maximum context length is {limit} tokens ({st.model_name}), but the "
+                            f"prompt is {num_prompt} tokens; shorten the {prompt_param}, or serve a model whose "
+                            f"context holds at least {_room_for(num_prompt)} tokens (agentserve serve --model ...)",
+                       param=prompt_param, code="context_length_exceeded")
     kv = st.llm.scheduler.kv
     room = limit - num_prompt
     if max_tokens is None:
@@ -163,6 +164,12 @@ def sampling_params(st: ServerState, req: Any, num_prompt: int, max_tokens: int 
         msg = str(e)
         param = next((f for f in _SAMPLING_FIELDS if f in msg), None)
         raise APIError(400, msg, param=max_param if param == "max_tokens" else param) from None
+
+
+def _room_for(num_prompt: int) -> int:
+    """The next power of two that holds the prompt and a reply of 1024 tokens: the context to ask for."""
+    need = num_prompt + 1024
+    return 1 << (need - 1).bit_length()
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop")  # named in SamplingParams' errors

@@ -18,7 +18,10 @@ so a streamed response always adds up to the non-streamed one:
   decided at the end;
 * trailing whitespace is held until more text follows; whitespace right before
   a call, and at the end of a response that made calls, is dropped (a reply
-  that made calls has content without the blank lines around them).
+  that made calls has content without the blank lines around them);
+* a call still open when the output was cut (`finish(cut=True)`: max_tokens
+  reached) is dropped, as OpenAI drops a call it could not finish: its markup
+  is never content.
 
 Calls are validated against the request's tools: an undeclared name, or
 arguments that are not a JSON object, leave the text as content."""
@@ -122,12 +125,15 @@ class ToolCallStreamer:
         self._emitted = False  # any content or call so far
         self._whole_ruled_out = False  # the response is not Llama 3 JSON calls
         self._ws_before_call = ""  # dropped whitespace, restored if the block is not a call
+        self._cut = False
 
     def feed(self, text: str) -> OutputDelta:
         self._buf += text
         return self._advance(final=False)
 
-    def finish(self) -> OutputDelta:
+    def finish(self, cut: bool = False) -> OutputDelta:
+        """Decide what is held. `cut`: the output ended at max_tokens, so an open call is dropped."""
+        self._cut = cut
         return self._advance(final=True)
 
     # --- the machine ---
@@ -146,6 +152,10 @@ class ToolCallStreamer:
             if self._mode is _Mode.CALL:
                 j = self._buf.find(CLOSE, len(OPEN))
                 if j < 0 and not final:
+                    return out
+                if j < 0 and self._cut:
+                    self._buf, self._ws_before_call = "", ""
+                    self._mode = _Mode.TEXT
                     return out
                 end = len(self._buf) if j < 0 else j + len(CLOSE)
                 block, self._buf = self._buf[:end], self._buf[end:]
@@ -227,13 +237,14 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_output(text: str, choice: ToolChoice | None) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_output(text: str, choice: ToolChoice | None, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
     """A finished response as (content, calls). Content is None when the reply
-    consists of calls only; without a `choice` the text is returned as is."""
+    consists of calls only; without a `choice` the text is returned as is.
+    `cut`: the output ended at max_tokens (an open call is dropped)."""
     if choice is None:
         return text, []
     s = ToolCallStreamer(choice)
-    a, b = s.feed(text), s.finish()
+    a, b = s.feed(text), s.finish(cut)
     content = a.content + b.content
     if s.calls:
         return content or None, s.calls
