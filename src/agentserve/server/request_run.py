@@ -105,22 +105,26 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
-        events = self._ended(events)
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream, *, done: bool = True) -> None:
+        """`done`: end with OpenAI chat's `data: [DONE]` (APIs whose streams end with an event of their own
+        pass False)."""
+        events = self._ended(events, done)
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._stream = stream
 
     @staticmethod
-    async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """`events`, then [DONE]; an engine failure mid-stream becomes an error event first."""
+    async def _ended(events: AsyncIterator[str], done: bool) -> AsyncIterator[str]:
+        """`events`, then [DONE] (when `done`); an engine failure mid-stream becomes an error event first."""
         try:
             async for event in events:
                 yield event
-            yield DONE
+            if done:
+                yield DONE
         except (EngineError, EngineStopped) as e:
             yield sse(engine_failure(e).body())
-            yield DONE
+            if done:
+                yield DONE
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
@@ -132,9 +136,10 @@ class EventStream(StreamingResponse):
             await self._events.aclose()  # type: ignore[attr-defined]
 
 
-def sse(obj: BaseModel | dict) -> str:
+def sse(obj: BaseModel | dict, event: str | None = None) -> str:
+    """One server-sent event; `event`: its `event:` line (the Responses and Messages APIs name each event)."""
     data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data}\n\n"
+    return f"data: {data}\n\n" if event is None else f"event: {event}\ndata: {data}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
