@@ -118,10 +118,11 @@ async def accept(request: Request, body_model: type[BaseModel]) -> tuple[ServerS
     return st, req, model
 
 
-def program_identity(req: Any, request: Request) -> ProgramIdentity:
+def program_identity(req: Any, request: Request, **hints: Any) -> ProgramIdentity:
+    """The request's program (identity.py); `hints`: resolve_identity's keywords (`chain`, `cache_ttl`)."""
     try:
         check_id_headers(request.headers)
-        return resolve_identity(req, request.headers, tenant_scope(server_state(request), request))
+        return resolve_identity(req, request.headers, tenant_scope(server_state(request), request), **hints)
     except InputError as e:
         raise input_error(e) from None
     except IdentityError as e:
