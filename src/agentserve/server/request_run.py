@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -105,16 +105,19 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream, *, done: bool = True) -> None:
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream, *, done: bool = True,
+                 error: Callable[[APIError], str] | None = None) -> None:
         """`done`: end with OpenAI chat's `data: [DONE]` (APIs whose streams end with an event of their own
-        pass False)."""
-        events = self._ended(events, done)
+        pass False). `error`: the event that tells of an engine failure mid-stream, in the API's own shape
+        (default: OpenAI's error object as a data line)."""
+        events = self._ended(events, done, error or _openai_error_event)
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._stream = stream
 
     @staticmethod
-    async def _ended(events: AsyncIterator[str], done: bool) -> AsyncIterator[str]:
+    async def _ended(events: AsyncIterator[str], done: bool,
+                     error: Callable[[APIError], str]) -> AsyncIterator[str]:
         """`events`, then [DONE] (when `done`); an engine failure mid-stream becomes an error event first."""
         try:
             async for event in events:
@@ -122,7 +125,7 @@ class EventStream(StreamingResponse):
             if done:
                 yield DONE
         except (EngineError, EngineStopped) as e:
-            yield sse(engine_failure(e).body())
+            yield error(engine_failure(e))
             if done:
                 yield DONE
         finally:
@@ -143,6 +146,10 @@ def sse(obj: BaseModel | dict, event: str | None = None) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+def _openai_error_event(err: APIError) -> str:
+    return sse(err.body())
 
 
 def usage_of(out: RequestOutput, cached_tokens_report: str = "exact") -> Usage:
