@@ -119,3 +119,38 @@ def test_hinted_programs_pin_and_end(server, pid, first, last):
     _turn(server, f"First turn of {pid}. And the last.", **last)
     assert _pin_ttl(server, pid) is None, "the program ended"
     server.engine.call_sync(server.llm.check_integrity)
+
+
+def test_the_agent_protocols_name_the_program_in_the_documented_order():
+    cc = {"x-claude-code-session-id": "cc-1"}
+    codex = {"session-id": "cx-1", "conversation_id": "conv-1"}
+    full = dict(prompt_cache_key="pck", metadata={"user_id": "meta"}, session_id="vs", user="u")
+    # ours first, then the chain, then the protocols' own, then today's other spellings
+    assert ident({"X-Program-Id": "mine", **cc}, **full).program_id == "mine"
+    chained = resolve_identity(_chat(**full), httpx.Headers(cc), chain="resp_1")
+    assert (chained.program_id, chained.source) == ("resp_1", "previous_response_id")
+    assert ident(cc, **full).source == "prompt_cache_key"
+    assert ident({**cc, **codex}, **{**full, "prompt_cache_key": None}).program_id == "cc-1"
+    sub = ident({**cc, "x-claude-code-agent-id": "agent_001"})
+    assert sub.program_id == "cc-1/agent_001", "a subagent is its own program beside its parent's"
+    assert ident(codex, metadata={"user_id": "meta"}).program_id == "cx-1"
+    assert ident({"session_id": "cx-2"}).program_id == "cx-2"
+    assert ident({"conversation_id": "conv-1"}, metadata={"user_id": "meta"}).program_id == "conv-1"
+    assert ident(metadata={"user_id": "meta"}, session_id="vs", user="u").source == "metadata.user_id"
+    assert ident(metadata={"other": "x"}, session_id="vs").program_id == "vs"
+    # tenant-scoped like every other source
+    assert resolve_identity(_chat(), httpx.Headers(cc), "team-a").program_id == "team-a/cc-1"
+
+
+def test_cache_control_ttl_is_a_hint_only_for_a_named_program():
+    named = resolve_identity(_chat(), httpx.Headers({"x-claude-code-session-id": "s"}), cache_ttl=3600.0)
+    assert (named.ttl, named.program_id) == (3600.0, "s")
+    # clients send cache_control on every request: without a program it is no error, and no hint
+    anon = resolve_identity(_chat(), NO_HEADERS, cache_ttl=300.0)
+    assert anon.program_id is None and anon.ttl is None
+    # an explicit TTL wins over the block hint
+    assert resolve_identity(_chat(ttl=5), httpx.Headers({"X-Program-Id": "p"}), cache_ttl=300.0).ttl == 5
+
+
+def _chat(**body):
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})

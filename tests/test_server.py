@@ -190,6 +190,29 @@ def test_tool_choice_variants(server, client):
     idle(server)
 
 
+def test_a_call_cut_by_max_tokens_is_dropped_and_no_call_means_no_tool_calls_field(server, client):
+    msgs = [{"role": "user", "content": "Weather?"}]
+    server.scripted.script("agent-cut", "Let me look. " + CALL_TEXT)
+    kw = dict(model="tiny", messages=msgs, tools=WEATHER, max_tokens=30,
+              extra_headers={"X-Program-Id": "agent-cut", "X-Program-End": "1"})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.content == "Let me look."
+    assert not c.message.tool_calls and "<tool_call>" not in c.message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Let me look."
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+    # the raw body: OpenAI leaves tool_calls out when there are none (not `[]`)
+    raw = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "tiny", "messages": msgs, "max_tokens": 3}).json()
+    assert "tool_calls" not in raw["choices"][0]["message"] and "content" in raw["choices"][0]["message"]
+    # the model card names the weights' file, never where it lies on the server
+    (card,) = [m for m in client.models.list().model_dump()["data"] if m["id"] == "tiny"]
+    assert "/" not in card["root"] and "\\" not in card["root"]
+    idle(server)
+
+
 def test_release_and_end_program(server, client):
     pid = "agent-release"
     server.scripted.script(pid, CALL_TEXT)
@@ -250,6 +273,8 @@ def test_error_statuses(server, client):
         assert _error(r)["param"] == param, (bad, r.text)
     r = post({**ok, "messages": [{"role": "user", "content": "x" * 2000}]})
     assert r.status_code == 400 and _error(r)["code"] == "context_length_exceeded"
+    # the message names the model and a context that would hold the prompt and a reply
+    assert "(tiny)" in _error(r)["message"] and "at least 4096 tokens" in _error(r)["message"]
     r = post(ok, headers={**auth, "X-Program-TTL": "soon"})
     assert r.status_code == 400 and _error(r)["param"] == "X-Program-TTL"
     with pytest.raises(openai.BadRequestError, match="not a token id"):

@@ -40,6 +40,7 @@ _FIELDS = {
     ("agent_hint",): _OBJ, ("agent_hint", "session_id"): _STR, ("agent_hint", "cache_control"): _OBJ,
     ("agent_hint", "cache_control", "ttl"): _NUM, ("agent_hints",): _OBJ, ("agent_hints", "workflow_id"): _STR,
     ("agent_hints", "agent_id"): _STR, ("agent_hints", "cache_ttl_ms"): _NUM,
+    ("prompt_cache_key",): _STR, ("metadata",): _OBJ, ("metadata", "user_id"): _STR,
 }
 
 
