@@ -198,6 +198,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: TokenCount | None = None
+    prompt_cache_key: Id | None = None  # OpenAI's cache scope: names the program (identity.py)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None  # metadata.user_id names it too
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
