@@ -30,22 +30,49 @@ class ScriptedExecutor(Executor):
         self.inner = inner
         self.scripts: dict[str, list[int]] = {}  # program id -> the tokens its requests sample
         self.fail_programs: set[str] = set()  # a step that runs one of these programs raises
+        self.turns: dict[str, list[list[int]]] = {}  # program id -> the scripts of its next requests, in order
+        self.queued: list[list[int]] = []  # the scripts of the next unscripted requests, whatever their program
+        self.taken: dict[str, list[int]] = {}  # request id -> the script it took from `turns` or `queued`
 
     def script(self, program_id: str, text: str) -> None:
         self.scripts[program_id] = list(text.encode()) + [EOS]
+
+    def script_turns(self, program_id: str, *texts: str) -> None:
+        """The program's next requests sample these texts, one each, in order (then `script`'s, or the model's)."""
+        self.turns[program_id] = [list(t.encode()) + [EOS] for t in texts]
+
+    def script_next(self, *texts: str) -> None:
+        """The next requests that no script names (any program, e.g. one named by a response id the
+        test cannot know in advance) sample these texts, one each, in the order they first sample."""
+        self.queued.extend(list(t.encode()) + [EOS] for t in texts)
+
+    def _script_of(self, req) -> list[int] | None:
+        taken = self.taken.get(req.request_id)
+        if taken is not None:
+            return taken
+        if req.num_output_tokens == 0:
+            turns = self.turns.get(req.program_id)
+            if turns:
+                taken = self.taken[req.request_id] = turns.pop(0)
+                return taken
+        script = self.scripts.get(req.program_id)
+        if script is None and self.queued and req.num_output_tokens == 0:
+            script = self.taken[req.request_id] = self.queued.pop(0)
+        return script
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         if any(ch.request.program_id in self.fail_programs for ch in output.chunks):
             raise RuntimeError("injected executor failure")
         result = self.inner.execute(output)
         for ch in output.chunks:
-            script = self.scripts.get(ch.request.program_id)
-            if ch.sample and script is not None:
+            script = self._script_of(ch.request) if ch.sample else None
+            if script is not None:
                 i = ch.request.num_output_tokens
                 result.sampled[ch.request.request_id] = [script[i] if i < len(script) else EOS]
         return result
 
     def release(self, request_id: str) -> None:
+        self.taken.pop(request_id, None)
         self.inner.release(request_id)
 
 

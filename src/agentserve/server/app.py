@@ -49,6 +49,8 @@ from agentserve.server.render_cache import RenderCache
 from agentserve.server.identity import scoped_program_id
 from agentserve.server.request_checks import authorize, input_error, tenant_scope
 from agentserve.server.response_cache import ResponseCache
+from agentserve.server.responses_endpoint import create_response, delete_response, get_response, list_input_items
+from agentserve.server.responses_store import ResponsesStore
 from agentserve.server.server_state import ServerConfig, ServerState, server_state
 
 
@@ -67,6 +69,7 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
         state.render_cache = engine.render_cache = RenderCache(llm.chat_template, llm.tokenizer, config.render_cache)
     if config.response_cache > 0:
         state.response_cache = engine.response_cache = ResponseCache(config.response_cache)
+    state.responses_store = ResponsesStore(config.responses_store_max, config.responses_store_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -83,6 +86,10 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/programs/{program_id:path}/release", release_program, methods=["POST"]),
         Route("/v1/programs/{program_id:path}/end", end_program, methods=["POST"]),
         *dashboard_routes(),

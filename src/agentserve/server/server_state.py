@@ -17,6 +17,9 @@ from agentserve.server.protocol import now_s
 from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
 from agentserve.server.render_cache import RenderCache
 from agentserve.server.response_cache import ResponseCache
+from agentserve.server.responses_store import DEFAULT_MAX_BYTES as RESPONSES_STORE_BYTES
+from agentserve.server.responses_store import DEFAULT_MAX_RESPONSES as RESPONSES_STORE_MAX
+from agentserve.server.responses_store import ResponsesStore
 from agentserve.server.tenants import Tenants
 from agentserve.server.tool_validation import ValidatorConfig
 
@@ -34,6 +37,9 @@ class ServerConfig:
     render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
     response_cache: int = 0  # finished responses kept for exact repeats (0: off); see response_cache.py
     gc_policy: GCPolicy | None = None  # the collector's policy the engine applies at start (None: untouched)
+    # the Responses API's stored responses, in memory only (responses_store.py): at most this many, and bytes
+    responses_store_max: int = RESPONSES_STORE_MAX
+    responses_store_bytes: int = RESPONSES_STORE_BYTES
     tenants: Tenants = field(init=False)  # api_key and api_keys, checked
 
     def __post_init__(self) -> None:
@@ -55,6 +61,7 @@ class ServerState:
     warned_unconstrained: bool = False
     render_cache: RenderCache | None = None
     response_cache: ResponseCache | None = None
+    responses_store: ResponsesStore | None = None  # the Responses API's stored responses (responses_store.py)
     openapi: dict[str, Any] | None = None  # the OpenAPI document, built on its first request
     dashboard: DashboardSource = field(default_factory=DashboardSource)  # what /dashboard/state reads
 

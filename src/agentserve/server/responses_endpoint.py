@@ -1,0 +1,403 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE
+/v1/responses/{id}, GET /v1/responses/{id}/input_items.
+
+A request is translated into the chat request chat_run.py runs
+(responses_translate.py): the stored chain of `previous_response_id` plus the
+new input is the conversation, and the reply is formatted here as output
+items, whole or as the API's named server-sent events (with increasing
+`sequence_number`s, ending in `response.completed`, `response.incomplete` or
+`response.failed`, never chat's `[DONE]`).
+
+The chain is the program: a response that continues another is scheduled as
+the program of the one it continues, and a stored response that continues
+none, sent without any other identity (identity.py's table), is the program
+named by its own id. So retention, TTL and program order apply to an agent
+that sends no header.
+
+`generate: false` (Codex's prewarm; `prompt_cache_options.prewarm` is
+OpenAI's spelling) is a prefill without output: the engine has no
+prefill-only request, so it runs with max_tokens 1 and the token is dropped
+(usage says 0 output tokens); the answer is a completed response with empty
+output, stored like any other, and its KV is the program's first turn, kept
+as the policy keeps any turn's.
+
+`truncation: "auto"` drops the oldest turns (from a user message on, never
+the instructions or the leading system/developer messages, never a call
+without its output) until the prompt and `max_output_tokens` fit the
+context; with "disabled" (the default) a conversation that does not fit is a
+400 naming the model's context."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from itertools import count
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from agentserve.engine.llm_engine import RequestOutput
+from agentserve.server.api_errors import APIError, engine_failure
+from agentserve.server.chat_run import ChatRun, PromptNames, render_chat, reply_deltas, start_chat, whole_reply
+from agentserve.server.identity import ProgramIdentity
+from agentserve.server.input_checks import InputError, check_path_id
+from agentserve.server.protocol import ChatCompletionRequest
+from agentserve.server.request_checks import (authorize, check_model, input_error, program_identity, read_json,
+                                              tenant_scope, validate_body)
+from agentserve.server.request_run import EventStream, sse
+from agentserve.server.request_stream import EngineError, EngineStopped
+from agentserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
+from agentserve.server.responses_store import ResponseNotFound, ResponsesStore, StoredResponse
+from agentserve.server.responses_translate import (OfferedTool, call_item, chat_messages, chat_request,
+                                                   chat_tool_choice, chat_tools, droppable_starts, input_items,
+                                                   new_id, without_turns)
+from agentserve.server.server_state import ServerState, server_state
+
+log = logging.getLogger("agentserve.server")
+
+NAMES = PromptNames(prompt="input", max_tokens="max_output_tokens")
+
+
+def responses_store(st: ServerState) -> ResponsesStore:
+    store = getattr(st, "responses_store", None)
+    if store is None:  # (an app built without one, e.g. by a test: the defaults)
+        store = st.responses_store = ResponsesStore()
+    return store
+
+
+# --- POST /v1/responses -----------------------------------------------------------------
+
+
+async def create_response(request: Request) -> Response:
+    st = server_state(request)
+    authorize(st, request)
+    req: ResponsesRequest = validate_body(ResponsesRequest, await read_json(st, request))
+    model = check_model(st, req.model)
+    _refuse_unserved(req)
+    if req.reasoning is not None and "responses.reasoning" not in st.warned:
+        st.warned.add("responses.reasoning")
+        log.info("a Responses request set `reasoning`: accepted and ignored (this server's models do not "
+                 "reason apart from their output); logged once")
+    scope = tenant_scope(st, request)
+    store = responses_store(st)
+    prev = None
+    if req.previous_response_id is not None:
+        try:
+            prev = store.continue_from(scope, req.previous_response_id)
+        except ResponseNotFound:
+            raise APIError(404, f"previous response with id '{req.previous_response_id}' not found: it was never "
+                                "stored (store: false), or it was deleted, or it was evicted from this server's "
+                                "store (kept in memory only, the least recently used beyond --responses-store-max "
+                                "are dropped); send the whole conversation as input instead",
+                           param="previous_response_id", code="previous_response_not_found") from None
+    rid = new_id("resp")
+    new_items = input_items(req)
+    history = prev.conversation() if prev is not None else []
+    if not new_items and not history and req.instructions is None:
+        raise APIError(400, "input: the request has nothing to answer: send `input` (a string or items), or "
+                            "`previous_response_id`", param="input")
+    tools, offered = chat_tools(req.tools, st.warned)
+    choice = chat_tool_choice(req.tool_choice, offered)
+    if req.prewarm:
+        choice = "none"  # the tools are rendered (they are part of the prefix); nothing is decoded
+    messages = chat_messages(req.instructions, history, new_items, req.previous_response_id)
+    chat = chat_request(req, messages, tools, choice)
+    ident = _identity(req, request, prev, rid)
+    if req.truncation == "auto":
+        chat = await _fit(st, chat, ident, req.max_output_tokens or 1)
+    try:
+        run = await start_chat(st, request, chat, rid, ident, NAMES,
+                               max_tokens=1 if req.prewarm else req.max_output_tokens)
+    except APIError as e:
+        if e.code == "context_length_exceeded" and prev is not None:
+            raise APIError(e.status, f"{e.message} (the prompt is the conversation of previous_response_id "
+                                     f"'{prev.id}' and this input; send truncation: 'auto' to drop its oldest "
+                                     "turns)", e.type, e.param, e.code) from None
+        raise
+    job = _Job(st, req, model, rid, prev, new_items, offered, ident, scope)
+    if req.stream:
+        return EventStream(_events(job, run), run.stream, done=False)
+    reply = await whole_reply(run, request)
+    if reply is None:
+        return Response(status_code=499)  # nobody is listening
+    output = [] if req.prewarm else _output(reply.content, reply.calls, offered, _status(reply.out))
+    body = job.finish(output, reply.out)
+    return JSONResponse(body)
+
+
+def _refuse_unserved(req: ResponsesRequest) -> None:
+    def no(cond: bool, message: str, param: str) -> None:
+        if cond:
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+
+    no(bool(req.background), "background responses are not supported: send the request and wait for it (or stream "
+                             "it)", "background")
+    no(req.conversation is not None, "conversation (the Conversations API) is not supported: chain responses with "
+                                     "previous_response_id, or send the whole conversation as input",
+       "conversation")
+    no(req.prompt is not None, "prompt templates are not supported: send instructions and input", "prompt")
+    no(bool(req.top_logprobs), "logprobs are not supported", "top_logprobs")
+
+
+def _identity(req: ResponsesRequest, request: Request, prev: StoredResponse | None, rid: str) -> ProgramIdentity:
+    """The program: the chain's (`prev`'s), or what the request names (identity.py's order), or, for a
+    response that is stored and continues none, its own id."""
+    ident = program_identity(req, request, chain=prev.program if prev is not None else None)
+    if not ident.explicit and prev is None and req.stores:
+        ident = program_identity(req, request, chain=rid)
+    return ident
+
+
+async def _fit(st: ServerState, chat: ChatCompletionRequest, ident: ProgramIdentity,
+               reserve: int) -> ChatCompletionRequest:
+    """`chat` without its oldest turns, as few as leave the context room for `reserve` tokens."""
+    limit = st.llm.max_model_len
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+
+    def starting_at(start: int) -> ChatCompletionRequest:
+        kept = ChatCompletionRequest.model_validate({"messages": without_turns(messages, start)}).messages
+        return chat.model_copy(update={"messages": kept})
+
+    def fits(start: int | None) -> bool:
+        trial = chat if start is None else starting_at(start)
+        return len(render_chat(st, trial, ident.cache_salt, NAMES.prompt)) + reserve <= limit
+
+    if await run_in_threadpool(fits, None):
+        return chat
+    starts = droppable_starts(messages)
+    if not starts:
+        return chat  # nothing can go: the context error says what does not fit
+    lo, hi = 0, len(starts) - 1  # find the earliest start that fits (the latest is the last resort)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await run_in_threadpool(fits, starts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    log.debug("truncation auto: the conversation starts at message %d of %d", starts[lo], len(messages))
+    return starting_at(starts[lo])
+
+
+class _Job:
+    """What a response needs once its reply is in: the body's fields and the store."""
+
+    def __init__(self, st: ServerState, req: ResponsesRequest, model: str, rid: str, prev: StoredResponse | None,
+                 new_items: list[dict[str, Any]], offered: dict[str, OfferedTool], ident: ProgramIdentity,
+                 scope: str | None) -> None:
+        self.st, self.req, self.model, self.rid, self.prev = st, req, model, rid, prev
+        self.new_items, self.offered, self.ident, self.scope = new_items, offered, ident, scope
+        self.created = int(time.time())
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+             error: dict[str, Any] | None = None) -> dict[str, Any]:
+        req = self.req
+        text = req.text.model_dump(exclude_none=True, by_alias=True) if req.text is not None else {}
+        text.setdefault("format", {"type": "text"})
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()]
+        tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "status": status, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
+            "reasoning": req.reasoning, "store": req.stores, "background": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p, "text": text,
+            "tool_choice": tool_choice or "auto", "tools": tools, "truncation": req.truncation or "disabled",
+            "usage": usage, "user": req.user, "metadata": req.metadata or {},
+        }
+
+    def usage(self, out: RequestOutput) -> dict[str, Any]:
+        cached = out.num_cached_tokens if self.st.config.cached_tokens_report == "exact" else 0
+        produced = 0 if self.req.prewarm else len(out.token_ids)
+        return {"input_tokens": out.num_prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": produced, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": out.num_prompt_tokens + produced}
+
+    def finish(self, output: list[dict[str, Any]], out: RequestOutput) -> dict[str, Any]:
+        """The finished response's body; stored when the request asked for it."""
+        body = self.body("completed" if self.req.prewarm else _status(out), output, self.usage(out))
+        if self.req.stores:
+            responses_store(self.st).put(self.scope, StoredResponse(
+                self.rid, body, self.new_items, output, self.prev, _client_program(self.ident, self.scope)))
+        return body
+
+
+def _client_program(ident: ProgramIdentity, scope: str | None) -> str | None:
+    """The program id as the client named it (the engine's is prefixed by the tenant)."""
+    pid = ident.program_id
+    if pid is None or scope is None:
+        return pid
+    return pid[len(scope) + 1:]
+
+
+def _status(out: RequestOutput) -> str:
+    return "incomplete" if out.finish_reason == "length" else "completed"
+
+
+def _output(content: str | None, calls: list, offered: dict[str, OfferedTool], status: str) -> list[dict[str, Any]]:
+    """The output items of a whole reply: its text as one message (first), then one item per call."""
+    items = []
+    if content is not None and (content or not calls):
+        items.append(_message(new_id("msg"), content, status))
+    items.extend(call_item(c, offered, "completed") for c in calls)
+    return items
+
+
+def _message(mid: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text)]
+    return {"id": mid, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+# --- streaming --------------------------------------------------------------------------
+
+
+async def _events(job: _Job, run: ChatRun) -> AsyncIterator[str]:
+    """The reply as the Responses API's events. The message item (when the reply has text)
+    opens with its first text and stays open to the end; each call is an item of its own."""
+    seq = count()
+
+    def ev(kind: str, **fields: Any) -> str:
+        return sse({"type": kind, "sequence_number": next(seq), **fields}, event=kind)
+
+    started = job.body("in_progress", [])
+    yield ev("response.created", response=started)
+    yield ev("response.in_progress", response=started)
+    items: list[dict[str, Any]] = []
+    msg: dict[str, Any] | None = None
+    text = ""
+    final: RequestOutput | None = None
+
+    def open_message() -> list[str]:
+        nonlocal msg
+        msg = _message(new_id("msg"), None, "in_progress")
+        items.append(msg)
+        i = len(items) - 1
+        return [ev("response.output_item.added", output_index=i, item=dict(msg, content=[])),
+                ev("response.content_part.added", output_index=i, item_id=msg["id"], content_index=0,
+                   part=_text_part(""))]
+
+    try:
+        async for d in reply_deltas(run):
+            if d.out.finished:
+                final = d.out
+            if job.req.prewarm:
+                continue
+            if d.content:
+                if msg is None:
+                    for e in open_message():
+                        yield e
+                text += d.content
+                yield ev("response.output_text.delta", output_index=items.index(msg), item_id=msg["id"],
+                         content_index=0, delta=d.content, logprobs=[])
+            for call in d.calls:
+                item = call_item(call, job.offered, "in_progress")
+                i = len(items)
+                items.append(item)
+                custom = item["type"] == "custom_tool_call"
+                field, kind = ("input", "response.custom_tool_call_input") if custom else (
+                    "arguments", "response.function_call_arguments")
+                whole = item[field]
+                yield ev("response.output_item.added", output_index=i, item=dict(item, **{field: ""}))
+                yield ev(f"{kind}.delta", output_index=i, item_id=item["id"], delta=whole)
+                yield ev(f"{kind}.done", output_index=i, item_id=item["id"], **{field: whole},
+                         **({} if custom else {"name": item["name"]}))
+                item["status"] = "completed"
+                yield ev("response.output_item.done", output_index=i, item=item)
+    except (EngineError, EngineStopped) as e:
+        err = engine_failure(e)
+        yield ev("error", code=err.code, message=err.message, param=None)
+        yield ev("response.failed", response=job.body("failed", items, error={"code": "server_error",
+                                                                                "message": err.message}))
+        return
+    assert final is not None
+    status = _status(final)
+    if not job.req.prewarm and msg is None and not any(it["type"] != "message" for it in items):
+        for e in open_message():  # an empty reply is an empty message, as the whole reply has it
+            yield e
+    if msg is not None:
+        i = items.index(msg)
+        part = _text_part(text)
+        yield ev("response.output_text.done", output_index=i, item_id=msg["id"], content_index=0, text=text,
+                 logprobs=[])
+        yield ev("response.content_part.done", output_index=i, item_id=msg["id"], content_index=0, part=part)
+        msg.update(status=status, content=[part])
+        yield ev("response.output_item.done", output_index=i, item=msg)
+    body = job.finish(items, final)
+    yield ev("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+
+
+# --- the stored responses ---------------------------------------------------------------
+
+
+def _stored(request: Request) -> tuple[ResponsesStore, str | None, str]:
+    st = server_state(request)
+    authorize(st, request)
+    rid = request.path_params["response_id"]
+    try:
+        check_path_id(rid, "response_id")
+    except InputError as e:
+        raise input_error(e) from None
+    return responses_store(st), tenant_scope(st, request), rid
+
+
+def _not_found(rid: str) -> APIError:
+    return APIError(404, f"response with id '{rid}' not found (never stored, deleted, or evicted from this "
+                         "server's in-memory store)", param="response_id", code="response_not_found")
+
+
+async def get_response(request: Request) -> Response:
+    store, scope, rid = _stored(request)
+    try:
+        return JSONResponse(store.get(scope, rid).body)
+    except ResponseNotFound:
+        raise _not_found(rid) from None
+
+
+async def delete_response(request: Request) -> Response:
+    store, scope, rid = _stored(request)
+    if not store.delete(scope, rid):
+        raise _not_found(rid)
+    return JSONResponse(ResponseDeleted(id=rid).model_dump())
+
+
+async def list_input_items(request: Request) -> Response:
+    store, scope, rid = _stored(request)
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    raw = q.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {raw!r}", param="limit")
+    limit = int(raw)
+    try:
+        e = store.get(scope, rid)
+    except ResponseNotFound:
+        raise _not_found(rid) from None
+    items = (e.previous.conversation() if e.previous is not None else []) + e.input_items
+    if order == "desc":
+        items = items[::-1]
+    for cursor in ("after", "before"):
+        at = q.get(cursor)
+        if at is None:
+            continue
+        k = next((i for i, it in enumerate(items) if it.get("id") == at), None)
+        if k is None:
+            raise APIError(400, f"{cursor}: no input item of response '{rid}' has the id {at!r}", param=cursor)
+        items = items[k + 1:] if cursor == "after" else items[:k]
+    page = items[:limit]
+    body = InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                         last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+    return JSONResponse(body.model_dump())
+
