@@ -13,6 +13,9 @@ from pathlib import Path
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_model_options, build_llm
 from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
+from agentserve.server.responses_store import DEFAULT_MAX_BYTES as RESPONSES_STORE_BYTES
+from agentserve.server.responses_store import DEFAULT_MAX_RESPONSES as RESPONSES_STORE_MAX
+from agentserve.server.responses_store import parse_store_max
 from agentserve.server.stats_log import STATS_INTERVAL_S
 
 log = logging.getLogger("agentserve")
@@ -27,6 +30,13 @@ def default_served_name(model_source: str | Path) -> str:
     p = Path(model_source)
     stem = p.stem if p.suffix.lower() == ".gguf" else p.name
     return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+def _store_max(s: str) -> tuple[int, int]:
+    try:
+        return parse_store_max(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _non_negative(kind: str):
@@ -118,6 +128,13 @@ def add_server_options(p) -> None:
                         "original's chunks. Changes sampling: a request without a seed is seeded from its "
                         "prompt, so identical prompts give identical outputs at any temperature (send a seed, "
                         "or 'Cache-Control: no-cache', for a fresh sample). 0: off")
+    c.add_argument("--responses-store-max", type=_store_max, default=f"{RESPONSES_STORE_MAX},{RESPONSES_STORE_BYTES // 2**20}MiB",
+                   metavar="COUNT[,BYTES]",
+                   help="the Responses API's stored responses (store: true, the default), which previous_response_id "
+                        "continues and GET /v1/responses/{id} returns: at most COUNT responses and BYTES of them "
+                        "(KiB, MiB, GiB suffixes; the default if left out), least recently used dropped first; in "
+                        "memory only, so a restart forgets them (a later previous_response_id of a dropped one is "
+                        "a 404 previous_response_not_found)")
     add_model_options(p)
     _add_tool_call_options(p)
 
@@ -228,7 +245,9 @@ def build_server(args, llm_factory=None):
     config = ServerConfig(names, tool_calls=tool_calls, api_keys=keys, max_queue=args.max_queue or None,
                           max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None,
                           render_cache=args.render_cache, response_cache=args.response_cache,
-                          cached_tokens_report=args.cached_tokens_report, gc_policy=POLICIES[args.gc])
+                          cached_tokens_report=args.cached_tokens_report, gc_policy=POLICIES[args.gc],
+                          responses_store_max=args.responses_store_max[0],
+                          responses_store_bytes=args.responses_store_max[1])
     return create_app(llm, config, thread=thread), llm, config
 
 
