@@ -76,11 +76,12 @@ class ScriptedExecutor(Executor):
         self.inner.release(request_id)
 
 
-def tiny_llm(**kw) -> LLM:
+def tiny_llm(positions: int = 1024, **kw) -> LLM:
+    """`positions`: the model's context (the tiny model's default 1024; agents' prompts need more)."""
     opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=4096, block_size=4, max_num_seqs=8,
                 max_num_batched_tokens=256)
     opts.update(kw)
-    return LLM(loaded(hf_llama(), byte_tokenizer()), **opts)
+    return LLM(loaded(hf_llama(positions=positions), byte_tokenizer()), **opts)
 
 
 class ServerThread:

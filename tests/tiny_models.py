@@ -25,12 +25,12 @@ VOCAB = 320
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 
 
-def hf_llama(tied: bool = False, seed: int = 0, layers: int = 2, kv_heads: int = 2):
+def hf_llama(tied: bool = False, seed: int = 0, layers: int = 2, kv_heads: int = 2, positions: int = 1024):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=positions,
                       tie_word_embeddings=tied, initializer_range=0.3, rope_theta=10000.0,
                       bos_token_id=None, eos_token_id=257, pad_token_id=None)
     return LlamaForCausalLM(cfg).eval()

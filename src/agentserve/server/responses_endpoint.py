@@ -214,9 +214,12 @@ class _Job:
         }
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
-        cached = out.num_cached_tokens if self.st.config.cached_tokens_report == "exact" else 0
+        exact = self.st.config.cached_tokens_report == "exact"  # "none": nothing told about the cache
+        cached = out.num_cached_tokens if exact else 0
+        written = out.num_prompt_tokens - out.num_cached_tokens if exact else 0  # computed now, cached from now on
         produced = 0 if self.req.prewarm else len(out.token_ids)
-        return {"input_tokens": out.num_prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+        return {"input_tokens": out.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
                 "output_tokens": produced, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": out.num_prompt_tokens + produced}
 

@@ -305,7 +305,8 @@ OutputItem = Union[OutputMessage, FunctionCallOut, CustomToolCallOut]
 
 
 class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    cache_write_tokens: int = 0  # prompt tokens computed now (their KV joins the cache)
 
 
 class OutputTokensDetails(BaseModel):
