@@ -22,7 +22,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = 40  # per operation and generation mode: about 480 requests, ~15 s on 2 cores
 OPERATIONS = {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
               "POST /v1/programs/{program_id}/release", "POST /v1/programs/{program_id}/end", "GET /health",
-              "GET /metrics"}
+              "GET /metrics", "POST /v1/responses", "GET /v1/responses/{response_id}",
+              "DELETE /v1/responses/{response_id}", "GET /v1/responses/{response_id}/input_items", "POST /v1/messages", "POST /v1/messages/count_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def test_schemathesis_finds_no_5xx(server):
     assert report.alive_after and server.thread.is_alive() and server.engine.alive
     # it reached the model, not only the validation: some generated requests were served
     assert report.statuses["POST /v1/chat/completions"]["200"] > 0
+    assert report.statuses["POST /v1/responses"]["200"] > 0
     assert sum(c.get("400", 0) for c in report.statuses.values()) > 0
     r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=30,
                    json={"model": "tiny", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2})

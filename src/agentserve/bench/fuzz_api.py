@@ -76,6 +76,10 @@ class FuzzReport:
         return "\n".join(lines)
 
 
+# a server error's type in OpenAI's error shape, and in Anthropic's (on /v1/messages)
+_SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error"}
+
+
 def _stream_error(response) -> bool:
     """Whether a 200 event stream carried an error event (a server error sent after the status)."""
     if "text/event-stream" not in response.headers.get("content-type", ""):
@@ -86,7 +90,7 @@ def _stream_error(response) -> bool:
                 err = json.loads(line[6:]).get("error") or {}
             except ValueError:
                 return True
-            if err.get("type") == "server_error":
+            if err.get("type") in _SERVER_ERROR_TYPES:
                 return True
     return False
 

@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP app (Starlette), in front of an `AsyncEngine`.
 
 Endpoints: POST /v1/chat/completions (chat_endpoint.py), POST /v1/completions
-(completions_endpoint.py), GET /v1/models, POST /v1/programs/{id}/release and
-/end (explicit retention control, DESIGN.md "Request identity"), GET /health,
+(completions_endpoint.py), POST /v1/messages and /v1/messages/count_tokens
+(Anthropic's Messages API: messages_endpoint.py), GET /v1/models, POST
+/v1/programs/{id}/release and /end (explicit retention control, DESIGN.md
+"Request identity"), GET /health,
 GET /metrics (behind the API key when there is one: its counters describe
 everyone's traffic), GET /openapi.json (openapi.py), GET /dashboard (a live page
 of programs, KV and TTL decisions: dashboard_endpoint.py).
 
-Every error is OpenAI's JSON shape (api_errors.py). A request is checked
-completely (auth, size, JSON, schema, model, tools, sampling values, prompt
+Every error is OpenAI's JSON shape, Anthropic's on the Messages API's paths
+(api_errors.py). A request is checked completely (auth, size, JSON, schema, model, tools, sampling values, prompt
 length: request_checks.py) before it reaches the engine; once it is in the
 engine, a `finally` closes its stream on every path (request_run.py), so a
 client that goes away mid-request aborts it and its KV blocks are freed.
@@ -42,6 +44,7 @@ from agentserve.server.dashboard_view import DashboardSource
 from agentserve.server.engine_listeners import Listeners
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.input_checks import InputError, check_path_id
+from agentserve.server.messages_endpoint import count_tokens, messages
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from agentserve.server.openapi import openapi_document
 from agentserve.server.protocol import Health, ModelCard, ModelList, ProgramEnded, ProgramReleased
@@ -86,6 +89,8 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),

@@ -144,16 +144,17 @@ def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = N
 
 async def start_chat(st: ServerState, request: Request, req: ChatCompletionRequest, rid: str,
                      ident: ProgramIdentity, names: PromptNames = PromptNames(), *,
-                     max_tokens: int | None = None) -> ChatRun:
+                     max_tokens: int | None = None, clamp_max_tokens: bool = False) -> ChatRun:
     """Check `req`, render it and put it into the engine. `max_tokens`: the output cap
-    (None: the room the context leaves), named `names.max_tokens` in errors."""
+    (None: the room the context leaves), named `names.max_tokens` in errors; `clamp_max_tokens`:
+    a cap beyond that room is cut to it rather than refused."""
     try:
         check_chat(req)
     except InputError as e:
         raise input_error(e) from None
     choice = chat_tool_choice(req)
     ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt, names.prompt)
-    params = sampling_params(st, req, len(ids), max_tokens, names.prompt, names.max_tokens)
+    params = sampling_params(st, req, len(ids), max_tokens, names.prompt, names.max_tokens, clamp=clamp_max_tokens)
     if choice is not None and choice.forced:
         params = await run_in_threadpool(_constrain_call, st, req, choice, params)
     params = with_validator(st.config.tool_calls, st.engine.tool_stats, choice, params)

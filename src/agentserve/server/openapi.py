@@ -14,14 +14,21 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from agentserve.server.identity import MAX_ID_LENGTH
+from agentserve.server.messages_protocol import (STREAM_EVENTS, AnthropicErrorResponse, CountTokensRequest,
+                                                 MessageResponse, MessagesRequest, TokensCount)
 from agentserve.server.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                                         CompletionRequest, ErrorResponse, Health, ModelList, ProgramEnded,
                                         ProgramReleased)
+from agentserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 _REQUESTS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest]
 _RESPONSES: list[type[BaseModel]] = [ChatCompletion, ChatCompletionChunk, Completion, ModelList, ProgramReleased,
                                      ProgramEnded, Health, ErrorResponse]
+_REQUESTS += [ResponsesRequest]  # OpenAI's Responses API
+_RESPONSES += [ResponseObject, ResponseDeleted, InputItemList]
+_REQUESTS += [MessagesRequest, CountTokensRequest]  # Anthropic's Messages API
+_RESPONSES += [MessageResponse, TokensCount, AnthropicErrorResponse, *STREAM_EVENTS]
 
 _ERRORS = {
     "400": "a malformed body, a value out of range, an unsupported parameter or a prompt over the context",
@@ -74,6 +81,73 @@ def _generation(summary: str, request: type[BaseModel], reply: type[BaseModel], 
             **_errors("400", "401", "404", "413", "503")}}}
 
 
+_ANTHROPIC_ERRORS = {**_ERRORS, "529": "the queue is full or the engine is not running (Anthropic's overloaded_error); "
+                                      "retry after Retry-After seconds"}
+_ANTHROPIC_HEADERS = [
+    ("anthropic-version", "accepted (any version)", {}),
+    ("anthropic-beta", "accepted (betas change nothing here)", {}),
+    ("x-claude-code-session-id", "Claude Code's session: the program this request belongs to",
+     {"maxLength": MAX_ID_LENGTH}),
+    ("x-claude-code-agent-id", "a Claude Code subagent: a program of its own beside its session's",
+     {"maxLength": MAX_ID_LENGTH}),
+]
+
+
+def _anthropic_op(summary: str, request: type[BaseModel], reply: type[BaseModel], auth: list,
+                  stream: bool) -> dict[str, Any]:
+    """An operation of Anthropic's Messages API: its errors are Anthropic's shape and status codes."""
+    headers = [{"name": name, "in": "header", "required": False, "description": doc,
+                "schema": {"type": "string", **extra}} for name, doc, extra in _ANTHROPIC_HEADERS + _ID_HEADERS]
+    query = [{"name": "beta", "in": "query", "required": False, "description": "accepted (Anthropic's SDK sends it)",
+              "schema": {"type": "string", "enum": ["true"]}}]
+    ok: dict[str, Any] = {"description": "the reply", "content": _json(reply)}
+    if stream:
+        ok["description"] += ("; with `stream: true`, server-sent events (`event:` lines) message_start, "
+                              "content_block_start / _delta / _stop, message_delta, message_stop, ping and error")
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    errors: dict[str, Any] = {}
+    for code in ("400", "401", "404", "413", "529"):
+        errors[code] = {"description": _ANTHROPIC_ERRORS[code], "content": _json(AnthropicErrorResponse)}
+        if code == "529":
+            errors[code]["headers"] = _RETRY_AFTER
+    return {"post": {"summary": summary, "security": auth, "parameters": headers + query,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": ok, **errors}}}
+
+
+def _responses_paths(auth: list) -> dict[str, Any]:
+    """OpenAI's Responses API: create (whole, or its named events), and the stored responses."""
+    create = _generation("a response (OpenAI's Responses API)", ResponsesRequest, ResponseObject, ResponseObject, auth)
+    create["post"]["responses"]["200"]["description"] = (
+        "the response; with `stream: true`, server-sent events (`event:` and `data:` lines, increasing "
+        "`sequence_number`): response.created, response.in_progress, response.output_item.added / .done, "
+        "response.content_part.added / .done, response.output_text.delta / .done, "
+        "response.function_call_arguments.delta / .done, response.custom_tool_call_input.delta / .done, then "
+        "response.completed, response.incomplete or (after an `error` event) response.failed; no [DONE] line")
+    rid = {"name": "response_id", "in": "path", "required": True,
+           "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH}}
+    missing = {"404": {"description": "no such stored response (never stored, deleted, evicted, another key's)",
+                       "content": _json(ErrorResponse)}}
+    listing = [rid, {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
+               {"name": "limit", "in": "query", "required": False,
+                "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+               *({"name": c, "in": "query", "required": False, "schema": {"type": "string"}}
+                 for c in ("after", "before"))]
+
+    def op(summary: str, reply: type[BaseModel], params: list) -> dict[str, Any]:
+        return {"summary": summary, "security": auth, "parameters": params, "responses": {
+            "200": {"description": "done", "content": _json(reply)}, **_errors("400", "401"), **missing}}
+
+    return {
+        "/v1/responses": create,
+        "/v1/responses/{response_id}": {"get": op("a stored response", ResponseObject, [rid]),
+                                        "delete": op("delete a stored response", ResponseDeleted, [rid])},
+        "/v1/responses/{response_id}/input_items": {
+            "get": op("the items a stored response was generated from (its chain's, then its own input)",
+                      InputItemList, listing)},
+    }
+
+
 def _program_op(summary: str, reply: type[BaseModel], auth: list) -> dict[str, Any]:
     return {"post": {
         "summary": summary, "security": auth,
@@ -86,11 +160,19 @@ def openapi_document(model_names: list[str], auth: bool) -> dict[str, Any]:
     """The document for a server serving `model_names`; `auth`: whether it wants a Bearer key."""
     _, defs = models_json_schema([(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _RESPONSES],
                                  ref_template=_REF)
+    for name in ("MessagesRequest", "CountTokensRequest"):  # Anthropic's `model` is required: one served here
+        defs["$defs"][name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
     need = [{"bearer": []}] if auth else []
+    need_anthropic = [{"bearer": []}, {"x-api-key": []}] if auth else []  # either header
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generation("a chat completion", ChatCompletionRequest, ChatCompletion,
                                             ChatCompletionChunk, need),
         "/v1/completions": _generation("a text completion", CompletionRequest, Completion, Completion, need),
+        **_responses_paths(need),
+        "/v1/messages": _anthropic_op("a message (Anthropic's Messages API)", MessagesRequest, MessageResponse,
+                                      need_anthropic, stream=True),
+        "/v1/messages/count_tokens": _anthropic_op("the prompt's length in tokens, as /v1/messages renders it",
+                                                   CountTokensRequest, TokensCount, need_anthropic, stream=False),
         "/v1/models": {"get": {"summary": "the served model names", "security": need, "responses": {
             "200": {"description": "the models", "content": _json(ModelList)}, **_errors("401")}}},
         "/v1/programs/{program_id}/release": _program_op("drop the program's pin (its KV stays cached)",
@@ -116,5 +198,6 @@ def openapi_document(model_names: list[str], auth: bool) -> dict[str, Any]:
         "components": {"schemas": defs["$defs"]},
     }
     if auth:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return doc

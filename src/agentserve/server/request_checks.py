@@ -24,16 +24,20 @@ from agentserve.server.server_state import ServerState, server_state
 
 
 def authorize(st: ServerState, request: Request) -> str | None:
-    """The request's tenant (None when the server takes no key); a 401 without a valid key."""
+    """The request's tenant (None when the server takes no key); a 401 without a valid key.
+    The key is read from `Authorization: Bearer` (OpenAI's clients, Claude Code's ANTHROPIC_AUTH_TOKEN)
+    or `x-api-key` (Anthropic's clients, Claude Code's ANTHROPIC_API_KEY), on every path."""
     tenants = st.config.tenants
     if not tenants.enabled:
         return None
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+    sent = [k for k in (token.strip() if scheme.lower() == "bearer" else "",
+                        request.headers.get("x-api-key", "").strip()) if k]
+    if not sent:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        code="invalid_api_key")
-    tenant = tenants.authenticate(token.strip())
+    tenant = next((t for t in map(tenants.authenticate, sent) if t is not None), None)
     if tenant is None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
     request.state.tenant = tenant
@@ -87,10 +91,11 @@ def validate_body(model: type[BaseModel], obj: dict) -> Any:
         raise APIError(400, f"{param or 'body'}: {error_text(first['msg'])}{more}", param=param or None) from None
 
 
-def check_model(st: ServerState, name: str | None) -> str:
+def check_model(st: ServerState, name: str | None, hint: str = "") -> str:
+    """The reported model name; a 404 naming the served ones for another (`hint`: appended to its message)."""
     if name is not None and name not in st.config.served_model_names:
         raise APIError(404, f"the model `{name}` does not exist; this server serves "
-                            f"{', '.join(st.config.served_model_names)}", param="model", code="model_not_found")
+                            f"{', '.join(st.config.served_model_names)}{hint}", param="model", code="model_not_found")
     return st.model_name
 
 
@@ -130,8 +135,10 @@ def program_identity(req: Any, request: Request, **hints: Any) -> ProgramIdentit
 
 
 def sampling_params(st: ServerState, req: Any, num_prompt: int, max_tokens: int | None, prompt_param: str,
-                    max_param: str) -> SamplingParams:
-    """Sampling parameters, with the length checks OpenAI makes (prompt + completion within context)."""
+                    max_param: str, *, clamp: bool = False) -> SamplingParams:
+    """Sampling parameters, with the length checks OpenAI makes (prompt + completion within context).
+    `clamp`: a `max_tokens` beyond the room the context leaves is cut to that room instead of refused
+    (Anthropic's newer models answer so, with stop_reason model_context_window_exceeded)."""
     limit = st.llm.max_model_len
     if num_prompt >= limit:
         raise APIError(400, f"this model's maximum context length is {limit} tokens ({st.model_name}), but the "
@@ -146,6 +153,8 @@ def sampling_params(st: ServerState, req: Any, num_prompt: int, max_tokens: int 
             raise APIError(400, f"the prompt of {num_prompt} tokens does not fit the KV cache "
                                 f"({kv.num_blocks * kv.block_size} tokens)", param=prompt_param,
                            code="context_length_exceeded")
+    elif max_tokens > room and clamp:
+        max_tokens = room
     elif max_tokens > room:
         raise APIError(400, f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} "
                             f"were requested ({num_prompt} in the {prompt_param}, {max_tokens} in the completion); "

@@ -59,6 +59,7 @@ class ServerState:
     config: ServerConfig
     created: int = field(default_factory=now_s)
     warned_unconstrained: bool = False
+    warned: set[str] = field(default_factory=set)  # what the log has said once for this server (not per request)
     render_cache: RenderCache | None = None
     response_cache: ResponseCache | None = None
     responses_store: ResponsesStore | None = None  # the Responses API's stored responses (responses_store.py)
