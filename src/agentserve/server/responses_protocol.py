@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, Tag, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer, model_validator
 
 from agentserve.server.identity import MAX_SALT_LENGTH
 from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict
@@ -101,8 +101,13 @@ class ReasoningItem(BaseModel):
     id: Id | None = None
 
 
+ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+              "reasoning")
+
+
 class OtherItem(_Strict):
-    type: str  # refused by name (responses_translate.py)
+    # refused by name (responses_translate.py); the document says it is none of the served types
+    type: str = Field(json_schema_extra={"not": {"enum": list(ITEM_TYPES)}})
 
 
 InputItem = Annotated[Union[
@@ -159,7 +164,8 @@ class NamespaceTool(_Strict):
 
 
 class OtherTool(_Strict):
-    type: str  # a hosted tool (web_search, file_search, ...): refused by name
+    # a hosted tool (web_search, file_search, ...): refused by name
+    type: str = Field(json_schema_extra={"not": {"enum": ["function", "custom", "namespace"]}})
 
 
 Tool = Annotated[Union[
@@ -176,7 +182,8 @@ class NamedToolChoice(_Strict):
 
 
 class OtherToolChoice(_Strict):
-    type: str  # allowed_tools, a hosted tool, mcp...: refused by name
+    # allowed_tools, a hosted tool, mcp...: refused by name
+    type: str = Field(json_schema_extra={"not": {"enum": ["function", "custom"]}})
 
 
 # --- requests: the rest ---------------------------------------------------------------
@@ -206,6 +213,10 @@ class PromptCacheOptions(_Strict):
 
 
 class ResponsesRequest(_Strict):
+    # something to answer: input, or a stored conversation to continue, or at least instructions
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
+        {"required": ["input"]}, {"required": ["previous_response_id"]}, {"required": ["instructions"]}]})
+
     model: Id | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
