@@ -206,12 +206,24 @@ class LLM:
     def tool_call_constraint(self, tools: list[dict[str, Any]], name: str | None = None):
         """A constraint for SamplingParams.constraint that holds the output to one
         valid call of one of `tools` (or of the function `name`). Needs xgrammar."""
+        return self._grammars().constraint(tools, name)
+
+    def json_constraint(self, schema: dict[str, Any] | None, strict: bool = False,
+                        tools: list[dict[str, Any]] | None = None):
+        """A constraint for SamplingParams.constraint that holds the output to one JSON
+        value following `schema` (None: any JSON object); `strict`: no property or item
+        the schema does not declare. With `tools`, one valid call of one of them is
+        allowed instead. A schema the grammar cannot use raises GrammarError (a
+        ValueError naming the culprit in `param`). Needs xgrammar."""
+        return self._grammars().json_constraint(schema, strict, tools)
+
+    def _grammars(self):
         if self._tool_grammars is None:  # a benign race: two threads may both build one
             from agentserve.runner.structured import ToolGrammars
 
             eos = list(self.engine.eos_token_ids) or list(self.tokenizer.eos_token_ids)
             self._tool_grammars = ToolGrammars(self.tokenizer, self.config.vocab_size, eos)
-        return self._tool_grammars.constraint(tools, name)
+        return self._tool_grammars
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

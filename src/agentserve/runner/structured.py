@@ -1,13 +1,17 @@
-"""Constrained decoding of tool calls (`tool_choice` "required" or a named
-function) with xgrammar.
+"""Constrained decoding with xgrammar: tool calls (`tool_choice` "required"
+or a named function) and structured outputs (`response_format` json_object
+or json_schema).
 
-The output is held to exactly one Hermes call, `<tool_call>\\n{"name": ...,
+A forced call is held to exactly one Hermes call, `<tool_call>\\n{"name": ...,
 "arguments": {...}}\\n</tool_call>`, whose name is one of the declared tools (or
 the named one) and whose arguments follow that tool's JSON schema; once the
 call is closed only an end-of-turn token is allowed. So even a 135M model
-returns a valid call when one is required. The grammar is compiled once per
-distinct tool set (cached), and each request gets its own matcher, advanced
-with every token the request samples."""
+returns a valid call when one is required. A structured output is held the
+same way to exactly one JSON value (an object for json_object, one following
+the schema for json_schema), or, where the request also lets the model call
+a tool, to that or one call. A grammar is compiled once per distinct tool set
+and format (cached), and each request gets its own matcher, advanced with
+every token the request samples."""
 
 from __future__ import annotations
 
@@ -26,6 +30,18 @@ class StructuredOutputUnavailable(RuntimeError):
     """xgrammar is not installed."""
 
 
+class GrammarError(ValueError):
+    """A schema the grammar cannot be built from; `param`: whose (the request's "tools" or "response_format")."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# the JSON schema of json_object: any object (xgrammar's non-strict mode lets it have any properties)
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
 def _xgr():
     try:
         import xgrammar
@@ -40,6 +56,24 @@ class ToolCallConstraint:
     """What a request's sampler must hold its output to (opaque to the engine)."""
     compiled: Any  # xgrammar.CompiledGrammar
     key: str
+
+
+# xgrammar 0.2 writes one character of a string with minLength/maxLength as [^"\\\r\n] (its issue
+# #800): raw control characters, which no JSON parser takes (a tab in a bounded string made the
+# reply unparsable), and no escapes. Each is rewritten to one JSON string character (an escape
+# counts as one, as maxLength counts); a version that writes it right leaves nothing to rewrite.
+_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+
+
+def json_schema_grammar(schema: dict[str, Any], strict: bool = True) -> Any:
+    """The grammar of one JSON value following `schema`, compact (no free whitespace, which a
+    small model could repeat until max_tokens). `strict`: xgrammar's strict mode (no property
+    or item the schema does not declare)."""
+    xgr = _xgr()
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHAR, _JSON_CHAR)) if _BOUNDED_CHAR in text else grammar
 
 
 def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
@@ -58,7 +92,7 @@ def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
 
 
 class ToolGrammars:
-    """Compiles and caches tool-call grammars for one tokenizer."""
+    """Compiles and caches tool-call and structured-output grammars for one tokenizer."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 64) -> None:
         xgr = _xgr()
@@ -76,30 +110,75 @@ class ToolGrammars:
         self._lock = threading.Lock()  # HTTP handler threads compile concurrently
 
     def constraint(self, tools: list[dict[str, Any]], name: str | None = None) -> ToolCallConstraint:
-        with self._lock:
-            return self._constraint(tools, name)
-
-    def _constraint(self, tools: list[dict[str, Any]], name: str | None) -> ToolCallConstraint:
         schema = call_schema(tools, name)
-        key = json.dumps(schema, sort_keys=True)
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+        return self._cached(json.dumps(schema, sort_keys=True), lambda: self._call_grammar(schema), "tools")
+
+    def json_constraint(self, schema: dict[str, Any] | None, strict: bool = False,
+                        tools: list[dict[str, Any]] | None = None) -> ToolCallConstraint:
+        """Hold the output to one JSON value following `schema` (None: any JSON object, as
+        json_object asks), then end of turn. `strict`: properties and items the schema does not
+        declare are left out (OpenAI's strict mode) rather than allowed (JSON Schema's default).
+        `tools`: one call of one of them is allowed instead of the JSON (tool_choice "auto")."""
+        body, strict = (ANY_OBJECT, False) if schema is None else (schema, strict)
+        calls = call_schema(tools, None) if tools else None
+        key = "output:" + json.dumps({"json": body, "strict": strict, "or_call": calls}, sort_keys=True)
+
+        def build():
+            xgr = _xgr()
+            value = self._json_grammar(body, strict)
+            return value if calls is None else xgr.Grammar.union(self._call_grammar(calls), value)
+
+        return self._cached(key, build, "response_format" if calls is None else None,
+                            lambda: self._compiler.compile_grammar(self._json_grammar(body, strict)))
+
+    def _call_grammar(self, schema: dict[str, Any]) -> Any:
         xgr = _xgr()
         try:
-            body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-            grammar = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
-                                         xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
-            compiled = self._compiler.compile_grammar(grammar)
-        except Exception as e:  # xgrammar reports unsupported schema features as plain errors, some only
-            # when the grammar compiles (a negative minLength): either way the client's schema is at fault
-            raise ValueError(f"a tool's parameters are not a usable JSON schema: {e}") from None
-        c = ToolCallConstraint(compiled, key)
-        self._cache[key] = c
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return c
+            body = json_schema_grammar(schema)
+        except Exception as e:  # xgrammar reports an unsupported schema feature as a plain error
+            raise GrammarError(f"a tool's parameters are not a usable JSON schema: {e}", "tools") from None
+        return xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
+                                  xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+
+    @staticmethod
+    def _json_grammar(schema: dict[str, Any], strict: bool) -> Any:
+        try:
+            return json_schema_grammar(schema, strict)
+        except Exception as e:
+            raise GrammarError(f"response_format's schema is not a usable JSON schema: {e}",
+                               "response_format") from None
+
+    def _cached(self, key: str, build, param: str | None, culprit=None) -> ToolCallConstraint:
+        """The compiled constraint for `key`, built by `build()` on a miss. A grammar that fails to
+        compile is the client's schema's fault (some unsupported features, a negative minLength,
+        pass the conversion and fail only here): `param` names whose, or None when `culprit()`
+        (compiling the response format's part alone) tells: it fails, or else the tools are at fault."""
+        with self._lock:  # HTTP handler threads compile concurrently
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            grammar = build()
+            try:
+                compiled = self._compiler.compile_grammar(grammar)
+            except Exception as e:
+                raise self._compile_error(e, param, culprit) from None
+            c = ToolCallConstraint(compiled, key)
+            self._cache[key] = c
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return c
+
+    @staticmethod
+    def _compile_error(e: Exception, param: str | None, culprit) -> GrammarError:
+        if param is None:
+            try:
+                culprit()
+                param = "tools"
+            except Exception:
+                param = "response_format"
+        what = "a tool's parameters are" if param == "tools" else "response_format's schema is"
+        return GrammarError(f"{what} not a usable JSON schema: {e}", param)
 
 
 class ConstraintState:

@@ -21,8 +21,6 @@ from agentserve.server.tool_output import finish_reason
 async def chat_completions(request: Request) -> Response:
     st, req, model = await accept(request, ChatCompletionRequest)
     reject(bool(req.logprobs) or bool(req.top_logprobs), "logprobs are not supported", "logprobs")
-    reject(req.response_format is not None and req.response_format.type != "text",
-           "response_format other than text is not supported yet", "response_format")
     ident = program_identity(req, request)
     max_tokens, names = ((req.max_completion_tokens, PromptNames(max_tokens="max_completion_tokens"))
                          if req.max_completion_tokens is not None else (req.max_tokens, PromptNames()))

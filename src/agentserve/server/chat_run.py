@@ -2,7 +2,8 @@
 
 Chat completions, the Responses API and Anthropic's Messages API each
 translate their body into a `ChatCompletionRequest` and run it here: the
-cross-field checks, `tool_choice` and its grammar, rendering through the
+cross-field checks, `tool_choice` and its grammar, `response_format` and its
+grammar (structured_output.py), rendering through the
 model's chat template (and the render cache), the sampling values and length
 checks, the streaming tool-call validator, the response cache and the
 re-generation of undeclared calls. What comes back is one stream of
@@ -33,6 +34,7 @@ from agentserve.server.protocol import ChatCompletionRequest, NamedToolChoice, n
 from agentserve.server.request_checks import input_error, sampling_params
 from agentserve.server.request_run import collect, log_done, open_request, submit_request
 from agentserve.server.server_state import ServerState
+from agentserve.server.structured_output import constrain_output, json_format, without_bare_json_calls
 from agentserve.server.tool_output import (OutputDelta, ParsedCall, ToolChoice, ToolChoiceError, ToolCallStreamer,
                                            finish_reason, parse_tool_output, tool_choice_for)
 from agentserve.server.tool_validation import RegeneratingStream, with_validator
@@ -150,14 +152,20 @@ async def start_chat(st: ServerState, request: Request, req: ChatCompletionReque
     a cap beyond that room is cut to it rather than refused."""
     try:
         check_chat(req)
+        fmt = json_format(req)
     except InputError as e:
         raise input_error(e) from None
     choice = chat_tool_choice(req)
+    if fmt is not None:
+        choice = without_bare_json_calls(choice)
     ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt, names.prompt)
     params = sampling_params(st, req, len(ids), max_tokens, names.prompt, names.max_tokens, clamp=clamp_max_tokens)
     if choice is not None and choice.forced:
         params = await run_in_threadpool(_constrain_call, st, req, choice, params)
-    params = with_validator(st.config.tool_calls, st.engine.tool_stats, choice, params)
+    elif fmt is not None:
+        params = await run_in_threadpool(constrain_output, st, req, fmt, choice, params)
+    if choice is not None or fmt is None:  # a JSON answer is never cut at a ```bash block
+        params = with_validator(st.config.tool_calls, st.engine.tool_stats, choice, params)
     stream = await open_request(st, request, ids, params, rid, ident, names.prompt, choice)
     if choice is not None and params.tool_validator is not None and st.config.tool_calls.undeclared == "regenerate":
         stream = RegeneratingStream(  # an undeclared call is re-generated under the tools' grammar

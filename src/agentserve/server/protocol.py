@@ -130,8 +130,23 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format's `json_schema` (OpenAI's shape); `schema` absent: any JSON object."""
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type json_schema needs `json_schema`")
+        return self
 
 
 # The other engines' hints are typed here; their values (ids within MAX_ID_LENGTH,

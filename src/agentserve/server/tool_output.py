@@ -53,6 +53,7 @@ class ToolChoice:
     allowed: frozenset[str]  # tool names a call may use
     mode: str  # "auto", "required" or "named"
     parallel: bool = True  # False: keep only the first call
+    bare_json: bool = True  # a reply that is all JSON may be Llama 3 calls (False under a JSON response_format)
 
     @property
     def forced(self) -> bool:
@@ -123,7 +124,7 @@ class ToolCallStreamer:
         self._buf = ""
         self._mode = _Mode.TEXT
         self._emitted = False  # any content or call so far
-        self._whole_ruled_out = False  # the response is not Llama 3 JSON calls
+        self._whole_ruled_out = not choice.bare_json  # the response is not Llama 3 JSON calls
         self._ws_before_call = ""  # dropped whitespace, restored if the block is not a call
         self._cut = False
 

@@ -2,8 +2,8 @@
 requests get one, and the constrained re-generation of a call that names an undeclared tool.
 
 A chat request that declares tools (tool_choice not "none") gets a validator that follows
-Hermes and Llama 3 calls, checks names against the request's tools and verifies every stop
-with the server's own output parser (tool_output.py), so a stopped response always parses to
+Hermes and Llama 3 calls (Hermes only under a JSON response_format, whose answer is bare JSON),
+checks names against the request's tools and verifies every stop with the server's own output parser (tool_output.py), so a stopped response always parses to
 exactly the calls the validator closed. With `bash_blocks`, a chat request without tools gets
 one that ends the turn after its first complete ```bash block (mini-swe-agent's format).
 
@@ -59,7 +59,8 @@ def with_validator(config: ValidatorConfig, stats: ValidatorStats | None, choice
     else:
         if not (config.early_stop or regenerate):
             return params
-        v = ToolCallValidator(choice.allowed, formats=("hermes", "llama3"), parallel=choice.parallel,
+        v = ToolCallValidator(choice.allowed, formats=("hermes", "llama3") if choice.bare_json else ("hermes",),
+                              parallel=choice.parallel,
                               grace_tokens=config.grace_tokens, early_stop=config.early_stop,
                               stop_on_undeclared=regenerate, max_tokens=params.max_tokens,
                               verify=lambda text: len(parse_tool_output(text, choice)[1]), stats=stats)
