@@ -112,6 +112,9 @@ def test_create_with_string_and_with_items(server, client):
     assert u.total_tokens == u.input_tokens + u.output_tokens and u.input_tokens_details.cached_tokens >= 0
     assert (r.store, r.truncation, r.parallel_tool_calls, r.tool_choice, r.tools) == (True, "disabled", True, "auto", [])
     assert r.metadata == {"run": "1"} and r.error is None and r.incomplete_details is None
+    # the raw body passes the SDK's own model, validated (not only constructed)
+    raw = httpx.get(f"{server.url}/v1/responses/{r.id}", headers=AUTH).json()
+    assert openai.types.responses.Response.model_validate(raw).output_text == "Hello, traveller."
     # items: messages with and without `type`, text parts, developer and assistant roles
     r2 = client.responses.create(model="tiny", instructions="Answer in French.", input=[
         {"role": "developer", "content": "Be brief."},
@@ -252,6 +255,8 @@ def test_get_delete_and_input_items(server, client):
     after = httpx.get(f"{server.url}/v1/responses/{r2.id}/input_items",
                       params={"order": "asc", "after": raw["last_id"]}, headers=AUTH).json()
     assert [i["role"] for i in after["data"]] == ["assistant", "user"]
+    item = TypeAdapter(openai.types.responses.ResponseItem)
+    assert [item.validate_python(i).type for i in after["data"]] == ["message", "message"]
     # the SDK's cursor pagination walks every page
     assert len(list(client.responses.input_items.list(r2.id, limit=1))) == 3
     r = httpx.delete(f"{server.url}/v1/responses/{r1.id}", headers=AUTH)
@@ -460,6 +465,27 @@ def test_a_codex_session_fixture(server):
     for u in usages[1:]:
         assert u.input_tokens_details.cached_tokens >= 0.9 * u.input_tokens, usages
     assert program(server, pid).turns_finished == 4
+    idle(server)
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_response_failed(server, client):
+    pid = f"{TENANT}/boom"
+    server.scripted.fail_programs.add(pid)
+    try:
+        with httpx.stream("POST", server.url + "/v1/responses", headers=AUTH, timeout=60,
+                          json={"model": "tiny", "input": "hi", "stream": True, "prompt_cache_key": "boom"}) as resp:
+            assert resp.status_code == 200
+            events = sse_events(resp)
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert "injected executor failure" in events[-2].message
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "server_error"
+        with pytest.raises(openai.NotFoundError):  # a failed response is not stored
+            client.responses.retrieve(failed.id)
+    finally:
+        server.scripted.fail_programs.discard(pid)
+    server.scripted.script_next("still here")
+    assert client.responses.create(model="tiny", input="hi", store=False).output_text == "still here"
     idle(server)
 
 
