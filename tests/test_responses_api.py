@@ -523,6 +523,8 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(server, client):
         ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens", ""),
         ({"input": "x", "temperature": "hot"}, 400, "temperature", ""),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format", "name"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, 400,
+         "text.format.name", "pattern"),
     ]
     for kind in ("web_search", "web_search_preview", "file_search", "computer_use_preview", "mcp",
                  "code_interpreter", "image_generation", "local_shell"):

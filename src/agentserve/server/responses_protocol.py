@@ -191,7 +191,7 @@ class OtherToolChoice(_Strict):
 
 class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(None, max_length=64)
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # as chat's
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None

@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from agentserve.server.api_errors import APIError
+from agentserve.server.input_checks import param_of
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.responses_protocol import (TEXT_PART_TYPES, ContentPart, CustomTool, FunctionTool,
                                                   NamedToolChoice, NamespaceTool, OtherItem, OtherTool,
@@ -312,7 +313,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]], tools: l
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:  # only what the Responses models let through and chat's do not
         first = e.errors(include_url=False)[0]
-        raise APIError(400, f"the request cannot be run as a chat: {first['msg']}", param="input") from None
+        raise APIError(400, f"the request cannot be run as a chat ({param_of(first['loc'])}): {first['msg']}",
+                       param="input") from None
 
 
 def droppable_starts(messages: list[dict[str, Any]]) -> list[int]:
