@@ -67,7 +67,8 @@ def add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible API: POST /v1/chat/completions (tools, streaming), "
-                    "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus), "
+                    "POST /v1/completions, POST /v1/responses (OpenAI's Responses API, with GET/DELETE "
+                    "/v1/responses/{id} for stored responses), GET /v1/models, GET /health, GET /metrics (Prometheus), "
                     "POST /v1/programs/{id}/release|end, and GET /openapi.json. Requests of one agent program are tied together by "
                     "the X-Program-Id header (or program_id / session_id / user); the scheduler keeps a "
                     "program's KV across its tool calls for a learned TTL.",

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app (Starlette), in front of an `AsyncEngine`.
 
 Endpoints: POST /v1/chat/completions (chat_endpoint.py), POST /v1/completions
-(completions_endpoint.py), POST /v1/messages and /v1/messages/count_tokens
+(completions_endpoint.py), POST /v1/responses, GET and DELETE
+/v1/responses/{id}, GET /v1/responses/{id}/input_items (OpenAI's Responses API:
+responses_endpoint.py), POST /v1/messages and /v1/messages/count_tokens
 (Anthropic's Messages API: messages_endpoint.py), GET /v1/models, POST
 /v1/programs/{id}/release and /end (explicit retention control, DESIGN.md
 "Request identity"), GET /health,
