@@ -9,7 +9,7 @@ differ in how they say it; the first of these that is present wins:
 |---|---|---|
 | 1 | body `program_id` | agentserve's own field |
 | 2 | header `X-Program-Id` | agentserve's own header |
-| 3 | the Responses-API chain (`previous_response_id`): the program of the response it continues; a stored response that continues none names its own program | OpenAI Agents SDK, Codex |
+| 3 | the Responses-API chain (`previous_response_id`): the program of the response it continues (recorded on each stored response); a stored response that continues none, and that nothing else in this table names, is the program named by its own id | OpenAI Agents SDK, Codex |
 | 4 | body `prompt_cache_key` | OpenAI's cache-scope field (Codex sets it to its conversation) |
 | 5 | header `x-claude-code-session-id`, with `x-claude-code-agent-id` for a subagent (`session/agent`) | Claude Code |
 | 6 | header `session-id` / `session_id`, then `conversation-id` / `conversation_id` | Codex CLI |

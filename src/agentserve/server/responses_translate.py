@@ -116,8 +116,8 @@ def _custom_as_function(t: CustomTool, warned: set[str]) -> dict[str, Any]:
             prop["pattern"] = fmt.definition
         else:
             prop["description"] = f"Written in this Lark grammar:\n{fmt.definition}"
-            if "lark" not in warned:
-                warned.add("lark")
+            if "responses.lark" not in warned:
+                warned.add("responses.lark")
                 log.warning("custom tool %r has a Lark grammar: it is shown to the model, not enforced (the "
                             "decoder takes JSON schemas and regular expressions); logged once", t.name)
     fn: dict[str, Any] = {"name": t.name, "parameters": {
