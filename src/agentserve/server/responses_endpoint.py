@@ -46,7 +46,7 @@ from agentserve.server.identity import ProgramIdentity
 from agentserve.server.input_checks import InputError, check_path_id
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.request_checks import (authorize, check_model, input_error, program_identity, read_json,
-                                              tenant_scope, validate_body)
+                                              reject, tenant_scope, validate_body)
 from agentserve.server.request_run import EventStream, sse
 from agentserve.server.request_stream import EngineError, EngineStopped
 from agentserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
@@ -129,17 +129,13 @@ async def create_response(request: Request) -> Response:
 
 
 def _refuse_unserved(req: ResponsesRequest) -> None:
-    def no(cond: bool, message: str, param: str) -> None:
-        if cond:
-            raise APIError(400, message, param=param, code="unsupported_parameter")
-
-    no(bool(req.background), "background responses are not supported: send the request and wait for it (or stream "
-                             "it)", "background")
-    no(req.conversation is not None, "conversation (the Conversations API) is not supported: chain responses with "
-                                     "previous_response_id, or send the whole conversation as input",
-       "conversation")
-    no(req.prompt is not None, "prompt templates are not supported: send instructions and input", "prompt")
-    no(bool(req.top_logprobs), "logprobs are not supported", "top_logprobs")
+    reject(bool(req.background), "background responses are not supported: send the request and wait for it (or "
+                                 "stream it)", "background")
+    reject(req.conversation is not None, "conversation (the Conversations API) is not supported: chain responses "
+                                         "with previous_response_id, or send the whole conversation as input",
+           "conversation")
+    reject(req.prompt is not None, "prompt templates are not supported: send instructions and input", "prompt")
+    reject(bool(req.top_logprobs), "logprobs are not supported", "top_logprobs")
 
 
 def _identity(req: ResponsesRequest, request: Request, prev: StoredResponse | None, rid: str) -> ProgramIdentity:
