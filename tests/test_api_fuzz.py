@@ -72,6 +72,8 @@ def test_schemathesis_finds_no_5xx(server):
     assert report.alive_after and server.thread.is_alive() and server.engine.alive
     # it reached the model, not only the validation: some generated requests were served
     assert report.statuses["POST /v1/chat/completions"]["200"] > 0
+    assert report.statuses["POST /v1/messages"]["200"] > 0
+    assert report.statuses["POST /v1/messages/count_tokens"]["200"] > 0
     assert report.statuses["POST /v1/responses"]["200"] > 0
     assert sum(c.get("400", 0) for c in report.statuses.values()) > 0
     r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=30,

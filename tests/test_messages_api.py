@@ -465,6 +465,39 @@ def test_pings_fill_silence_without_losing_the_pending_read():
     got = asyncio.run(scenario())
     assert got[0] is None and [d for d in got if d is not None] == ["first", "second"]
 
+    async def closed_early() -> bool:
+        closed = asyncio.Event()
+
+        async def never():
+            try:
+                await asyncio.Event().wait()
+                yield "unreachable"
+            finally:
+                closed.set()
+
+        gen = _with_pings(never(), 0.01)
+        assert await gen.__anext__() is None
+        await gen.aclose()  # a client gone: the pending read is cancelled, its generator closed
+        return closed.is_set()
+
+    assert asyncio.run(closed_early())
+
+
+def test_a_client_gone_mid_stream_aborts_the_request_and_frees_its_kv(server):
+    sid = "goes-away"
+    server.scripted.script(sid, "y" * 4000)
+    aborts = server.app.state.server.metrics.registry.get_sample_value(
+        "agentserve:request_success_total", {"model_name": "tiny", "finished_reason": "abort"}) or 0.0
+    with httpx.stream("POST", server.url + "/v1/messages", timeout=60,
+                      json={**OK, "max_tokens": 4000, "stream": True},
+                      headers={"x-api-key": KEY, "x-claude-code-session-id": sid}) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if "content_block_delta" in line:
+                break  # leaving the block closes the connection mid-stream
+    idle(server)
+    assert server.app.state.server.metrics.registry.get_sample_value(
+        "agentserve:request_success_total", {"model_name": "tiny", "finished_reason": "abort"}) == aborts + 1
+
 
 # --- Claude Code's shape, replayed -----------------------------------------------------------
 
@@ -663,3 +696,21 @@ def test_langchain_chat_anthropic_with_a_bound_tool(server):
     assert call["name"] == "get_weather" and call["args"] == {"city": "Lisbon"} and call["id"].startswith("toolu_")
     assert msg.response_metadata["stop_reason"] == "tool_use"
     idle(server)
+
+
+def test_openapi_documents_both_operations_with_anthropic_errors(server):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    for path, reply in (("/v1/messages", "MessageResponse"), ("/v1/messages/count_tokens", "TokensCount")):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/MessagesRequest" if path == "/v1/messages" else "/CountTokensRequest")
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + reply)
+        assert {"400", "401", "404", "413", "529"} <= set(op["responses"])
+        assert all(r["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorResponse")
+                   for code, r in op["responses"].items() if code != "200")
+        assert {"bearer": []} in op["security"] and {"x-api-key": []} in op["security"]
+    schemas = doc["components"]["schemas"]
+    assert schemas["MessagesRequest"]["required"] == ["model", "messages", "max_tokens"]
+    assert schemas["MessagesRequest"]["properties"]["model"]["enum"] == ["tiny", "tiny-alias"]
+    temp = next(s for s in schemas["MessagesRequest"]["properties"]["temperature"]["anyOf"] if s.get("type"))
+    assert (temp["minimum"], temp["maximum"]) == (0.0, 1.0)

@@ -332,32 +332,36 @@ async def _events(run: ChatRun, model: str, cached_tokens_report: str, max_token
     yield _event(MessageStartEvent(message=start))
     yield _PING
     index, text_open, made_calls = -1, False, False
-    async for d in _with_pings(reply_deltas(run), PING_EVERY_S):
-        if d is None:
-            yield _PING
-            continue
-        if d.content:
-            if not text_open:
-                index, text_open = index + 1, True
-                yield _event(ContentBlockStartEvent(index=index, content_block=TextContent(text="")))
-            yield _event(ContentBlockDeltaEvent(index=index, delta=TextDelta(text=d.content)))
-        for c in d.calls:
-            if text_open:
+    deltas = _with_pings(reply_deltas(run), PING_EVERY_S)
+    try:
+        async for d in deltas:
+            if d is None:
+                yield _PING
+                continue
+            if d.content:
+                if not text_open:
+                    index, text_open = index + 1, True
+                    yield _event(ContentBlockStartEvent(index=index, content_block=TextContent(text="")))
+                yield _event(ContentBlockDeltaEvent(index=index, delta=TextDelta(text=d.content)))
+            for c in d.calls:
+                if text_open:
+                    yield _event(ContentBlockStopEvent(index=index))
+                    text_open = False
+                index += 1
+                use = _tool_use(c)
+                yield _event(ContentBlockStartEvent(index=index, content_block=use.model_copy(update={"input": {}})))
+                yield _event(ContentBlockDeltaEvent(index=index, delta=InputJsonDelta(partial_json=c.arguments)))
                 yield _event(ContentBlockStopEvent(index=index))
-                text_open = False
-            index += 1
-            use = _tool_use(c)
-            yield _event(ContentBlockStartEvent(index=index, content_block=use.model_copy(update={"input": {}})))
-            yield _event(ContentBlockDeltaEvent(index=index, delta=InputJsonDelta(partial_json=c.arguments)))
-            yield _event(ContentBlockStopEvent(index=index))
-            made_calls = True
-        if d.out.finished:
-            if text_open:
-                yield _event(ContentBlockStopEvent(index=index))
-            reason, sequence = _stop_reason(d.out, made_calls, max_tokens)
-            yield _event(MessageDeltaEvent(delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
-                                           usage=_usage(d.out, cached_tokens_report)))
-            yield _event(MessageStopEvent())
+                made_calls = True
+            if d.out.finished:
+                if text_open:
+                    yield _event(ContentBlockStopEvent(index=index))
+                reason, sequence = _stop_reason(d.out, made_calls, max_tokens)
+                yield _event(MessageDeltaEvent(delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
+                                               usage=_usage(d.out, cached_tokens_report)))
+                yield _event(MessageStopEvent())
+    finally:
+        await deltas.aclose()  # now, not when collected: its pending read must not outlive the response
 
 
 async def _with_pings(deltas: AsyncIterator[ReplyDelta], every: float) -> AsyncIterator[ReplyDelta | None]:
