@@ -714,3 +714,29 @@ def test_openapi_documents_both_operations_with_anthropic_errors(server):
     assert schemas["MessagesRequest"]["properties"]["model"]["enum"] == ["tiny", "tiny-alias"]
     temp = next(s for s in schemas["MessagesRequest"]["properties"]["temperature"]["anyOf"] if s.get("type"))
     assert (temp["minimum"], temp["maximum"]) == (0.0, 1.0)
+
+
+def test_metadata_user_id_names_the_program_without_a_session_header(server, client):
+    uid = "user_" + uuid.uuid4().hex[:8]
+    server.scripted.script(uid, "From metadata.")
+    r = client.messages.create(model="tiny", max_tokens=20, messages=user("hi"), metadata={"user_id": uid})
+    assert r.content[0].text == "From metadata."
+    idle(server)
+    assert program(server, uid).turns_finished == 1
+
+
+def test_x_api_key_names_its_tenant_among_several():
+    from starlette.requests import Request
+
+    from agentserve.server.request_checks import authorize, tenant_scope
+
+    class State:
+        config = ServerConfig(["tiny"], api_keys={"key-a": "alice", "key-b": "bob"})
+
+    def request(headers: dict) -> Request:
+        return Request({"type": "http", "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+
+    for headers, tenant in (({"x-api-key": "key-b"}, "bob"), ({"Authorization": "Bearer key-a"}, "alice"),
+                            ({"Authorization": "Bearer nope", "x-api-key": "key-b"}, "bob")):
+        req = request(headers)
+        assert authorize(State, req) == tenant and tenant_scope(State, req) == tenant
