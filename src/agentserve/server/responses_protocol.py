@@ -250,6 +250,7 @@ class ResponsesRequest(_Strict):
     release_program: bool = False
     end_program: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_LENGTH)
+    ignore_eos: bool = False  # vLLM's extension, as chat has it: decode max_output_tokens (benchmarks)
 
     @property
     def stores(self) -> bool:
@@ -278,38 +279,31 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
-class FunctionCallOut(BaseModel):
+class _CallOut(BaseModel):
+    """What a function call and a custom tool call item share; `namespace` only when the tool had one."""
+
     id: str
+    call_id: str
+    name: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _namespace_when_set(self, handler):
+        d = handler(self)
+        if d.get("namespace") is None:
+            d.pop("namespace", None)
+        return d
+
+
+class FunctionCallOut(_CallOut):
     type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
     arguments: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    namespace: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _namespace_when_set(self, handler):
-        d = handler(self)
-        if d.get("namespace") is None:
-            d.pop("namespace", None)
-        return d
 
 
-class CustomToolCallOut(BaseModel):
-    id: str
+class CustomToolCallOut(_CallOut):
     type: Literal["custom_tool_call"] = "custom_tool_call"
-    call_id: str
-    name: str
     input: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    namespace: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _namespace_when_set(self, handler):
-        d = handler(self)
-        if d.get("namespace") is None:
-            d.pop("namespace", None)
-        return d
 
 
 OutputItem = Union[OutputMessage, FunctionCallOut, CustomToolCallOut]
