@@ -10,6 +10,7 @@ import math
 import pytest
 
 from agentserve.bench import replay as rp
+from agentserve.bench import replay_apis as rapi
 from agentserve.bench import replay_client as rcl
 from agentserve.bench import replay_plan as rpl
 from agentserve.bench import replay_report as rr
@@ -20,6 +21,7 @@ from agentserve.workload.generators import generate_swebench
 from agentserve.workload.trace import Program, TraceCall, save_jsonl
 
 KEY = "replay-key"
+API_KEYS = {f"key-{api}": f"t-{api}" for api in rapi.API_NAMES}  # a tenant per API: each run starts cold
 SLEEP = 0.05
 
 
@@ -220,7 +222,8 @@ def test_stream_accumulator():
 def server():
     from server_fixtures import start_tiny_server
 
-    srv, llm, _ = start_tiny_server(api_key=KEY)
+    srv, llm, _ = start_tiny_server(api_key=KEY, config={"api_keys": API_KEYS})
+    srv.llm, srv.engine = llm, srv.app.state.server.engine
     yield srv
     srv.stop()
 
@@ -369,3 +372,212 @@ def test_retryable_errors():
     assert rcl.retryable("error event: replica failed") and rcl.retryable("HTTP 503: busy")
     assert rcl.retryable("RemoteProtocolError: peer closed connection")
     assert not rcl.retryable("HTTP 400: bad request") and not rcl.retryable("timeout after 5 s")
+
+
+# ---------------------------------------------------------------------------
+# the APIs (--api)
+
+CONVERSATION = [
+    {"role": "system", "content": "sys"}, {"role": "user", "content": "task"},
+    {"role": "assistant", "content": "looking", "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": "bash", "arguments": "{}"}},
+        {"id": "call_0_1", "type": "function", "function": {"name": "bash", "arguments": '{"a": 1}'}}]},
+    {"role": "tool", "tool_call_id": "call_0_0", "content": "out0"},
+    {"role": "tool", "tool_call_id": "call_0_1", "content": "out1"},
+    {"role": "assistant", "content": "done"}, {"role": "user", "content": "more"},
+]
+
+
+def test_each_api_carries_the_conversation_in_its_own_shape():
+    chat = rapi.wire("chat").request("m", CONVERSATION, "p", 5, stream=True, ignore_eos=True, end=True)
+    assert (chat.path, chat.headers) == ("/v1/chat/completions", {"X-Program-Id": "p"})
+    assert chat.body["messages"] is CONVERSATION and chat.body["end_program"] and chat.body["ignore_eos"]
+
+    r = rapi.wire("responses").request("m", CONVERSATION, "p", 5, stream=True, ignore_eos=True, end=False)
+    assert r.path == "/v1/responses" and r.headers == {}
+    b = r.body
+    assert (b["instructions"], b["store"], b["prompt_cache_key"], b["max_output_tokens"]) == ("sys", False, "p", 5)
+    assert "end_program" not in b and b["ignore_eos"] and b["temperature"] == 0
+    assert [i["type"] for i in b["input"]] == ["message", "message", "function_call", "function_call",
+                                                "function_call_output", "function_call_output", "message", "message"]
+    assert b["input"][0] == {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "task"}]}
+    assert b["input"][1]["content"] == [{"type": "output_text", "text": "looking"}]
+    assert b["input"][3] == {"type": "function_call", "call_id": "call_0_1", "name": "bash", "arguments": '{"a": 1}'}
+    assert b["input"][5] == {"type": "function_call_output", "call_id": "call_0_1", "output": "out1"}
+
+    m = rapi.wire("messages", "k").request("m", CONVERSATION, "p", 5, stream=True, ignore_eos=False, end=True)
+    assert m.path == "/v1/messages" and m.headers["x-claude-code-session-id"] == "p"
+    assert m.headers["X-Program-End"] == "1" and m.headers["x-api-key"] == "k" and "anthropic-version" in m.headers
+    assert (m.body["system"], m.body["max_tokens"]) == ("sys", 5) and "ignore_eos" not in m.body
+    msgs = m.body["messages"]
+    assert [x["role"] for x in msgs] == ["user", "assistant", "user", "assistant", "user"]
+    assert msgs[1]["content"] == [{"type": "text", "text": "looking"},
+                                  {"type": "tool_use", "id": "call_0_0", "name": "bash", "input": {}},
+                                  {"type": "tool_use", "id": "call_0_1", "name": "bash", "input": {"a": 1}}]
+    assert msgs[2]["content"] == [{"type": "tool_result", "tool_use_id": "call_0_0", "content": "out0"},
+                                  {"type": "tool_result", "tool_use_id": "call_0_1", "content": "out1"}]
+    with pytest.raises(ValueError, match="unknown API"):
+        rapi.wire("grpc")
+
+
+def test_the_chain_sends_only_what_the_server_does_not_hold():
+    w = rapi.wire("responses-chain")
+    conv = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}]
+    first = w.request("m", conv, "p", 5, stream=True, ignore_eos=True, end=False).body
+    assert (first["store"], first["instructions"]) == (True, "sys") and "previous_response_id" not in first
+    assert "prompt_cache_key" not in first and len(first["input"]) == 1  # the chain names the program
+    acc = rapi.ResponsesAccumulator(0.0)
+    acc.feed('data: {"type": "response.created", "response": {"id": "resp_1"}}', 0.1)
+    w.answered("p", conv, acc)
+    conv += [{"role": "assistant", "content": "reply"}, {"role": "user", "content": "tool out"}]
+    second = w.request("m", conv, "p", 5, stream=True, ignore_eos=True, end=True).body
+    assert second["previous_response_id"] == "resp_1" and second["instructions"] == "sys"
+    assert second["input"] == [{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                  "text": "tool out"}]}]
+    acc2 = rapi.ResponsesAccumulator(0.0)
+    acc2.feed('data: {"type": "response.completed", "response": {"id": "resp_2", "status": "completed"}}', 0.1)
+    w.answered("p", conv, acc2)
+    assert w.program("p") == "resp_1" and w.chains["p"].response_id == "resp_2"
+    # a restarted conversation (a compaction) starts a new chain
+    fresh = [{"role": "system", "content": "sys"}, {"role": "user", "content": "summary"}]
+    third = w.request("m", fresh, "p", 5, stream=True, ignore_eos=True, end=False).body
+    assert "previous_response_id" not in third and len(third["input"]) == 1
+    assert isinstance(w.probe(), rapi.ResponsesWire) and not isinstance(w.probe(), rapi.ResponsesChainWire)
+
+
+def test_responses_stream_accumulator():
+    acc = rapi.ResponsesAccumulator(1.0)
+    for line in ['event: response.created', 'data: {"type":"response.created","response":{"id":"resp_9"}}', "",
+                 'data: {"type":"response.output_item.added","item":{"type":"message"}}']:
+        acc.feed(line, 1.1)
+    assert acc.t_first is None and acc.response_id == "resp_9"
+    acc.feed('data: {"type":"response.output_text.delta","delta":"he"}', 1.2)
+    acc.feed('data: {"type":"response.output_text.delta","delta":"llo"}', 1.3)
+    acc.feed('data: {"type":"response.function_call_arguments.delta","delta":"{}"}', 1.35)
+    acc.feed('data: {"type":"response.incomplete","response":{"id":"resp_9","status":"incomplete",'
+             '"incomplete_details":{"reason":"max_output_tokens"},"usage":{"input_tokens":9,'
+             '"input_tokens_details":{"cached_tokens":4},"output_tokens":3,"total_tokens":12}}}', 1.4)
+    assert (acc.t_first, acc.text, acc.token_times, acc.done) == (1.2, "hello", [1.2, 1.3, 1.35], True)
+    assert (acc.prompt_tokens, acc.cached_tokens, acc.completion_tokens, acc.finish_reason) == \
+        (9, 4, 3, "max_output_tokens")
+    with pytest.raises(rs.ReplayError, match="error event: boom"):
+        acc.feed('data: {"type":"error","code":"server_error","message":"boom","param":null}', 1.5)
+    assert rcl.retryable("error event: boom")
+
+
+def test_messages_stream_accumulator():
+    acc = rapi.MessagesAccumulator(1.0)
+    acc.feed("event: message_start", 1.1)
+    acc.feed('data: {"type":"message_start","message":{"id":"msg_1","usage":{"input_tokens":20,"output_tokens":0}}}',
+             1.1)
+    acc.feed('data: {"type":"ping"}', 1.15)
+    acc.feed('data: {"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}', 1.15)
+    acc.feed('data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hi"}}', 1.2)
+    acc.feed('data: {"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta",'
+             '"partial_json":"{}"}}', 1.3)
+    assert (acc.prompt_tokens, acc.cached_tokens) == (20, 0)  # message_start: all of it as input
+    acc.feed('data: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"input_tokens":8,'
+             '"output_tokens":2,"cache_read_input_tokens":12,"cache_creation_input_tokens":0}}', 1.4)
+    acc.feed('data: {"type":"message_stop"}', 1.4)
+    assert (acc.t_first, acc.text, acc.done, acc.finish_reason) == (1.2, "hi", True, "max_tokens")
+    assert (acc.prompt_tokens, acc.cached_tokens, acc.completion_tokens) == (20, 12, 2)
+    # a server whose message_delta carries the output count only: message_start's prompt stands
+    acc2 = rapi.MessagesAccumulator(0.0)
+    acc2.feed('data: {"type":"message_start","message":{"usage":{"input_tokens":5,"cache_read_input_tokens":7,'
+              '"cache_creation_input_tokens":3,"output_tokens":1}}}', 0.1)
+    acc2.feed('data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":4}}', 0.2)
+    assert (acc2.prompt_tokens, acc2.cached_tokens, acc2.completion_tokens) == (15, 7, 4)
+    with pytest.raises(rs.ReplayError, match="error event: overloaded"):
+        acc.feed('data: {"type":"error","error":{"type":"overloaded_error","message":"overloaded"}}', 1.5)
+
+
+def _ended_programs(server, monkeypatch) -> dict[str, int]:
+    """Program id -> its finished turns, for every program the engine ends from now on."""
+    sched = server.llm.scheduler
+    real, ended = sched.end_program, {}
+
+    def end_program(pid):
+        prog = real(pid)
+        if prog is not None:
+            ended[pid] = prog.turns_finished
+        return prog
+
+    monkeypatch.setattr(sched, "end_program", end_program)
+    return ended
+
+
+def idle(server, timeout: float = 10.0) -> None:
+    """No request left in the engine, and the block accounting intact."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
+        assert time.monotonic() < deadline, "requests still in the engine"
+        time.sleep(0.02)
+    server.engine.call_sync(server.llm.check_integrity)
+
+
+def test_a_workload_over_each_api_has_the_same_token_counts(server, monkeypatch):
+    """The same short workload over each API (each its own tenant, so each starts cold):
+    every turn answered, the same prompt, cached and completion tokens turn by turn, each
+    program one program on the server, named by what its API carries, and ended by its last turn."""
+    ended = _ended_programs(server, monkeypatch)
+    runs = {}
+    for api in rapi.API_NAMES:
+        ended.clear()
+        progs = [program("a0", 0.0, 3), program("a1", 0.0, 4)]
+        cfg = rcl.ReplayConfig(server.url, api_key=f"key-{api}", workload="unit", rate=10.0, progress=False,
+                               request_timeout=30, text_seed="apis", api=api)
+        res = runs[api] = rcl.replay(progs, cfg)
+        assert (res["programs"], res["completed"], res["errors"]) == (2, 2, 0), res["error_kinds"]
+        assert res["api"] == res["config"]["api"] == api
+        assert res["server"].endswith("" if api == "chat" else f" ({api})")
+        done = {pid: n for pid, n in ended.items() if n > 1}  # (the calibration probes are one-turn programs)
+        if api == "responses-chain":  # named by the chain: its first response's id
+            assert sorted(done.values()) == [3, 4] and all(pid.startswith(f"t-{api}/resp_") for pid in done)
+        else:
+            assert done == {f"t-{api}/a0": 3, f"t-{api}/a1": 4}
+        for t in res["turns"]:
+            assert t["completion_tokens"] == t["max_tokens"] == 6 and 0 <= t["ttft"] <= t["latency"]
+            if t["turn"] > 0:
+                assert t["cached_tokens"] > 0
+    idle(server)
+
+    def counts(res, key):
+        return {(t["program_id"], t["turn"]): t[key] for t in res["turns"]}
+
+    for key in ("prompt_tokens", "completion_tokens"):
+        want = counts(runs["chat"], key)
+        for api in rapi.API_NAMES:
+            assert counts(runs[api], key) == want, (api, key)
+    # later turns hit what the program's own earlier turns left (the same in every API)
+    want = {k: v for k, v in counts(runs["chat"], "cached_tokens").items() if k[1] > 0}
+    for api in rapi.API_NAMES:
+        assert {k: v for k, v in counts(runs[api], "cached_tokens").items() if k[1] > 0} == want, api
+    for api in rapi.API_NAMES:
+        assert runs[api]["config"]["tokens_per_word"] == runs["chat"]["config"]["tokens_per_word"]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_tool_messages_over_the_other_apis(server, api):
+    """--tool-role tool: calls and their results as function_call / function_call_output items, or
+    tool_use / tool_result blocks."""
+    progs = [program("c0", 0.0, 3)]
+    res = rcl.replay(progs, rcl.ReplayConfig(server.url, api_key=KEY, tokens_per_word=6.0, progress=False,
+                                             request_timeout=30, tool_role="tool", api=api))
+    assert (res["completed"], res["errors"]) == (1, 0), res["error_kinds"]
+
+
+def test_cli_run_over_another_api(server, tmp_path, capsys):
+    trace = tmp_path / "w.jsonl"
+    save_jsonl([program("m0", 0.0, 2)], trace)
+    out, md = tmp_path / "run.json", tmp_path / "run.md"
+    rc = rp.main(["run", "--url", server.url, "--api-key", KEY, "--workload", str(trace), "--programs", "1",
+                  "--rate", "20", "--api", "messages", "--json", str(out), "--report", str(md), "--no-progress"])
+    assert rc == 0
+    assert "(messages)" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["api"] == "messages" and res["completed"] == 1 and "API: messages" in md.read_text()
+    rc = rp.main(["run", "--url", server.url, "--workload", str(trace), "--api", "responses-chain",
+                  "--tool-role", "tool", "--no-progress"])
+    assert rc == 2 and "--tool-role user" in capsys.readouterr().err

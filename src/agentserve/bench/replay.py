@@ -16,7 +16,11 @@ workload's Poisson arrival times, the first at once):
   (scaled, >= 1), `ignore_eos` (vLLM's name; servers that do not know it ignore
   it; `--no-ignore-eos` leaves it out) and `stream_options.include_usage`; the
   last turn adds `end_program: true`. TTFT = first non-empty content (or tool
-  call) delta; latency = last byte of the stream.
+  call) delta; latency = last byte of the stream. `--api responses`,
+  `responses-chain` or `messages` sends the same conversation over the
+  Responses API (the whole input with `store: false` and `prompt_cache_key`,
+  or chained with `previous_response_id`) or the Anthropic Messages API
+  (`x-claude-code-session-id`), read back the same way (replay_apis.py).
 * the model's ACTUAL output is appended as the assistant message, the client
   sleeps the call's `tool_duration` x `--time-scale`, then appends a tool-result
   message of `prompt_k - prompt_{k-1} - output_{k-1}` tokens (scaled; for a
@@ -63,6 +67,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agentserve.bench.replay_apis import API_NAMES
 from agentserve.bench.replay_client import ReplayConfig, replay
 from agentserve.bench.replay_results import write_json
 from agentserve.bench.replay_stream import ReplayError, base_url
@@ -101,6 +106,11 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--retry-failed-turns", type=int, default=0, metavar="N",
                    help="send a turn the server failed (5xx, cut stream, dropped connection) again, up to N times "
                         "(default 0: the failed turn ends its program)")
+    p.add_argument("--api", choices=API_NAMES, default="chat",
+                   help="the API that carries the turns: chat completions (X-Program-Id); the Responses API with "
+                        "the whole input each turn (store false, prompt_cache_key) or chained (responses-chain: "
+                        "store true, previous_response_id, only the new items); the Anthropic Messages API "
+                        "(x-claude-code-session-id)")
     p.add_argument("--tool-role", choices=("user", "tool"), default="user",
                    help="send tool results as user messages, or as tool messages answering a synthetic tool call")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -134,6 +144,9 @@ def _check_args(a) -> None:
         raise CliError("--request-timeout must be positive")
     if a.retry_failed_turns < 0:
         raise CliError("--retry-failed-turns must be >= 0")
+    if a.api == "responses-chain" and a.tool_role == "tool":
+        raise CliError("--api responses-chain needs --tool-role user: the server's stored replies hold no calls "
+                       "for tool messages to answer")
 
 
 def cmd_run(a) -> int:
@@ -157,9 +170,9 @@ def cmd_run(a) -> int:
                        text_seed=a.text_seed, token_scale=a.token_scale, time_scale=a.time_scale, max_context=a.max_context,
                        tokens_per_word=a.tokens_per_word, request_timeout=a.request_timeout,
                        ignore_eos=a.ignore_eos, tool_role=a.tool_role, label=a.label, progress=a.progress,
-                       retry_failed_turns=a.retry_failed_turns)
+                       retry_failed_turns=a.retry_failed_turns, api=a.api)
     print(f"replaying {len(programs)} programs ({sum(p.num_turns for p in programs)} turns) of {a.workload} "
-          f"at {a.rate:g} jobs/s against {base_url(a.url)}...", file=sys.stderr)
+          f"at {a.rate:g} jobs/s against {base_url(a.url)} over the {a.api} API...", file=sys.stderr)
     try:
         result = replay(programs, cfg)
     except ReplayError as e:

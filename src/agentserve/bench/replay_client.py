@@ -1,8 +1,9 @@
 """The replay client: one asyncio task per program against the server, each
-sending its planned turns in order (streamed, X-Program-Id, the model's own
-output appended, tool time slept, a subagent waiting for its parent's turn),
-with a progress bar; `replay` runs a workload and returns its results (see
-replay.py's module doc for the protocol, replay_results.py for the results)."""
+sending its planned turns in order (streamed, over the chat, Responses or
+Messages API as replay_apis.py shapes them, the model's own output appended,
+tool time slept, a subagent waiting for its parent's turn), with a progress
+bar; `replay` runs a workload and returns its results (see replay.py's module
+doc for the protocol, replay_results.py for the results)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from agentserve.bench.replay_apis import wire
 from agentserve.bench.replay_plan import ProgramPlan, plan_workload, sanitize_tool
 from agentserve.bench.replay_results import summarize
-from agentserve.bench.replay_stream import ReplayError, StreamAccumulator, base_url, server_info, stream_chat
+from agentserve.bench.replay_stream import (ReplayError, StreamAccumulator, base_url, http_error, server_info,
+                                            stream_post)
 from agentserve.bench.replay_text import TextModel, calibrate
 from agentserve.workload.trace import Program
 
@@ -40,6 +43,7 @@ class ReplayConfig:
     label: str | None = None
     progress: bool = True
     retry_failed_turns: int = 0  # resend a turn the server failed (5xx, cut stream) up to N times
+    api: str = "chat"  # which API carries the turns (replay_apis.API_NAMES)
 
 
 def retryable(err: str) -> bool:
@@ -99,31 +103,31 @@ class Replayer:
         self.events: dict[str, list[asyncio.Event]] = {}
         self.progress: _Progress | None = None
         self.overhead = 4.0  # template tokens a message adds (set from the TextModel)
+        self.wire = wire(cfg.api, cfg.api_key)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     async def count_prompt(self, messages: list[dict]) -> int:
-        body = {"model": self.model, "messages": messages, "max_tokens": 1, "temperature": 0, "stream": False,
-                "end_program": True}
-        r = await self.client.post("/v1/chat/completions", json=body,
-                                   headers={"X-Program-Id": f"replay-probe-{uuid.uuid4().hex[:8]}"})
+        """The prompt tokens of `messages`, from a one-token request over the run's API (never stored)."""
+        w = self.wire.probe()
+        req = w.request(self.model, messages, f"replay-probe-{uuid.uuid4().hex[:8]}", 1, stream=False,
+                        ignore_eos=False, end=True)
+        r = await self.client.post(req.path, json=req.body, headers=req.headers)
         if r.status_code >= 400:
-            raise ReplayError(f"calibration probe: HTTP {r.status_code}: {r.text[:300]}")
-        n = (r.json().get("usage") or {}).get("prompt_tokens")
+            raise ReplayError(f"calibration probe: {http_error(r.status_code, r.text)}")
+        n = w.usage(r.json())[0]
         if not n:
-            raise ReplayError("calibration probe: the server reports no usage.prompt_tokens; pass --tokens-per-word")
+            raise ReplayError(f"calibration probe: the server reports no prompt tokens in the {w.name} API's "
+                              "usage; pass --tokens-per-word")
         return int(n)
 
     async def _stream(self, messages: list[dict], pid: str, max_tokens: int, end: bool,
                       t_send: float) -> StreamAccumulator:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        if self.cfg.ignore_eos:
-            body["ignore_eos"] = True
-        if end:
-            body["end_program"] = True
-        return await stream_chat(self.client, body, pid, StreamAccumulator(t_send), self.now)
+        req = self.wire.request(self.model, messages, pid, max_tokens, stream=True, ignore_eos=self.cfg.ignore_eos,
+                                end=end)
+        return await stream_post(self.client, req.path, req.body, req.headers, self.wire.accumulator(t_send),
+                                 self.now)
 
     async def turn(self, messages: list[dict], pid: str, max_tokens: int, end: bool,
                    t_send: float) -> StreamAccumulator:
@@ -191,9 +195,10 @@ class Replayer:
                             continue
                         res["error"] = f"turn {tp.turn}: {e}"
                         self.progress.update(turns=len(plan.turns) - tp.turn, program_done=True, error=True)
-                        await self._end_quietly(pid)
+                        await self._end_quietly(self.wire.program(pid))
                         return
                 t_end = self.now()
+                self.wire.answered(pid, messages, acc)
                 rec.update(t_first=acc.t_first if acc.t_first is not None else t_end,
                            t_end=t_end, prompt_tokens=acc.prompt_tokens, cached_tokens=acc.cached_tokens,
                            completion_tokens=acc.completion_tokens)
@@ -272,10 +277,11 @@ async def replay_async(programs: list[Program], cfg: ReplayConfig) -> dict:
         t_run = time.perf_counter()
         await rep.run(plans)
         wall = time.perf_counter() - t_run
+    default_label = base_url(cfg.url) + ("" if cfg.api == "chat" else f" ({cfg.api})")
     meta = {
-        "server": cfg.label or base_url(cfg.url), "url": base_url(cfg.url), "model": model,
+        "server": cfg.label or default_label, "url": base_url(cfg.url), "model": model, "api": cfg.api,
         "workload": cfg.workload, "rate": cfg.rate, "wall_s": wall, "calibration_s": t_cal,
-        "config": {"seed": cfg.seed, "text_seed": text_seed, "token_scale": cfg.token_scale, "time_scale": cfg.time_scale,
+        "config": {"api": cfg.api, "seed": cfg.seed, "text_seed": text_seed, "token_scale": cfg.token_scale, "time_scale": cfg.time_scale,
                    "max_context": max_context, "tokens_per_word": tm.tokens_per_word,
                    "message_overhead": tm.message_overhead, "calibrated": cfg.tokens_per_word is None,
                    "request_timeout": cfg.request_timeout, "ignore_eos": cfg.ignore_eos,

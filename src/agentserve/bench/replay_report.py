@@ -244,7 +244,7 @@ def write_markdown(results: list[dict], path: str, plots: dict[str, str] | None 
     r = results[0]
     cfg = r.get("config", {})
     lines = [f"# Replay: {r.get('workload', '?')} against {r.get('server', '?')}", ""]
-    lines.append(f"- server URL: {r.get('url', '?')}, model: {r.get('model', '?')}")
+    lines.append(f"- server URL: {r.get('url', '?')}, model: {r.get('model', '?')}, API: {r.get('api', 'chat')}")
     lines.append(f"- {r['programs']} programs ({r.get('turns_sent', '?')} turns sent) arriving at "
                  f"{_num(r.get('rate')):g} jobs/s (Poisson), seed {cfg.get('seed', '?')}")
     lines.append(f"- token scale {cfg.get('token_scale', '?')}, tool-time scale {cfg.get('time_scale', '?')}, "

@@ -17,18 +17,29 @@ async def stream_chat(client, body: dict, pid: str, acc, now):
     """POST a streamed chat request for program `pid` and feed each SSE line to
     `acc` (with `now()`); an HTTP error becomes a ReplayError with the
     server's message. Returns `acc`."""
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Program-Id": pid}) as r:
+    return await stream_post(client, "/v1/chat/completions", body, {"X-Program-Id": pid}, acc, now)
+
+
+async def stream_post(client, path: str, body: dict, headers: dict, acc, now):
+    """POST a streamed request to `path` and feed each SSE line to `acc` (with `now()`);
+    an HTTP error becomes a ReplayError with the server's message (OpenAI's and
+    Anthropic's error bodies both keep it at error.message). Returns `acc`."""
+    async with client.stream("POST", path, json=body, headers=headers) as r:
         if r.status_code >= 400:
-            detail = (await r.aread()).decode("utf-8", "replace")
-            try:
-                detail = json.loads(detail)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            raise ReplayError(f"HTTP {r.status_code}: {str(detail)[:300]}")
+            raise ReplayError(http_error(r.status_code, (await r.aread()).decode("utf-8", "replace")))
         acc.replica = r.headers.get("x-agentserve-replica")  # which replica of a cluster answered
         async for line in r.aiter_lines():
             acc.feed(line, now())
     return acc
+
+
+def http_error(status: int, text: str) -> str:
+    """A failed request's error text: the status and the server's message."""
+    try:
+        text = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return f"HTTP {status}: {str(text)[:300]}"
 
 
 class StreamAccumulator:

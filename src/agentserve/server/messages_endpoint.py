@@ -250,7 +250,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
             raise _refuse(f"stop_sequences: at most {_MAX_STOP_SEQUENCES} are supported, got {len(stops)}",
                           "stop_sequences")
         chat.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                    stop=stops or None, stream=body.stream)
+                    stop=stops or None, stream=body.stream, ignore_eos=body.ignore_eos or None)
     return validate_body(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
 
 

@@ -205,6 +205,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, lt=2**63)
     metadata: MessagesMetadata | None = None
+    ignore_eos: bool = False  # vLLM's extension, as chat has it: decode max_tokens tokens (benchmarks)
 
 
 # --- responses ----------------------------------------------------------------

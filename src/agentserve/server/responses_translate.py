@@ -298,7 +298,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]], tools: l
         body["tools"] = tools
     if tool_choice is not None:
         body["tool_choice"] = tool_choice
-    for name in ("parallel_tool_calls", "temperature", "top_p"):
+    for name in ("parallel_tool_calls", "temperature", "top_p", "ignore_eos"):
         value = getattr(req, name)
         if value is not None:
             body[name] = value
