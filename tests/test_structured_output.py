@@ -53,7 +53,8 @@ WEATHER = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server():
-    srv, llm, scripted = start_tiny_server(api_key=KEY)
+    # a context with room for an agent's instructions and tools beside a reply of a few hundred tokens
+    srv, llm, scripted = start_tiny_server(api_key=KEY, positions=4096, kv_cache_tokens=16384)
     srv.llm, srv.scripted, srv.engine = llm, scripted, srv.app.state.server.engine
     yield srv
     srv.stop()
@@ -326,4 +327,35 @@ def test_the_responses_api_text_format(server, client):
                                 store=False, text={"format": {"type": "json_schema", "name": "person",
                                                               "schema": PERSON, "strict": True}})
     jsonschema.validate(json.loads(r.output_text), PERSON)
+    idle(server)
+
+
+def test_the_openai_agents_sdk_with_an_output_type_and_a_tool(server):
+    """The Agents SDK sends the output type as text.format beside its tools: the agent calls its
+    tool (scripted), then answers under the format's grammar, which the SDK parses."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        seen.append(city)
+        return "sunny"
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        model = agents.OpenAIResponsesModel(model="tiny", openai_client=aclient)
+        agent = agents.Agent(name="typed", instructions="Describe a person.", tools=[get_weather], model=model,
+                             output_type=Person, model_settings=agents.ModelSettings(max_tokens=400))
+        try:
+            return await agents.Runner.run(agent, "Weather in Paris, then a person?")
+        finally:
+            await aclient.close()
+
+    server.scripted.script_next(CALL_TEXT)
+    result = asyncio.run(run())
+    assert seen == ["Paris"] and isinstance(result.final_output, Person)
     idle(server)
