@@ -281,7 +281,8 @@ async def replay_async(programs: list[Program], cfg: ReplayConfig) -> dict:
     meta = {
         "server": cfg.label or default_label, "url": base_url(cfg.url), "model": model, "api": cfg.api,
         "workload": cfg.workload, "rate": cfg.rate, "wall_s": wall, "calibration_s": t_cal,
-        "config": {"api": cfg.api, "seed": cfg.seed, "text_seed": text_seed, "token_scale": cfg.token_scale, "time_scale": cfg.time_scale,
+        "config": {"api": cfg.api, "seed": cfg.seed, "text_seed": text_seed, "token_scale": cfg.token_scale,
+                   "time_scale": cfg.time_scale,
                    "max_context": max_context, "tokens_per_word": tm.tokens_per_word,
                    "message_overhead": tm.message_overhead, "calibrated": cfg.tokens_per_word is None,
                    "request_timeout": cfg.request_timeout, "ignore_eos": cfg.ignore_eos,
