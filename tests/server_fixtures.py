@@ -126,3 +126,13 @@ def start_tiny_server(api_key: str | None = "test-key", max_body_bytes: int = 64
     app = create_app(llm, ServerConfig(["tiny", "tiny-alias"], api_key=api_key, max_queue=64,
                                        max_body_bytes=max_body_bytes, **(config or {})))
     return ServerThread(app).start(), llm, scripted
+
+
+def idle(server, timeout: float = 20.0) -> None:
+    """Wait until the engine of a test server (`server.engine`, `server.llm`) holds no request,
+    then check its block accounting."""
+    deadline = time.monotonic() + timeout
+    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
+        assert time.monotonic() < deadline, "requests still in the engine"
+        time.sleep(0.02)
+    server.engine.call_sync(server.llm.check_integrity)

@@ -23,7 +23,8 @@ EXAMPLES = 40  # per operation and generation mode: about 480 requests, ~15 s on
 OPERATIONS = {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
               "POST /v1/programs/{program_id}/release", "POST /v1/programs/{program_id}/end", "GET /health",
               "GET /metrics", "POST /v1/responses", "GET /v1/responses/{response_id}",
-              "DELETE /v1/responses/{response_id}", "GET /v1/responses/{response_id}/input_items", "POST /v1/messages", "POST /v1/messages/count_tokens"}
+              "DELETE /v1/responses/{response_id}", "GET /v1/responses/{response_id}/input_items",
+              "POST /v1/messages", "POST /v1/messages/count_tokens"}
 
 
 @pytest.fixture(scope="module")

@@ -506,17 +506,6 @@ def _ended_programs(server, monkeypatch) -> dict[str, int]:
     return ended
 
 
-def idle(server, timeout: float = 10.0) -> None:
-    """No request left in the engine, and the block accounting intact."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
-        assert time.monotonic() < deadline, "requests still in the engine"
-        time.sleep(0.02)
-    server.engine.call_sync(server.llm.check_integrity)
-
-
 def test_a_workload_over_each_api_has_the_same_token_counts(server, monkeypatch):
     """The same short workload over each API (each its own tenant, so each starts cold):
     every turn answered, the same prompt, cached and completion tokens turn by turn, each
@@ -541,6 +530,8 @@ def test_a_workload_over_each_api_has_the_same_token_counts(server, monkeypatch)
             assert t["completion_tokens"] == t["max_tokens"] == 6 and 0 <= t["ttft"] <= t["latency"]
             if t["turn"] > 0:
                 assert t["cached_tokens"] > 0
+    from server_fixtures import idle
+
     idle(server)
 
     def counts(res, key):

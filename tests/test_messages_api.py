@@ -24,7 +24,7 @@ from agentserve.llm import LLM
 from agentserve.server.app import create_app
 from agentserve.server.messages_endpoint import _with_pings
 from agentserve.server.server_state import ServerConfig
-from server_fixtures import ScriptedExecutor, ServerThread
+from server_fixtures import ScriptedExecutor, ServerThread, idle
 from tiny_models import DEVICE, byte_tokenizer, hf_llama, loaded
 
 KEY = "test-key"
@@ -56,15 +56,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
-
-
-def idle(server, timeout: float = 20.0) -> None:
-    """Wait until the engine holds no request, then check the block accounting."""
-    deadline = time.monotonic() + timeout
-    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
-        assert time.monotonic() < deadline, "requests still in the engine"
-        time.sleep(0.02)
-    server.engine.call_sync(server.llm.check_integrity)
 
 
 def program(server, pid: str):
@@ -353,6 +344,8 @@ BAD = [
      404, "the model `claude-sonnet-4-5-20250929` does not exist; this server serves tiny, tiny-alias. Claude Code "
           "sends its own model names unless told otherwise: start it with ANTHROPIC_MODEL=tiny (and "
           "ANTHROPIC_DEFAULT_OPUS_MODEL, ANTHROPIC_DEFAULT_SONNET_MODEL, ANTHROPIC_DEFAULT_HAIKU_MODEL"),
+    ("a format that is no JSON schema", {**OK, "output_config": {"format": {"type": "regex", "pattern": "a+"}}},
+     400, 'output_config.format: the format must be {"type": "json_schema", "schema": {...}}'),
     ("a prompt longer than the context", {**OK, "messages": user("x" * (CONTEXT + 10))},
      400, f"this model's maximum context length is {CONTEXT} tokens (tiny), but the prompt is"),
 ]
@@ -740,3 +733,25 @@ def test_x_api_key_names_its_tenant_among_several():
                             ({"Authorization": "Bearer nope", "x-api-key": "key-b"}, "bob")):
         req = request(headers)
         assert authorize(State, req) == tenant and tenant_scope(State, req) == tenant
+
+
+def test_output_config_format_holds_the_reply_to_the_schema(server):
+    """Anthropic's structured outputs: the random model's reply follows the schema (the grammar makes it)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    body = {"model": "tiny", "max_tokens": 200, "messages": user("Weather?"), "temperature": 0,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    (block,) = r.json()["content"]
+    reply = json.loads(block["text"])
+    assert set(reply) == {"city", "sunny"} and isinstance(reply["sunny"], bool) and len(reply["city"]) <= 12
+    assert r.json()["stop_reason"] == "end_turn"
+    # without the format the same request is free text that is not such an object
+    free = httpx.post(server.url + "/v1/messages", json={k: v for k, v in body.items() if k != "output_config"},
+                      headers={"x-api-key": KEY}, timeout=60).json()
+    text = "".join(b.get("text", "") for b in free["content"])
+    with pytest.raises((ValueError, AssertionError, TypeError)):
+        assert set(json.loads(text)) == {"city", "sunny"}
+    idle(server)

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import TypeAdapter
 
-from server_fixtures import start_tiny_server
+from server_fixtures import start_tiny_server, idle
 
 KEY, OTHER_KEY = "test-key", "other-key"
 TENANT = "api-key-1"  # the tenant of KEY (ServerConfig.api_key)
@@ -51,16 +51,6 @@ def _no_leftover_scripts(server):
     yield
     assert not server.scripted.queued, "a scripted reply was never used"
     server.scripted.queued.clear()
-
-
-def idle(server, timeout: float = 10.0) -> None:
-    """No request left in the engine, and the block accounting intact."""
-    import time
-    deadline = time.monotonic() + timeout
-    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
-        assert time.monotonic() < deadline, "requests still in the engine"
-        time.sleep(0.02)
-    server.engine.call_sync(server.llm.check_integrity)
 
 
 def program(server, pid: str):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ from agentserve.server.identity import IdentityError, resolve_identity
 from agentserve.server.protocol import ChatCompletionRequest
 from agentserve.server.tool_output import (ToolCallStreamer, ToolChoiceError, parse_tool_output,
                                            tool_choice_for)
-from server_fixtures import start_tiny_server
+from server_fixtures import start_tiny_server, idle
 
 KEY = "test-key"
 BS = 4  # the tiny server's block size
@@ -39,15 +38,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
-
-
-def idle(server, timeout: float = 10.0) -> None:
-    """Wait until the engine holds no request, then check the block accounting."""
-    deadline = time.monotonic() + timeout
-    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
-        assert time.monotonic() < deadline, "requests still in the engine"
-        time.sleep(0.02)
-    server.engine.call_sync(server.llm.check_integrity)
 
 
 def pinned(server, pid: str) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Literal
 
 import httpx
@@ -21,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_fixtures import EOS, start_tiny_server
+from server_fixtures import EOS, start_tiny_server, idle as fixtures_idle
 
 pytest.importorskip("xgrammar")
 
@@ -65,13 +64,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def idle(server, timeout: float = 10.0) -> None:
+def idle(server, timeout: float = 20.0) -> None:
     """No request left in the engine, no pin, and the block accounting intact."""
-    deadline = time.monotonic() + timeout
-    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
-        assert time.monotonic() < deadline, "requests still in the engine"
-        time.sleep(0.02)
-    server.engine.call_sync(server.llm.check_integrity)
+    fixtures_idle(server, timeout)
     assert server.engine.call_sync(lambda: len(server.llm.kv.pins)) == 0
 
 

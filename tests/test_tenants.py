@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from agentserve.server.tenants import TenantConfigError, Tenants, key_tenants, read_keys_file
-from server_fixtures import start_tiny_server
+from server_fixtures import start_tiny_server, idle
 
 KEYS = {"key-a": "t-a", "key-a2": "t-a", "key-b": "t-b"}
 WEATHER = [{"type": "function", "function": {
@@ -47,14 +46,6 @@ def chat(server, key: str, content: str, **body) -> dict:
 
 def cached(resp: dict) -> int:
     return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def idle(server, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.engine.call_sync(lambda: server.llm.engine.has_unfinished):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    server.engine.call_sync(server.llm.check_integrity)
 
 
 def pin_blocks(server, engine_pid: str) -> list[int] | None:

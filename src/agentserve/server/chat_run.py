@@ -30,7 +30,7 @@ from agentserve.server.chat_template import TemplateError
 from agentserve.server.identity import ProgramIdentity
 from agentserve.server.input_checks import InputError
 from agentserve.server.message_checks import check_chat
-from agentserve.server.protocol import ChatCompletionRequest, NamedToolChoice, now_s
+from agentserve.server.protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat, now_s
 from agentserve.server.request_checks import input_error, sampling_params
 from agentserve.server.request_run import collect, log_done, open_request, submit_request
 from agentserve.server.server_state import ServerState
@@ -144,12 +144,10 @@ def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = N
     return st.llm.tokenizer.encode(prompt)
 
 
-async def start_chat(st: ServerState, request: Request, req: ChatCompletionRequest, rid: str,
-                     ident: ProgramIdentity, names: PromptNames = PromptNames(), *,
-                     max_tokens: int | None = None, clamp_max_tokens: bool = False) -> ChatRun:
-    """Check `req`, render it and put it into the engine. `max_tokens`: the output cap
-    (None: the room the context leaves), named `names.max_tokens` in errors; `clamp_max_tokens`:
-    a cap beyond that room is cut to it rather than refused."""
+async def checked_prompt(st: ServerState, req: ChatCompletionRequest, ident: ProgramIdentity,
+                         names: PromptNames = PromptNames()) -> tuple[ToolChoice | None, ResponseFormat | None, list[int]]:
+    """`req` checked across its fields, its tool choice, its JSON format (None: text) and its prompt's
+    token ids: what the engine would be given (count_tokens answers with exactly this)."""
     try:
         check_chat(req)
         fmt = json_format(req)
@@ -159,6 +157,16 @@ async def start_chat(st: ServerState, request: Request, req: ChatCompletionReque
     if fmt is not None:
         choice = without_bare_json_calls(choice)
     ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt, names.prompt)
+    return choice, fmt, ids
+
+
+async def start_chat(st: ServerState, request: Request, req: ChatCompletionRequest, rid: str,
+                     ident: ProgramIdentity, names: PromptNames = PromptNames(), *,
+                     max_tokens: int | None = None, clamp_max_tokens: bool = False) -> ChatRun:
+    """Check `req`, render it and put it into the engine. `max_tokens`: the output cap
+    (None: the room the context leaves), named `names.max_tokens` in errors; `clamp_max_tokens`:
+    a cap beyond that room is cut to it rather than refused."""
+    choice, fmt, ids = await checked_prompt(st, req, ident, names)
     params = sampling_params(st, req, len(ids), max_tokens, names.prompt, names.max_tokens, clamp=clamp_max_tokens)
     if choice is not None and choice.forced:
         params = await run_in_threadpool(_constrain_call, st, req, choice, params)

@@ -26,6 +26,9 @@ the reply is Anthropic's. The translation:
   context is a 400 naming the model and the context that would fit.
 - A conversation that ends with an assistant message (Anthropic's prefill)
   is refused: the reply here always starts a new assistant turn.
+- `output_config.format` (`{"type": "json_schema", "schema": ...}`, Anthropic's
+  structured outputs) is chat's strict json_schema `response_format`: the reply
+  is decoded under the schema's grammar (structured_output.py).
 
 Claude Code starts its system prompt with an attribution block,
 `x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;`,
@@ -54,16 +57,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.server.api_errors import APIError, anthropic_error_event
-from agentserve.server.chat_run import (ChatRun, ReplyDelta, chat_tool_choice, render_chat, reply_deltas, start_chat,
-                                        whole_reply)
-from agentserve.server.input_checks import InputError
-from agentserve.server.message_checks import check_chat
+from agentserve.server.chat_run import ChatRun, ReplyDelta, checked_prompt, reply_deltas, start_chat, whole_reply
 from agentserve.server.messages_protocol import (CacheControl, ContentBlockDeltaEvent, ContentBlockStartEvent,
                                                  ContentBlockStopEvent, CountTokensRequest, InputJsonDelta,
                                                  MessageDelta, MessageDeltaEvent, MessageResponse, MessagesRequest,
@@ -72,8 +71,7 @@ from agentserve.server.messages_protocol import (CacheControl, ContentBlockDelta
                                                  ThinkingBlock, ToolChoiceAny, ToolChoiceTool,
                                                  ToolResultBlock, ToolUseBlock, ToolUseContent, TokensCount)
 from agentserve.server.protocol import ChatCompletionRequest
-from agentserve.server.request_checks import (authorize, check_model, input_error, program_identity, read_json,
-                                              validate_body)
+from agentserve.server.request_checks import authorize, check_model, program_identity, read_json, validate_body
 from agentserve.server.request_run import EventStream, sse, usage_of
 from agentserve.server.server_state import ServerState, server_state
 from agentserve.server.tool_output import ParsedCall
@@ -224,16 +222,19 @@ def _cache_ttl(body: CountTokensRequest) -> float | None:
 
 def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request this Messages request is, checked (a 400 in terms of the Messages body)."""
-    if body.output_config is not None and body.output_config.format is not None:
-        raise APIError(400, "output_config.format (structured outputs) is not supported on /v1/messages yet; "
-                            "leave it out, or use /v1/chat/completions with response_format",
-                       param="output_config.format", code="unsupported_parameter")
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is not None and (fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict)):
+        raise _refuse('output_config.format: the format must be {"type": "json_schema", "schema": {...}}',
+                      "output_config.format")
     tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                **({"description": t.description} if t.description else {})}}
              for t in body.tools or ()]
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
     if tools:
         chat["tools"] = tools
+    if fmt is not None:  # Anthropic's structured outputs always follow the schema: chat's strict json_schema
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
     choice = body.tool_choice
     if not tools and choice is not None and choice.type in ("auto", "none"):
         choice = None  # nothing to choose from, nothing to refuse (chat's check would: it needs tools)
@@ -281,14 +282,7 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """The prompt's length as the real request would render it (the same template, tools and drops)."""
     st, body, _ = await _accept(request, CountTokensRequest)
-    req = to_chat(body)
-    ident = program_identity(body, request)
-    try:
-        check_chat(req)
-    except InputError as e:
-        raise input_error(e) from None
-    chat_tool_choice(req)
-    ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt, "messages")
+    _, _, ids = await checked_prompt(st, to_chat(body), program_identity(body, request))
     return JSONResponse(TokensCount(input_tokens=len(ids)).model_dump())
 
 

@@ -179,7 +179,7 @@ class MessagesMetadata(_Strict):
 
 class OutputConfig(_Strict):
     effort: str | None = None  # accepted; nothing here trades effort for speed
-    format: dict[str, Any] | None = None  # structured outputs: refused (messages_endpoint.py) until served
+    format: dict[str, Any] | None = None  # structured outputs: {"type": "json_schema", "schema": {...}}
 
 
 class CountTokensRequest(_Strict):
