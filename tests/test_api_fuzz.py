@@ -1,8 +1,11 @@
 """The OpenAPI document (GET /openapi.json) and schemathesis against the
 live tiny server on loopback: requests generated from that document, valid
-and invalid by it, a bounded number per operation so the test fits CI; not
-one answer >= 500, no reset connection, no error event inside a stream, and
-the server still serves afterwards with its KV accounting intact.
+and invalid by it, a bounded number per operation so the test fits CI, and
+one valid streamed request per streaming operation; not one answer >= 500,
+no reset connection, no error event inside a stream, every answer as the
+document says (schemathesis's status code, content type, header and schema
+conformance checks, each event of a stream included), and the server still
+serves afterwards with its KV accounting intact.
 `python -m agentserve.bench.fuzz_api` runs the same with many more examples."""
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ def test_schemathesis_finds_no_5xx(server):
     assert report.server_errors == 0 and not report.failures, "\n".join(
         f"{f.operation} ({f.mode}): {f.what}\n{f.curl}" for f in report.failures)
     assert report.alive_after and server.thread.is_alive() and server.engine.alive
+    assert not report.nonconforming, report.nonconforming  # (its failures are listed above too)
+    # each streaming operation's events were checked against the document
+    assert set(report.streams) == {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
+                                   "POST /v1/messages"}, report.streams
     # it reached the model, not only the validation: some generated requests were served
     assert report.statuses["POST /v1/chat/completions"]["200"] > 0
     assert report.statuses["POST /v1/messages"]["200"] > 0

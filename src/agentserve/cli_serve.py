@@ -61,6 +61,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # The command line's defaults (the app itself defaults to no queue limit).
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 2048
 
 
 def add_serve(sub) -> None:
@@ -105,6 +107,23 @@ def add_server_options(p) -> None:
                    help="requests that may wait for admission at once; more get 503 (0: no limit)")
     g.add_argument("--max-body-bytes", type=_non_negative("--max-body-bytes"), default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; larger bodies get 413")
+    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="a request body that sends nothing for this long gets 408 and its connection is closed; "
+                        "only silence is timed, never the whole upload, so a slow client that keeps sending is "
+                        "never cut (0: wait forever)")
+    g.add_argument("--max-connections", type=_non_negative("--max-connections"), default=DEFAULT_MAX_CONNECTIONS,
+                   metavar="N",
+                   help="connections carrying a request at once (streams included; idle keep-alive ones are closed "
+                        "by uvicorn after 5 s and not counted); more get 503 with Retry-After and are closed "
+                        "(Anthropic's 529 on /v1/messages). Keep it above --max-queue plus the running requests, "
+                        "and below the open-file limit (ulimit -n). 0: no limit")
+    g.add_argument("--max-connections-per-client", type=_non_negative("--max-connections-per-client"), default=0,
+                   metavar="N",
+                   help="the same bound for each client address (the peer's, or X-Forwarded-For's when the peer is "
+                        "a proxy uvicorn trusts: FORWARDED_ALLOW_IPS, default 127.0.0.1), so that one client that "
+                        "stalls many connections cannot take them all; behind a proxy that does not forward the "
+                        "address every client shares one, as in `agentserve cluster`, whose replicas see every "
+                        "request come from its router. 0: no limit")
     g.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before they are aborted")
     g.add_argument("--gc", choices=["engine", "python"], default="engine",
@@ -221,6 +240,8 @@ def check_serve_args(args) -> None:
         raise CliError(f"--log-stats-interval must be 0 or more, got {args.log_stats_interval}")
     if args.max_body_bytes < 1:
         raise CliError("--max-body-bytes must be at least 1")
+    if not args.request_body_timeout >= 0:
+        raise CliError(f"--request-body-timeout must be 0 or more seconds, got {args.request_body_timeout}")
 
 
 def setup_logging(args) -> None:
@@ -244,7 +265,10 @@ def build_server(args, llm_factory=None):
     llm = thread.run(lambda: factory(args))  # loaded where it will step: see engine_thread.py
     names = args.served_model_name or [default_served_name(llm.model_source)]
     config = ServerConfig(names, tool_calls=tool_calls, api_keys=keys, max_queue=args.max_queue or None,
-                          max_body_bytes=args.max_body_bytes, stats_interval=args.log_stats_interval or None,
+                          max_body_bytes=args.max_body_bytes, request_body_timeout=args.request_body_timeout or None,
+                          max_connections=args.max_connections or None,
+                          max_connections_per_client=args.max_connections_per_client or None,
+                          stats_interval=args.log_stats_interval or None,
                           render_cache=args.render_cache, response_cache=args.response_cache,
                           cached_tokens_report=args.cached_tokens_report, gc_policy=POLICIES[args.gc],
                           responses_store_max=args.responses_store_max[0],

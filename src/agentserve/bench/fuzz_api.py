@@ -2,7 +2,10 @@
 from the server's own OpenAPI document (GET /openapi.json), valid ones and
 deliberately invalid ones, sends each over HTTP and records what came back.
 The claim it checks: no input gets a 5xx, none resets the connection, no
-stream carries a server error, and the server is still serving at the end.
+stream carries a server error, every answer is one the document describes
+(schemathesis's checks: its status code is documented for the operation, its
+content type too, its headers and its body, each event of a stream included,
+conform to the schemas), and the server is still serving at the end.
 
     python -m agentserve.bench.fuzz_api --examples 200            # starts `agentserve serve` on loopback
     python -m agentserve.bench.fuzz_api --url http://127.0.0.1:8000 --api-key KEY
@@ -27,6 +30,16 @@ from typing import Any
 
 MODES = ("positive", "negative")
 
+# One valid streamed request per streaming operation (its model added): generated requests are
+# seldom both valid and streamed, and the events of a stream are checked against the document too.
+STREAMED = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "stream": True,
+                             "stream_options": {"include_usage": True}},
+    "/v1/completions": {"prompt": "Say hi.", "max_tokens": 8, "stream": True},
+    "/v1/responses": {"input": "Say hi.", "max_output_tokens": 16, "stream": True},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "stream": True},
+}
+
 
 @dataclass
 class Failure:
@@ -44,6 +57,8 @@ class FuzzReport:
     statuses: dict[str, Counter] = field(default_factory=dict)  # operation -> status -> count
     failures: list[Failure] = field(default_factory=list)
     refused: dict[str, Counter] = field(default_factory=dict)  # operation -> the param (or code) a 4xx named
+    nonconforming: dict[str, Counter] = field(default_factory=dict)  # operation -> the checks an answer failed
+    streams: Counter = field(default_factory=Counter)  # operation -> event streams answered (and checked)
     skipped: dict[str, str] = field(default_factory=dict)  # "operation mode" -> why none could be generated
     alive_after: bool | None = None
     seconds: float = 0.0
@@ -62,6 +77,8 @@ class FuzzReport:
                 "alive_after": self.alive_after,
                 "statuses": {op: dict(sorted(c.items())) for op, c in sorted(self.statuses.items())},
                 "refused": {op: dict(c.most_common()) for op, c in sorted(self.refused.items())},
+                "nonconforming": {op: dict(c.most_common()) for op, c in sorted(self.nonconforming.items())},
+                "event_streams": dict(sorted(self.streams.items())),
                 "failures": [vars(f) for f in self.failures], "skipped": self.skipped}
 
     def table(self) -> str:
@@ -71,8 +88,10 @@ class FuzzReport:
         for op, c in sorted(self.statuses.items()):
             lines.append(f"{op:<{width}}  " + "  ".join(f"{c.get(s, 0):>5}" for s in codes)
                          + f"  {sum(c.values()):>5}")
+        bad = sum(sum(c.values()) for c in self.nonconforming.values())
         lines.append(f"{self.requests} requests in {self.seconds:.0f} s; {self.server_errors} with status >= 500; "
-                     f"{len(self.failures)} failures; server alive after: {self.alive_after}")
+                     f"{bad} answers not as the document says; {len(self.failures)} failures; server alive after: "
+                     f"{self.alive_after}")
         return "\n".join(lines)
 
 
@@ -80,9 +99,15 @@ class FuzzReport:
 _SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error"}
 
 
+def _event_stream(response) -> bool:
+    """Whether the answer is an event stream (schemathesis's responses hold each header's values as a list)."""
+    value = response.headers.get("content-type", "")
+    return "text/event-stream" in (",".join(value) if isinstance(value, list) else value)
+
+
 def _stream_error(response) -> bool:
     """Whether a 200 event stream carried an error event (a server error sent after the status)."""
-    if "text/event-stream" not in response.headers.get("content-type", ""):
+    if not _event_stream(response):
         return False
     for line in response.text.splitlines():
         if line.startswith("data: {") and '"error"' in line:
@@ -147,14 +172,36 @@ def fuzz(base_url: str, *, api_key: str | None = None, examples: int = 20, seed:
                 run()
             except hypothesis.errors.Unsatisfiable as e:
                 report.skipped[f"{label} {mode}"] = f"Unsatisfiable: {e}"[:300]
+        streamed = STREAMED.get(op.path) if op.method.upper() == "POST" else None
+        if streamed is not None:
+            body = {"model": _served_model(base_url, headers, timeout_s), **streamed}
+            _sender(report, label, "stream", headers, timeout_s)(op.Case(body=body, media_type="application/json"))
     report.alive_after = health_ok(base_url)
     report.seconds = time.monotonic() - t0
     return report
 
 
+def _served_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:
+    req = urllib.request.Request(base_url + "/v1/models", headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def conformance_checks() -> list:
+    """schemathesis's checks of an answer against the document (the 5xx check is this module's own)."""
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
+                                                   response_schema_conformance, status_code_conformance)
+
+    return [status_code_conformance, content_type_conformance, response_headers_conformance,
+            response_schema_conformance]
+
+
 def _sender(report: FuzzReport, label: str, mode: str, headers: dict[str, str], timeout_s: float):
     """The test body: send one generated case and count its outcome."""
+    from schemathesis.core.failures import FailureGroup
+
     counts = report.statuses[label]
+    checks = conformance_checks()
 
     def send(case) -> None:
         try:
@@ -165,6 +212,8 @@ def _sender(report: FuzzReport, label: str, mode: str, headers: dict[str, str], 
                                            case.as_curl_command(headers=headers)))
             return
         counts[str(r.status_code)] += 1
+        if _event_stream(r):
+            report.streams[label] += 1
         if 400 <= r.status_code < 500:
             report.refused.setdefault(label, Counter())[_refused_for(r)] += 1
         if r.status_code >= 500:
@@ -174,6 +223,13 @@ def _sender(report: FuzzReport, label: str, mode: str, headers: dict[str, str], 
             counts["200+stream error"] += 1
             report.failures.append(Failure(label, mode, "a server error event in the stream",
                                            case.as_curl_command(headers=headers)))
+        try:
+            case.validate_response(r, checks=checks, headers=headers)
+        except FailureGroup as group:
+            for f in group.exceptions:
+                report.nonconforming.setdefault(label, Counter())[f.title] += 1
+                report.failures.append(Failure(label, mode, f"status {r.status_code}: {f.title}: {f.message}"[:600],
+                                               case.as_curl_command(headers=headers)))
 
     return send
 

@@ -28,6 +28,7 @@ import re
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
 
 from agentserve.server.messages_protocol import AnthropicError, AnthropicErrorResponse
 from agentserve.server.protocol import ErrorBody, ErrorResponse
@@ -110,7 +111,20 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = f"{request.method} {request.url.path}: {exc.detail}"
-    return APIError(exc.status_code, msg, code=kind).response(request.url.path)
+    reply = APIError(exc.status_code, msg, code=kind).response(request.url.path)
+    if exc.status_code == 405:  # RFC 9110: a 405 names the methods the path has
+        reply.headers["Allow"] = ", ".join(allowed_methods(request))
+    return reply
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (Starlette's 405 names one route's only)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> Response:

@@ -30,8 +30,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -45,6 +47,7 @@ from agentserve.server.dashboard_endpoint import dashboard_routes
 from agentserve.server.dashboard_view import DashboardSource
 from agentserve.server.engine_listeners import Listeners
 from agentserve.server.engine_thread import EngineThread
+from agentserve.server.http_limits import HttpLimits
 from agentserve.server.input_checks import InputError, check_path_id
 from agentserve.server.messages_endpoint import count_tokens, messages
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -57,6 +60,16 @@ from agentserve.server.response_cache import ResponseCache
 from agentserve.server.responses_endpoint import create_response, delete_response, get_response, list_input_items
 from agentserve.server.responses_store import ResponsesStore
 from agentserve.server.server_state import ServerConfig, ServerState, server_state
+
+
+class _ProgramIdConvertor(PathConvertor):
+    """Starlette's path convertor, line feeds included (its `.*` stops at one, which made a 404 of
+    an id holding one): what a program id may hold is check_path_id's to say, in a 400."""
+
+    regex = "(?s:.*)"
+
+
+register_url_convertor("program_id", _ProgramIdConvertor())
 
 
 def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = None,
@@ -97,11 +110,14 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
-        Route("/v1/programs/{program_id:path}/release", release_program, methods=["POST"]),
-        Route("/v1/programs/{program_id:path}/end", end_program, methods=["POST"]),
+        Route("/v1/programs/{program_id:program_id}/release", release_program, methods=["POST"]),
+        Route("/v1/programs/{program_id:program_id}/end", end_program, methods=["POST"]),
         *dashboard_routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+    # the connection bounds and the body timeout hold on every route (http_limits.py)
+    limits = Middleware(HttpLimits, body_timeout=config.request_body_timeout, max_connections=config.max_connections,
+                        max_per_client=config.max_connections_per_client)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[limits], exception_handlers={
         APIError: api_error_handler, HTTPException: http_error_handler, Exception: internal_error_handler})
     app.state.server = state
     return app

@@ -58,6 +58,7 @@ both are equal."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,13 @@ MAX_ID_LENGTH = 256
 MAX_SALT_LENGTH = 256
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+# the header hints' exact forms, as the OpenAPI document states them (an HTTP parser strips a value's
+# spaces and tabs; a client library may not): a flag is one of _TRUE / _FALSE in any case, a TTL a
+# plain decimal number of seconds (no sign, exponent or underscores, which Python's float would take)
+HEADER_FLAG_PATTERN = (r"^[ \t]*([Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee]|[Yy][Ee][Ss]|[Nn][Oo]|[Oo][Nn]|[Oo][Ff][Ff]|1|0)?"
+                       r"[ \t]*$")
+HEADER_SECONDS_PATTERN = r"^[ \t]*[0-9]+(\.[0-9]+)?[ \t]*$"
+_SECONDS = re.compile(HEADER_SECONDS_PATTERN)
 
 
 class IdentityError(ValueError):
@@ -191,10 +199,10 @@ def _ttl(body: Any, headers: Mapping[str, str], vllm_hint: Any, sgl_hints: Any) 
         return body.ttl, "ttl", body.ttl
     raw = headers.get("x-program-ttl")
     if raw is not None:
-        try:
-            return float(raw), "X-Program-TTL", raw
-        except ValueError:
-            raise IdentityError(f"X-Program-TTL must be a number of seconds, got {raw!r}", "X-Program-TTL") from None
+        if not _SECONDS.fullmatch(raw):
+            raise IdentityError(f"X-Program-TTL must be a number of seconds (digits, and a fraction after a "
+                                f"'.'), got {raw!r}", "X-Program-TTL")
+        return float(raw), "X-Program-TTL", raw
     cache_control = getattr(vllm_hint, "cache_control", None)
     if getattr(cache_control, "ttl", None) is not None:
         return cache_control.ttl, "agent_hint.cache_control.ttl", cache_control.ttl
@@ -208,7 +216,7 @@ def _flag(headers: Mapping[str, str], key: str, name: str) -> bool:
     raw = headers.get(key)
     if raw is None:
         return False
-    v = raw.strip().lower()
+    v = raw.strip(" \t").lower()
     if v in _TRUE:
         return True
     if v in _FALSE:

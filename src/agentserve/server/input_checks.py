@@ -70,9 +70,20 @@ def check_id_headers(headers: Mapping[str, str]) -> None:
             check_id(value, name)
 
 
+# An id in a path (percent-decoded, so `a%2Fb` is `a/b`): no control characters (C0, DEL, C1), and one
+# character at least that is not a space. Spelled out rather than with \s, so that Python's re and the
+# OpenAPI document's (ECMA-262) regexes read it alike.
+_CONTROL = r"\x00-\x1f\x7f-\x9f"
+_SPACES = r" \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+PATH_ID_PATTERN = rf"^[^{_CONTROL}]*[^{_CONTROL}{_SPACES}][^{_CONTROL}]*$"
+_PATH_ID = re.compile(PATH_ID_PATTERN)
+
+
 def check_path_id(value: str, name: str = "program_id") -> None:
     if not value.strip():
         raise InputError(f"{name} must not be empty", name)
+    if not _PATH_ID.fullmatch(value):
+        raise InputError(f"{name} must hold a character other than a space, and no control characters", name)
     check_id(value, name)
 
 

@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from agentserve.server.identity import MAX_ID_LENGTH
+from agentserve.server.identity import HEADER_FLAG_PATTERN, HEADER_SECONDS_PATTERN, MAX_ID_LENGTH
+from agentserve.server.input_checks import PATH_ID_PATTERN
 from agentserve.server.messages_protocol import (STREAM_EVENTS, AnthropicErrorResponse, CountTokensRequest,
                                                  MessageResponse, MessagesRequest, TokensCount)
 from agentserve.server.protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
@@ -34,19 +35,29 @@ _ERRORS = {
     "400": "a malformed body, a value out of range, an unsupported parameter or a prompt over the context",
     "401": "a missing or wrong API key",
     "404": "an unknown model",
+    "408": "the body stopped arriving: nothing of it for --request-body-timeout seconds (the connection is closed)",
     "413": "a body over --max-body-bytes",
-    "503": "the queue is full or the engine is not running; retry after Retry-After seconds",
+    "500": "the engine failed while computing the reply (the message says how)",
+    "503": "the queue is full, the engine is not running, or too many connections are in progress "
+           "(--max-connections, --max-connections-per-client); retry after Retry-After seconds",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
                                 "schema": {"type": "integer", "minimum": 0}}}
 
+_NEEDS_ID = ("; a retention hint, so it needs a program id (the body's program_id, X-Program-Id, or any other way "
+             "the request names its program): without one the request gets 400")
+_FLAG = ("true, false, 1, 0, yes, no, on or off, in any case (empty: false)", {"pattern": HEADER_FLAG_PATTERN})
 _ID_HEADERS = [
-    ("X-Program-Id", "the program this request belongs to (when the body names none)", {"maxLength": MAX_ID_LENGTH}),
+    ("X-Program-Id", "the program this request belongs to (when the body names none); spaces around it are "
+                     "ignored and an empty value names nothing", {"maxLength": MAX_ID_LENGTH}),
     ("X-Session-Id", "the program, by vLLM's name (after X-Program-Id and body session_id)",
      {"maxLength": MAX_ID_LENGTH}),
-    ("X-Program-TTL", "seconds to keep the program's KV after this turn", {"pattern": r"^[0-9]+(\.[0-9]+)?$"}),
-    ("X-Program-Release", "true: drop the program's pin after this turn", {"enum": ["true", "false"]}),
-    ("X-Program-End", "true: the program is over after this turn", {"enum": ["true", "false"]}),
+    ("X-Program-TTL", "seconds to keep the program's KV after this turn: digits, with a fraction after a '.' "
+                      "(60, 2.5)" + _NEEDS_ID, {"pattern": HEADER_SECONDS_PATTERN}),
+    ("X-Program-Release", "a flag: true drops the program's pin after this turn; " + _FLAG[0] + _NEEDS_ID + " when "
+                          "true", _FLAG[1]),
+    ("X-Program-End", "a flag: true ends the program after this turn (no program named: nothing to end); "
+                      + _FLAG[0], _FLAG[1]),
 ]
 
 
@@ -59,12 +70,25 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _errors(*codes: str) -> dict[str, Any]:
+    """The error replies of `codes`; every operation can answer 503 (the connection bounds, http_limits.py)."""
     out: dict[str, Any] = {}
-    for code in codes:
+    for code in (*codes, "503"):
         out[code] = {"description": _ERRORS[code], "content": _json(ErrorResponse)}
         if code == "503":
             out[code]["headers"] = _RETRY_AFTER
     return out
+
+
+def _event_stream(events: str, data: dict[str, Any], *, done: bool = False) -> dict[str, Any]:
+    """A streamed reply: server-sent events. As OpenAPI 3.1 reads an event stream, the schema is one
+    event's (its `event` name and `data` text): the data is a JSON text that `data` describes
+    (contentMediaType and contentSchema), or (`done`) the `[DONE]` that ends OpenAI's streams."""
+    payload: dict[str, Any] = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
+    if done:
+        payload = {"type": "string", "if": {"const": "[DONE]"}, "else": payload}
+    return {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": payload},
+        "description": f"one server-sent event of the stream (text/event-stream): {events}"}}}
 
 
 def _generation(summary: str, request: type[BaseModel], reply: type[BaseModel], chunk: type[BaseModel],
@@ -77,12 +101,14 @@ def _generation(summary: str, request: type[BaseModel], reply: type[BaseModel], 
         "responses": {
             "200": {"description": f"the reply; with `stream: true`, server-sent events of {chunk.__name__} "
                                    "objects ending with `data: [DONE]`",
-                    "content": {**_json(reply), "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors("400", "401", "404", "413", "503")}}}
+                    "content": {**_json(reply), **_event_stream(
+                        f"`data:` lines of {chunk.__name__} objects (an engine failure mid-stream: an ErrorResponse "
+                        "object), then `data: [DONE]`", {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}, done=True)}},
+            **_errors("400", "401", "404", "408", "413", "500")}}}
 
 
-_ANTHROPIC_ERRORS = {**_ERRORS, "529": "the queue is full or the engine is not running (Anthropic's overloaded_error); "
-                                      "retry after Retry-After seconds"}
+_ANTHROPIC_ERRORS = {**_ERRORS, "529": "the queue is full, the engine is not running, or too many connections are "
+                                      "in progress (Anthropic's overloaded_error); retry after Retry-After seconds"}
 _ANTHROPIC_HEADERS = [
     ("anthropic-version", "accepted (any version)", {}),
     ("anthropic-beta", "accepted (betas change nothing here)", {}),
@@ -104,9 +130,12 @@ def _anthropic_op(summary: str, request: type[BaseModel], reply: type[BaseModel]
     if stream:
         ok["description"] += ("; with `stream: true`, server-sent events (`event:` lines) message_start, "
                               "content_block_start / _delta / _stop, message_delta, message_stop, ping and error")
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["content"].update(_event_stream(
+            "named events (`event:` and `data:` lines, each data a JSON object): message_start, content_block_start "
+            "/ _delta / _stop, message_delta, message_stop, ping, and error (an engine failure mid-stream)",
+            {"anyOf": [*map(_ref, STREAM_EVENTS), _ref(AnthropicErrorResponse)]}))
     errors: dict[str, Any] = {}
-    for code in ("400", "401", "404", "413", "529"):
+    for code in ("400", "401", "404", "408", "413", *(("500",) if stream else ()), "529"):
         errors[code] = {"description": _ANTHROPIC_ERRORS[code], "content": _json(AnthropicErrorResponse)}
         if code == "529":
             errors[code]["headers"] = _RETRY_AFTER
@@ -124,8 +153,14 @@ def _responses_paths(auth: list) -> dict[str, Any]:
         "response.content_part.added / .done, response.output_text.delta / .done, "
         "response.function_call_arguments.delta / .done, response.custom_tool_call_input.delta / .done, then "
         "response.completed, response.incomplete or (after an `error` event) response.failed; no [DONE] line")
-    rid = {"name": "response_id", "in": "path", "required": True,
-           "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH}}
+    create["post"]["responses"]["200"]["content"].update(_event_stream(
+        "named events (`event:` and `data:` lines, each data a JSON object named by its `type`), as above",
+        {"type": "object", "required": ["type", "sequence_number"],
+         "properties": {"type": {"type": "string"}, "sequence_number": {"type": "integer", "minimum": 0}}}))
+    create["post"]["responses"]["404"]["description"] = ("an unknown model, or a previous_response_id that is not "
+                                                         "stored (previous_response_not_found)")
+    rid = {"name": "response_id", "in": "path", "required": True, "description": _PATH_ID_RULES,
+           "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH, "pattern": PATH_ID_PATTERN}}
     missing = {"404": {"description": "no such stored response (never stored, deleted, evicted, another key's)",
                        "content": _json(ErrorResponse)}}
     listing = [rid, {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
@@ -148,11 +183,18 @@ def _responses_paths(auth: list) -> dict[str, Any]:
     }
 
 
+_PATH_ID_RULES = ("percent-decoded before it is read (so `a%2Fb` is `a/b`: a program id holding '/' may be "
+                  "sent either way); at most 256 characters, none of them a control character (U+0000-U+001F, "
+                  "U+007F-U+009F), one at least other than a space; otherwise 400")
+
+
 def _program_op(summary: str, reply: type[BaseModel], auth: list) -> dict[str, Any]:
     return {"post": {
         "summary": summary, "security": auth,
         "parameters": [{"name": "program_id", "in": "path", "required": True,
-                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH}}],
+                        "description": "the program's id, as its requests named it; " + _PATH_ID_RULES,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH,
+                                   "pattern": PATH_ID_PATTERN}}],
         "responses": {"200": {"description": "done", "content": _json(reply)}, **_errors("400", "401")}}}
 
 
@@ -162,6 +204,13 @@ def openapi_document(model_names: list[str], auth: bool) -> dict[str, Any]:
                                  ref_template=_REF)
     for name in ("MessagesRequest", "CountTokensRequest"):  # Anthropic's `model` is required: one served here
         defs["$defs"][name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
+    # /v1/completions takes one prompt, not empty (completions_endpoint.py refuses others with a 400)
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+           "description": "token ids of the model's vocabulary"}
+    defs["$defs"]["CompletionRequest"]["properties"]["prompt"] = {"title": "Prompt", "anyOf": [
+        {"type": "string", "minLength": 1}, ids,
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]}
     need = [{"bearer": []}] if auth else []
     need_anthropic = [{"bearer": []}, {"x-api-key": []}] if auth else []  # either header
     paths: dict[str, Any] = {
@@ -181,13 +230,16 @@ def openapi_document(model_names: list[str], auth: bool) -> dict[str, Any]:
                                                      ProgramEnded, need),
         "/health": {"get": {"summary": "whether the engine runs", "security": [], "responses": {
             "200": {"description": "serving", "content": _json(Health)},
-            "503": {"description": "the engine is not running", "headers": _RETRY_AFTER, "content": _json(Health)}}}},
+            "503": {"description": "the engine is not running (a Health object), or too many connections are in "
+                                   "progress (an ErrorResponse)", "headers": _RETRY_AFTER,
+                    "content": {"application/json": {"schema": {"oneOf": [_ref(Health), _ref(ErrorResponse)]}}}}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics (names prefixed agentserve:)", "security": need,
                              "responses": {"200": {"description": "the text exposition format",
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}},
                                            **_errors("401")}}},
         "/openapi.json": {"get": {"summary": "this document", "security": [], "responses": {
-            "200": {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "200": {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_errors()}}},
     }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",

@@ -32,6 +32,10 @@ class ServerConfig:
     cached_tokens_report: Literal["exact", "none"] = "exact"  # none: usage says 0 cached tokens
     max_queue: int | None = None  # requests waiting for admission at most (None: no limit); beyond: 503
     max_body_bytes: int = 16 * 2**20  # beyond: 413
+    # seconds without a byte while a body arrives (None: no limit); beyond: 408 (http_limits.py)
+    request_body_timeout: float | None = 10.0
+    max_connections: int | None = None  # connections carrying a request at once (None: no limit); beyond: 503
+    max_connections_per_client: int | None = None  # the same for one client address
     stats_interval: float | None = None  # seconds between the engine's stats log lines (None: none)
     tool_calls: ValidatorConfig = field(default_factory=ValidatorConfig)  # the streaming tool-call validator
     render_cache: int = RENDER_CACHE_ENTRIES  # chat prompts whose token ids are kept for reuse (0: off)
