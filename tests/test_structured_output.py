@@ -344,7 +344,7 @@ def test_the_openai_agents_sdk_with_an_output_type_and_a_tool(server):
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
         model = agents.OpenAIResponsesModel(model="tiny", openai_client=aclient)
         agent = agents.Agent(name="typed", instructions="Describe a person.", tools=[get_weather], model=model,
-                             output_type=Person, model_settings=agents.ModelSettings(max_tokens=400))
+                             output_type=Person, model_settings=agents.ModelSettings(max_tokens=1500))
         try:
             return await agents.Runner.run(agent, "Weather in Paris, then a person?")
         finally:
