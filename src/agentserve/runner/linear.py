@@ -200,7 +200,7 @@ class _CodesLinear:
 
     __slots__ = ("lib", "packed", "q8", "bias", "bias32", "dense", "max_rows", "shape")
 
-    def __init__(self, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None, max_rows: int, pack: bool,
+    def __init__(self, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None, max_rows: int, pack: bool | None,
                  dense: Linear | None, lib) -> None:
         if not int4_shape_ok(weight.shape):
             raise ValueError(f"{weight.qtype} weights need rows in multiples of 16 and whole blocks, "
@@ -212,6 +212,8 @@ class _CodesLinear:
         self.bias = bias
         self.bias32 = None if bias is None or lib is None else bias.float().contiguous()
         self.max_rows = max_rows
+        if pack is None:  # oneDNN packing where this CPU has it (not every x86 CPU does)
+            pack = should_pack(torch.bfloat16, torch.device("cpu"))
         # `dense` lets a tied LM head share the embedding's bf16 copy
         self.dense = dense or Linear(weight.dequantize().to(torch.bfloat16), bias, pack)
 
@@ -260,7 +262,7 @@ class Q4Linear(_CodesLinear):
     __slots__ = ("int4", "scales_zeros")
 
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int | None = None,
-                 pack: bool = True, dense: Linear | None = None, kernel: str = "auto") -> None:
+                 pack: bool | None = None, dense: Linear | None = None, kernel: str = "auto") -> None:
         if kernel not in ("auto", "torch"):
             raise ValueError(f"kernel {kernel!r} is not one of auto, torch")
         lib = native.gguf_kernel() if kernel == "auto" else None
@@ -291,7 +293,7 @@ class Q8Linear(_CodesLinear):
     __slots__ = ()
 
     def __init__(self, weight: Q8Weight, bias: torch.Tensor | None = None, max_rows: int = NATIVE_Q8_MAX_ROWS,
-                 pack: bool = True, dense: Linear | None = None) -> None:
+                 pack: bool | None = None, dense: Linear | None = None) -> None:
         lib = native.gguf_kernel()
         if lib is None:
             raise RuntimeError(f"no Q8_0 kernel: {native.gguf_unavailable_reason()}")
