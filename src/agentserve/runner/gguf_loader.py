@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.checkpoint import LoadedModel, check_weights
-from agentserve.runner.quant import Q4_TYPES, Q8_TYPES, QuantWeight, from_blocks
+from agentserve.runner.quant import KEPT_TYPES, QuantWeight, from_blocks
 from agentserve.runner.tokenizer import Tokenizer
 
 # Architecture -> whether its converter permuted q/k rows for interleaved rope.
@@ -96,7 +96,7 @@ def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted
         hf = hf_name(name, source)
         qtype = GGMLQuantizationType(t.tensor_type).name
         w: torch.Tensor | QuantWeight
-        if keep_quantized and (qtype in Q4_TYPES or qtype in Q8_TYPES) and len(t.shape) == 2:
+        if keep_quantized and qtype in KEPT_TYPES and len(t.shape) == 2:
             w = quant_tensor(t)
         else:
             w = dequantize_tensor(t)

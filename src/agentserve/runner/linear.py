@@ -302,3 +302,16 @@ class Q8Linear(_CodesLinear):
 
 def q8_available(device: torch.device) -> bool:
     return device.type == "cpu" and native.gguf_kernel() is not None
+
+
+def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Linear | None,
+                 device: torch.device) -> "Q4Linear | Q8Linear | None":
+    """The projection over the row-concatenation of `parts` on a kernel for their
+    GGUF codes, or None where no kernel takes them (the caller dequantizes)."""
+    for kind, layer in ((Q4Weight, Q4Linear), (Q8Weight, Q8Linear)):
+        if not all(isinstance(r, kind) for r in parts):
+            continue
+        q = parts[0] if len(parts) == 1 else kind.cat(parts)  # type: ignore[attr-defined]
+        if int4_shape_ok(q.shape) and (kind is Q4Weight or q8_available(device)):
+            return layer(q, bias, pack=pack, dense=dense)
+    return None

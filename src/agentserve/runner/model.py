@@ -23,9 +23,8 @@ from agentserve.runner.attention import AttentionMetadata, attend_native, paged_
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
 from agentserve.runner.layer_ops import LayerOps
-from agentserve.runner.linear import (Linear, Q4Linear, Q8Linear, int4_shape_ok, int4_unavailable, q8_available,
-                                     should_pack)
-from agentserve.runner.quant import Q4Weight, Q8Weight, QuantWeight
+from agentserve.runner.linear import Linear, Q4Linear, Q8Linear, codes_linear, int4_unavailable, should_pack
+from agentserve.runner.quant import QuantWeight, is_quantized
 from agentserve.runner.rope import RotaryTable, apply_rotary
 
 
@@ -90,16 +89,13 @@ class LlamaModel:
 
     def _linear(self, w: "_Weights", names: list[str], bias: torch.Tensor | None = None,
                 dense: Linear | None = None) -> Linear | Q4Linear | Q8Linear:
-        """One projection from the row-concatenation of `names`: on the int4
-        kernel when quantized and every part is Q4, on the Q8_0 kernel when
-        every part is Q8_0 and that kernel is built, else dense."""
-        raw = [w.raw(n) for n in names]
-        for kind, layer in ((Q4Weight, Q4Linear), (Q8Weight, Q8Linear)):
-            if not (self.quantized and all(isinstance(r, kind) for r in raw)):
-                continue
-            q = raw[0] if len(raw) == 1 else kind.cat(raw)  # type: ignore[attr-defined]
-            if int4_shape_ok(q.shape) and (kind is Q4Weight or q8_available(self.device)):
-                return layer(q, bias, pack=self.pack, dense=dense)
+        """One projection from the row-concatenation of `names`: on a kernel for
+        the weights' GGUF codes when quantized and one applies (`codes_linear`),
+        else dense."""
+        if self.quantized:
+            kept = codes_linear([w.raw(n) for n in names], bias, self.pack, dense, self.device)
+            if kept is not None:
+                return kept
         if dense is not None:
             return dense
         weight = w.take(names[0]) if len(names) == 1 else torch.cat([w.take(n) for n in names])
@@ -222,6 +218,6 @@ class _Weights:
     def take(self, name: str) -> torch.Tensor:
         """Dense, in the compute dtype (a Q4Weight or Q8Weight is dequantized first)."""
         t = self.raw(name)
-        if isinstance(t, (Q4Weight, Q8Weight)):
+        if is_quantized(t):
             t = t.dequantize()
         return t.to(device=self.device, dtype=self.dtype).contiguous()

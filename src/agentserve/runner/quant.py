@@ -92,6 +92,12 @@ class Q8Weight:
 
 
 QuantWeight = Q4Weight | Q8Weight
+# the GGUF types `from_blocks` keeps as codes
+KEPT_TYPES = {**Q4_TYPES, **Q8_TYPES}
+
+
+def is_quantized(t: object) -> bool:
+    return isinstance(t, (Q4Weight, Q8Weight))
 
 
 def from_blocks(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
