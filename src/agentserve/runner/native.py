@@ -1,19 +1,31 @@
 """The native CPU kernels (csrc/): compiled at first use, cached, loaded with ctypes.
 
-The C sources (paged attention, the GGUF Q4/Q8 weight matrix products, the
-small per-layer operations of a bfloat16 forward) are built together with the machine's C compiler (`cc`, or $CC) for this
-CPU (-march=native) and OpenMP, into a cache directory keyed by the source,
-the compiler and the CPU, so it is built once per machine (about a second).
-It links the same OpenMP runtime that torch has already loaded (the soname
-matches), so the kernels share torch's threads instead of starting a second
-team that would compete for the cores. No torch headers are needed.
+The C sources (paged attention, the GGUF weight matrix products, the small
+per-layer operations of a bfloat16 forward) are built together with the
+machine's C compiler (`cc`, or $CC) for this CPU (-march=native) and OpenMP,
+into a cache directory keyed by the source, the compiler and the CPU, so it is
+built once per machine (about a second). It links the same OpenMP runtime
+that torch has already loaded (the soname matches), so the kernels share
+torch's threads instead of starting a second team that would compete for the
+cores. No torch headers are needed.
 
 Anything that goes wrong (no compiler, a failed build, a library that does
 not load, AGENTSERVE_ATTENTION=torch) leaves `paged_attention_kernel()`
 returning None with one warning in the log; callers then use the portable
-torch path. `gguf_kernel()` is None when the library is missing or was built
-for a CPU without AVX512-VNNI; `linear.Q4Linear` then uses torch's int4
-kernel."""
+torch path.
+
+Which CPU gets which GGUF kernel (`--weights native`, decode-sized steps):
+
+* AVX512-VNNI (with AVX512F/BW: Intel Cascade Lake and later, AMD Zen 4 and
+  later): `gguf_kernel()`, csrc/gguf_matmul.c, for Q4_0, Q4_1 and Q8_0
+  (repacked into 16-row tiles at load); `block_kernel()` for Q5_0, Q5_1,
+  Q4_K, Q5_K and Q6_K.
+* AVX2 with FMA and F16C, no AVX512-VNNI (Intel Haswell to Comet Lake, AMD
+  Zen 1-3): `block_kernel()`, csrc/block_matmul.c, for every one of those
+  eight types, read as the file stores them.
+* Neither (or no C compiler): no native kernel; Q4_0/Q4_1 run on torch's int4
+  kernel, every other type is dequantized to bfloat16 at load (one log line
+  says so)."""
 
 from __future__ import annotations
 
@@ -99,7 +111,7 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(_build(cc)))
     fn = lib.agentserve_paged_attention
     i, p, L, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    fn.argtypes = [i, p, p, p, p, L, i, i, i, i, i, p, p, p, p, p, f, i, i]
+    fn.argtypes = [i, p, p, p, p, L, i, i, i, i, i, p, p, p, p, p, f, i, i, i]
     fn.restype = ctypes.c_int
     lib.agentserve_paged_attention_big_tiles.argtypes = []
     lib.agentserve_paged_attention_big_tiles.restype = ctypes.c_int
@@ -111,12 +123,18 @@ def _load() -> ctypes.CDLL:
     lib.agentserve_q8_pack.restype = None
     lib.agentserve_gguf_matmul.argtypes = [i, i, p, L, L, p, L, p, p, i]
     lib.agentserve_gguf_matmul.restype = ctypes.c_int
+    lib.agentserve_block_fast.argtypes = []
+    lib.agentserve_block_fast.restype = ctypes.c_int
+    lib.agentserve_block_matmul.argtypes = [i, i, p, L, L, p, L, p, p, L, i]
+    lib.agentserve_block_matmul.restype = ctypes.c_int
     lib.agentserve_add_rms_norm.argtypes = [p, p, p, p, L, L, f, i]
     lib.agentserve_add_rms_norm.restype = None
     lib.agentserve_rope_kv.argtypes = [p, L, i, i, i, p, p, p, p, p, L, p, p, i]
     lib.agentserve_rope_kv.restype = None
     lib.agentserve_silu_mul.argtypes = [p, L, L, p, i]
     lib.agentserve_silu_mul.restype = None
+    lib.agentserve_gelu_tanh_mul.argtypes = [p, L, L, p, i]
+    lib.agentserve_gelu_tanh_mul.restype = None
     return lib
 
 
@@ -163,11 +181,20 @@ def big_tiles() -> bool:
 
 
 def gguf_kernel() -> ctypes.CDLL | None:
-    """The library when it has the GGUF (Q4_0/Q4_1/Q8_0) matrix products for this CPU
-    (AVX512-VNNI), else None."""
+    """The library when it has the tiled Q4_0/Q4_1/Q8_0 matrix products of
+    csrc/gguf_matmul.c for this CPU (AVX512-VNNI), else None."""
     with _lock:
         lib = _library()
     return lib if lib is not None and lib.agentserve_q4_fast() else None
+
+
+def block_kernel() -> ctypes.CDLL | None:
+    """The library when it has csrc/block_matmul.c's products on the file's own
+    blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) for this CPU (AVX2,
+    FMA and F16C), else None (the reason is in `block_unavailable_reason()`)."""
+    with _lock:
+        lib = _library()
+    return lib if lib is not None and lib.agentserve_block_fast() else None
 
 
 def layer_ops() -> ctypes.CDLL | None:
@@ -183,7 +210,15 @@ def gguf_unavailable_reason() -> str | None:
     """Why `gguf_kernel()` is None (a phrase for a log line), or None."""
     if gguf_kernel() is not None:
         return None
-    return _lib_why_not or "the kernels were built for a CPU without AVX512-VNNI"
+    return _lib_why_not or ("this CPU lacks AVX512-VNNI, which the tiled Q4_0/Q4_1/Q8_0 kernel needs "
+                            "(AVX2 CPUs use the block kernel for those types instead)")
+
+
+def block_unavailable_reason() -> str | None:
+    """Why `block_kernel()` is None (a phrase for a log line), or None."""
+    if block_kernel() is not None:
+        return None
+    return _lib_why_not or "this CPU lacks AVX2, FMA or F16C, which the GGUF block kernel needs"
 
 
 def unavailable_reason() -> str | None:

@@ -1,0 +1,294 @@
+/* y = x W^T for a GGUF weight read straight from the file's blocks (Q4_0,
+ * Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), for the few rows of a decode
+ * step, on AVX2 (with FMA and F16C): the CPUs without the AVX512-VNNI kernel
+ * of gguf_matmul.c, and the types that kernel does not take.
+ *
+ * Every type is, per run of 32 weights j of a row, w = f_j * c + mn_j with c
+ * a small signed integer code times an integer sub-block scale (Q4_K, Q5_K:
+ * 6 bits; Q6_K: int8 per 16 weights), f_j the block's fp16 scale and mn_j
+ * its minimum (Q4_1, Q5_1: m; Q4_K, Q5_K: -dmin * min; else 0). Activations
+ * are quantized per 32 elements to int16 codes in -16383..16383,
+ * x ~ dx_j * x16 (abs error <= max|x| / 32766 per element: finer than the
+ * bfloat16 activations' own rounding except far below their block's
+ * maximum), and the block sums of x are kept exact in float32. Then
+ *
+ *     sum w x = sum_j f_j dx_j (sum c x16) + sum_j mn_j (sum x)
+ *
+ * where the inner sum is vpmaddwd (int16 pairs into int32 lanes) over the
+ * weights widened to int16 once and shared by up to BW_ROWS activation
+ * rows. Bounds: |c| <= 32 * 128 = 4096 (Q6_K), |x16| <= 16383, 4 products per
+ * int32 lane and block: < 2^28, never overflows. One int-to-float conversion
+ * and one FMA per block and row; a horizontal sum per output and row.
+ *
+ * The weight rows stay as the file stores them (no repacking); each output
+ * row is one contiguous run of blocks, the unit the threads split. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { BW_Q4_0, BW_Q4_1, BW_Q8_0, BW_Q5_0, BW_Q5_1, BW_Q4_K, BW_Q5_K, BW_Q6_K, BW_NTYPES };
+static const int bw_block[BW_NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
+static const int bw_bytes[BW_NTYPES] = {18, 20, 34, 22, 24, 144, 176, 210};
+#define BW_ROWS 4  /* activation rows sharing one decode of a weight row */
+#define BW_XMAX 16383.0f
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define BW_FAST 1
+
+static inline float bw_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m256i bw_widen_u8(__m128i v) { return _mm256_cvtepu8_epi16(v); }
+
+/* the 16 bits of `bits` as 0 or 16 in int16 lanes 0..15 */
+static inline __m256i bw_fifth(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          (short)0x8000);
+    __m256i b = _mm256_set1_epi16((short)(bits & 0xffffu));
+    return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(b, sel), sel), _mm256_set1_epi16(16));
+}
+
+/* the low (hi = 0) or high nibbles of 16 bytes, widened to int16 */
+static inline __m256i bw_nibbles16(__m128i v, int hi) {
+    __m128i n = hi ? _mm_srli_epi16(v, 4) : v;
+    return bw_widen_u8(_mm_and_si128(n, _mm_set1_epi8(15)));
+}
+
+/* Q4_K/Q5_K: the 6-bit scales and mins of 8 sub-blocks from the 12 bytes */
+static inline void bw_k_scales(const uint8_t *s, int *sc, int *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+static inline float bw_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One block j of 32 weights (codes w0: weights 0..15, w1: 16..31) against R rows. */
+static inline __attribute__((always_inline)) void bw_step(int R, __m256i w0, __m256i w1, float f, float mn, long j,
+                                                          const int16_t *x, long k, const float *dx,
+                                                          const float *xs, long nb, __m256 *acc, float *macc) {
+    for (int r = 0; r < R; r++) {
+        const int16_t *xr = x + r * k + 32 * j;
+        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xr)),
+                                     _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + 16))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f * dx[r * nb + j]), acc[r]);
+        macc[r] += mn * xs[r * nb + j];
+    }
+}
+
+/* out[r] = row `w` (k weights of type qt) . activation row r, r < R */
+static inline __attribute__((always_inline)) void bw_row(int qt, int R, const uint8_t *w, long k, const int16_t *x,
+                                                         const float *dx, const float *xs, float *out) {
+    const long nb = k / 32;
+    __m256 acc[BW_ROWS];
+    float macc[BW_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        macc[r] = 0.0f;
+    }
+    const __m256i m15 = _mm256_set1_epi8(15);
+    if (qt <= BW_Q5_1) {
+        const int size = bw_bytes[qt];
+        for (long j = 0; j < nb; j++) {
+            const uint8_t *b = w + j * size;
+            float f = bw_half(b), mn = 0.0f;
+            __m256i w0, w1;
+            if (qt == BW_Q8_0) {
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2)));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18)));
+            } else {
+                int with_min = qt == BW_Q4_1 || qt == BW_Q5_1;
+                int five = qt == BW_Q5_0 || qt == BW_Q5_1;
+                const uint8_t *qs = b + 2 + 2 * with_min + 4 * five;
+                __m128i v = _mm_loadu_si128((const __m128i *)qs);
+                w0 = bw_nibbles16(v, 0);
+                w1 = bw_nibbles16(v, 1);
+                if (five) {
+                    uint32_t qh;
+                    memcpy(&qh, b + 2 + 2 * with_min, 4);
+                    w0 = _mm256_or_si256(w0, bw_fifth(qh));
+                    w1 = _mm256_or_si256(w1, bw_fifth(qh >> 16));
+                }
+                if (with_min) {
+                    mn = bw_half(b + 2);
+                } else {
+                    __m256i off = _mm256_set1_epi16(five ? 16 : 8);
+                    w0 = _mm256_sub_epi16(w0, off);
+                    w1 = _mm256_sub_epi16(w1, off);
+                }
+            }
+            bw_step(R, w0, w1, f, mn, j, x, k, dx, xs, nb, acc, macc);
+        }
+    } else {
+        const int size = bw_bytes[qt];
+        for (long sb = 0; sb < k / 256; sb++) {
+            const uint8_t *b = w + sb * size;
+            if (qt == BW_Q6_K) {
+                const uint8_t *ql = b, *qh = b + 128;
+                const int8_t *sc = (const int8_t *)(b + 192);
+                float d = bw_half(b + 208);
+                const __m256i m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi16(32);
+                for (int h = 0; h < 2; h++) {
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+                    __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hv, m3), 4));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m3), 4));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m3), 4));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m3), 4));
+                    for (int t = 0; t < 4; t++) {
+                        const int s = 8 * h + 2 * t;
+                        __m256i w0 = _mm256_sub_epi16(bw_widen_u8(_mm256_castsi256_si128(q[t])), b32);
+                        __m256i w1 = _mm256_sub_epi16(bw_widen_u8(_mm256_extracti128_si256(q[t], 1)), b32);
+                        w0 = _mm256_mullo_epi16(w0, _mm256_set1_epi16(sc[s]));
+                        w1 = _mm256_mullo_epi16(w1, _mm256_set1_epi16(sc[s + 1]));
+                        bw_step(R, w0, w1, d, 0.0f, 8 * sb + 4 * h + t, x, k, dx, xs, nb, acc, macc);
+                    }
+                }
+            } else {
+                const int five = qt == BW_Q5_K;
+                float d = bw_half(b), dmin = bw_half(b + 2);
+                int sc[8], mn[8];
+                bw_k_scales(b + 4, sc, mn);
+                const uint8_t *qs = b + 16 + 32 * five;
+                __m256i hv = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+                    for (int half = 0; half < 2; half++) {
+                        const int s = 2 * i + half;
+                        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, m15);
+                        if (five) {
+                            __m256i bit = _mm256_set1_epi8((char)(1 << s));
+                            __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+                            q = _mm256_or_si256(q, _mm256_and_si256(on, _mm256_set1_epi8(16)));
+                        }
+                        __m256i scale = _mm256_set1_epi16((short)sc[s]);
+                        __m256i w0 = _mm256_mullo_epi16(bw_widen_u8(_mm256_castsi256_si128(q)), scale);
+                        __m256i w1 = _mm256_mullo_epi16(bw_widen_u8(_mm256_extracti128_si256(q, 1)), scale);
+                        bw_step(R, w0, w1, d, -dmin * (float)mn[s], 8 * sb + s, x, k, dx, xs, nb, acc, macc);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = bw_hsum(acc[r]) + macc[r];
+}
+
+typedef void (*bw_row_fn)(const uint8_t *, long, const int16_t *, const float *, const float *, float *);
+#define BW_FN(T, R)                                                                                        \
+    static void bw_row_##T##_##R(const uint8_t *w, long k, const int16_t *x, const float *dx, const float *xs, \
+                                 float *out) {                                                             \
+        bw_row(T, R, w, k, x, dx, xs, out);                                                                \
+    }
+#define BW_TYPE(T) BW_FN(T, 1) BW_FN(T, 2) BW_FN(T, 3) BW_FN(T, 4)
+BW_TYPE(BW_Q4_0) BW_TYPE(BW_Q4_1) BW_TYPE(BW_Q8_0) BW_TYPE(BW_Q5_0)
+BW_TYPE(BW_Q5_1) BW_TYPE(BW_Q4_K) BW_TYPE(BW_Q5_K) BW_TYPE(BW_Q6_K)
+#define BW_ENTRY(T) {0, bw_row_##T##_1, bw_row_##T##_2, bw_row_##T##_3, bw_row_##T##_4}
+static const bw_row_fn bw_rows[BW_NTYPES][BW_ROWS + 1] = {
+    BW_ENTRY(BW_Q4_0), BW_ENTRY(BW_Q4_1), BW_ENTRY(BW_Q8_0), BW_ENTRY(BW_Q5_0),
+    BW_ENTRY(BW_Q5_1), BW_ENTRY(BW_Q4_K), BW_ENTRY(BW_Q5_K), BW_ENTRY(BW_Q6_K)};
+
+static inline float bw_load_x(int dtype, const void *x, long i) {
+    if (dtype) {
+        uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)x)[i];
+}
+
+static inline void bw_store_y(int dtype, void *y, long i, float v) {
+    if (dtype) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        /* round to nearest even, NaN kept quiet */
+        u = (v != v) ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+        ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)y)[i] = v;
+    }
+}
+
+/* row r of x [rows, k] as int16 codes, per-32 scales dx and exact sums xs */
+static void bw_quantize_row(int dtype, const void *x, long off, long nb, int16_t *x16, float *dx, float *xs) {
+    for (long j = 0; j < nb; j++) {
+        float v[32], amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            v[i] = bw_load_x(dtype, x, off + 32 * j + i);
+            amax = fmaxf(amax, fabsf(v[i]));
+            sum += v[i];
+        }
+        float inv = amax > 0.0f ? BW_XMAX / amax : 0.0f;
+        dx[j] = amax / BW_XMAX;
+        xs[j] = sum;
+        for (int i = 0; i < 32; i++) {
+            float q = nearbyintf(v[i] * inv);
+            x16[32 * j + i] = (int16_t)fminf(fmaxf(q, -BW_XMAX), BW_XMAX);
+        }
+    }
+}
+#else
+#define BW_FAST 0
+#endif
+
+/* Whether this build has the kernel (a CPU with AVX2, FMA and F16C). */
+int agentserve_block_fast(void) { return BW_FAST; }
+
+/* y[r * ldy + o] = x[r] . W[o] (+ bias[o], float32) for r < rows, o < n: W
+ * [n, k] of type qt (the BW_ enum) as the file's rows of blocks. dtype 0: x
+ * and y float32, 1: bfloat16. Returns 0, or -1 when this build has no kernel,
+ * -2 on a bad type or shape, -3 when out of memory. */
+int agentserve_block_matmul(int qt, int dtype, const void *x, long rows, long k, const uint8_t *w, long n,
+                            const float *bias, void *y, long ldy, int nthreads) {
+#if BW_FAST
+    if (qt < 0 || qt >= BW_NTYPES || rows < 0 || n < 0 || k <= 0 || k % bw_block[qt] || ldy < n) return -2;
+    if (rows == 0 || n == 0) return 0;
+    const long nb = k / 32, row_bytes = k / bw_block[qt] * bw_bytes[qt];
+    int16_t *x16 = malloc(sizeof(int16_t) * (size_t)(rows * k));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * rows * nb));
+    if (!x16 || !dx) {
+        free(x16);
+        free(dx);
+        return -3;
+    }
+    float *xs = dx + rows * nb;
+    for (long r = 0; r < rows; r++) bw_quantize_row(dtype, x, r * k, nb, x16 + r * k, dx + r * nb, xs + r * nb);
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (long o = 0; o < n; o++) {
+        const uint8_t *wr = w + o * row_bytes;
+        float b = bias ? bias[o] : 0.0f;
+        for (long r0 = 0; r0 < rows; r0 += BW_ROWS) {
+            int R = rows - r0 < BW_ROWS ? (int)(rows - r0) : BW_ROWS;
+            float out[BW_ROWS];
+            bw_rows[qt][R](wr, k, x16 + r0 * k, dx + r0 * nb, xs + r0 * nb, out);
+            for (int r = 0; r < R; r++) bw_store_y(dtype, y, (r0 + r) * ldy + o, out[r] + b);
+        }
+    }
+    free(x16);
+    free(dx);
+    return 0;
+#else
+    (void)qt; (void)dtype; (void)x; (void)rows; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)ldy;
+    (void)nthreads;
+    return -1;
+#endif
+}
