@@ -1,4 +1,4 @@
-"""The layout's rules (DESIGN.md, README "The code, one sentence a module"):
+"""The layout's rules (docs/architecture.md, "The code, one sentence a module"):
 
 - imports run downward only: no import cycle between agentserve's modules, and
   none between its packages (each subpackage, each top-level module a node);
@@ -11,7 +11,7 @@
   each of their modules is imported in a subprocess where `import torch` fails;
 - nothing below the server, nor the router, reads the wall clock: time comes from an injected clock;
 - no module in engine/, kv/, policy/, server/, router/ grows much past 400 lines;
-- the README's module map lists every module, and only modules that exist.
+- the architecture page's module map lists every module, and only modules that exist.
 """
 
 import ast
@@ -314,16 +314,14 @@ def test_no_wall_clock_below_the_server(layer):
 
 
 
-# --- the README's module map ---
+# --- the module map of the architecture page ---
 
 def _map_rows() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## The code, one sentence a module")
-    end = text.index("\n## ", start + 1)
-    return [line for line in text[start:end].splitlines() if line.startswith("| `")]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    return [line for line in text.splitlines() if line.startswith("| `")]
 
 
-def test_readme_module_map_lists_every_module_and_nothing_else():
+def test_module_map_lists_every_module_and_nothing_else():
     listed: set[pathlib.Path] = set()
     stale = []
     for row in _map_rows():
@@ -343,8 +341,8 @@ def test_readme_module_map_lists_every_module_and_nothing_else():
             continue  # an empty package marker
         if p not in listed:
             missing.append(str(p.relative_to(PKG)))
-    assert not missing, f"modules missing from the README's module map: {missing}"
-    assert not stale, f"the README's module map lists what does not exist: {stale}"
+    assert not missing, f"modules missing from docs/architecture.md's module map: {missing}"
+    assert not stale, f"docs/architecture.md's module map lists what does not exist: {stale}"
 
 
 # --- module size ---
