@@ -35,6 +35,30 @@ def test_interval_figures():
     assert "preemptions 2" in line
 
 
+def test_the_logged_line_is_short_and_the_details_go_to_debug(caplog):
+    import logging
+
+    from agentserve.server.stats_log import StatsLog
+
+    a = snap(steps=10, executed_steps=10, prefill_tokens=100, decode_tokens=50, admitted_prompt_tokens=1000,
+             hit_tokens=200, execute_s=1.0, recent_decode_step_s=(0.1,) * 8, decode_steps=2)
+    b = a.but(steps=130, executed_steps=110, prefill_tokens=5100, decode_tokens=450, admitted_prompt_tokens=5000,
+              hit_tokens=3200, execute_s=9.0, num_running=3, num_waiting=2, num_free_blocks=25,
+              num_pinned_blocks=40, num_pinned_programs=2, pins_created=5, preemptions=2, decode_steps=8)
+    short = stats_line(a, b, 10.0, detail=False)
+    assert short == ("10 s: prompt 500 tok/s, generation 40.0 tok/s; prefix hits 75%; running 3, waiting 2; "
+                     "KV 75% used, 40% pinned; model busy 80%")
+    assert len(short) < 160 < len(stats_line(a, b, 10.0))
+    stats = StatsLog(10.0)
+    with caplog.at_level(logging.DEBUG, logger="agentserve.server"):
+        stats.tick(0.0, lambda: a)
+        stats.tick(10.0, lambda: b)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert info == ["engine: " + short]
+    assert len(debug) == 1 and "preemptions 2" in debug[0] and "longest step" in debug[0]
+
+
 def test_longest_step_with_decodes_and_capped_prefills():
     a = snap(executed_steps=10, decode_steps=4, capped_steps=1, recent_decode_step_s=(0.9, 0.05, 0.05, 0.05))
     b = a.but(executed_steps=20, decode_steps=7, capped_steps=3,

@@ -19,7 +19,9 @@ log = logging.getLogger("agentserve.server")
 
 
 class StatsLog:
-    """Logs `stats_line` between the snapshots taken `interval` seconds apart."""
+    """Logs a short `stats_line` between the snapshots taken `interval` seconds
+    apart (INFO), and the whole one at DEBUG (`--log-level debug`); the same
+    counters are on /metrics and the dashboard."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
@@ -31,9 +33,11 @@ class StatsLog:
             self._last = (now, snapshot())
         elif now - last[0] >= self.interval:
             cur = snapshot()
-            line = stats_line(last[1], cur, now - last[0])
+            line = stats_line(last[1], cur, now - last[0], detail=False)
             if line:
                 log.info("engine: %s", line)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("engine details: %s", stats_line(last[1], cur, now - last[0]))
             self._last = (now, cur)
 
 
@@ -52,9 +56,10 @@ def tool_call_part(prev: EngineSnapshot, cur: EngineSnapshot) -> str | None:
     return ", ".join([text] + [f"{v} {n}" for n, v in other if v])
 
 
-def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str | None:
+def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float, detail: bool = True) -> str | None:
     """One line for the interval from `prev` to `cur`, or None if the model did
-    not run (an idle server that only reviews its pins stays quiet)."""
+    not run (an idle server that only reviews its pins stays quiet). Without
+    `detail`: throughput, prefix hits, queue, KV and busy time only."""
     steps = cur.executed_steps - prev.executed_steps
     caches = cache_parts(prev, cur)
     if seconds > 0 and steps <= 0 and caches:  # only cache hits: the model had nothing to do
@@ -77,6 +82,11 @@ def stats_line(prev: EngineSnapshot, cur: EngineSnapshot, seconds: float) -> str
         f"pins +{cur.pins_created - prev.pins_created} hit {cur.pins_hit - prev.pins_hit} "
         f"expired {cur.pins_expired - prev.pins_expired} reclaimed {cur.pins_reclaimed - prev.pins_reclaimed}",
     ]
+    if not detail:
+        return (f"{seconds:.0f} s: prompt {prefill / seconds:.0f} tok/s, generation {decode / seconds:.1f} tok/s; "
+                + (f"prefix hits {100 * hits / admitted:.0f}%; " if admitted else "")
+                + f"running {cur.num_running}, waiting {cur.num_waiting}; KV {100 * cur.kv_usage:.0f}% used, "
+                f"{100 * pinned:.0f}% pinned; model busy {100 * min(busy / seconds, 1.0):.0f}%")
     with_decodes = cur.decode_steps - prev.decode_steps
     if with_decodes > 0 and cur.recent_decode_step_s:
         times = sorted(cur.recent_decode_step_s[-with_decodes:])
