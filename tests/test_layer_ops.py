@@ -54,6 +54,58 @@ def test_silu_mul_vector_and_tail_paths_agree_with_torch_over_the_range():
     assert torch.equal(OPS.silu_mul(gu), F.silu(g) * u)
 
 
+def _bf16_values(lo: float, hi: float) -> torch.Tensor:
+    """Every finite bfloat16 value x with lo <= |x| <= hi, both signs."""
+    v = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    a = v.float().abs()
+    return v[torch.isfinite(v.float()) & (a >= lo) & (a <= hi)]
+
+
+@needs_ops
+def test_gelu_tanh_mul_equals_torch_on_every_bfloat16_gate():
+    # rows of 2048 gates (whole vectors, as torch's vectorized kernel takes them): exactly torch's
+    # bfloat16 result, F.gelu(gate, approximate="tanh") rounded, times up rounded, for every finite
+    # bfloat16 gate up to 1e4 in size (the negative tail, where 1 + tanh cancels, included)
+    x = _bf16_values(0.0, 1e4)
+    n = -(-x.numel() // 2048) * 2048
+    gate = torch.cat([x, torch.zeros(n - x.numel(), dtype=torch.bfloat16)]).view(-1, 2048)
+    up = (torch.randn(gate.shape, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    gu = torch.cat([gate, up], dim=1)
+    assert torch.equal(OPS.gelu_tanh_mul(gu), F.gelu(gate, approximate="tanh") * up)
+
+
+@needs_ops
+def test_gelu_tanh_mul_special_values_and_tail_columns():
+    # 37 columns: four 8-lane vectors and a scalar tail of 5, each value in both places; torch's
+    # own scalar tail rounds 1 + tanh differently from its vector body for gates near -5.1
+    # (|result| < 2e-7), so there the product may differ by that much
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 3e-30]),
+                   torch.linspace(-12, 12, 29)]).bfloat16()
+    gate = torch.stack([x, x.roll(16), x.roll(33)])
+    up = torch.randn(gate.shape, generator=g).bfloat16()
+    out = OPS.gelu_tanh_mul(torch.cat([gate, up], dim=1))
+    ref = F.gelu(gate, approximate="tanh") * up
+    assert out.shape == (3, 37) and out.dtype is torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -8, atol=4e-7, equal_nan=True)
+    assert torch.isnan(out[0, 3]) and out[0, 2] == float("inf") * up[0, 2]
+    assert (out == ref).float().mean() > 0.9
+
+
+@needs_ops
+@pytest.mark.parametrize("rows,inter", [(1, 640), (3, 2047), (300, 1152)])
+def test_gelu_tanh_mul_random_shapes_near_torch(rows, inter):
+    # Gemma 3's shapes (intermediate 2048 at 270M, 1152-wide models), one row (decode) to many
+    # (threaded): equal to torch's bfloat16 result but for the last-place tails above
+    g = torch.Generator().manual_seed(rows)
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 2.5).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    out = OPS.gelu_tanh_mul(gu)
+    ref = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -8, atol=4e-7)
+    assert (out != ref).sum() <= rows * (inter % 32)  # only in torch's scalar tail, if anywhere
+
+
 @needs_ops
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_rope_kv_equals_rotary_and_cache_write(heads, kv_heads, head_dim):

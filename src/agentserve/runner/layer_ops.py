@@ -1,6 +1,6 @@
 """The small per-layer operations of a bfloat16 forward on the CPU, one native
 call each (csrc/layer_ops.c): residual add + RMSNorm, rotary embedding + KV
-write, SiLU-and-multiply. `LayerOps.create` returns None where they do not
+write, SiLU-and-multiply, tanh-GELU-and-multiply (Gemma's GeGLU). `LayerOps.create` returns None where they do not
 apply (float32, a GPU, no native library); the model then uses torch."""
 
 from __future__ import annotations
@@ -52,4 +52,13 @@ class LayerOps:
         T, two = gu.shape
         out = torch.empty(T, two // 2, dtype=gu.dtype)
         self.lib.agentserve_silu_mul(gu.data_ptr(), T, two // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def gelu_tanh_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2I] (gate then up) -> [T, I] = F.gelu(gate, approximate="tanh") * up,
+        rounded as torch rounds it in bfloat16."""
+        gu = gu.contiguous()
+        T, two = gu.shape
+        out = torch.empty(T, two // 2, dtype=gu.dtype)
+        self.lib.agentserve_gelu_tanh_mul(gu.data_ptr(), T, two // 2, out.data_ptr(), torch.get_num_threads())
         return out

@@ -1,5 +1,6 @@
 /* The small per-layer operations of a bfloat16 forward, one call each:
- * residual add + RMSNorm, rotary embedding + KV-cache write, SiLU-and-multiply.
+ * residual add + RMSNorm, rotary embedding + KV-cache write, SiLU-and-multiply,
+ * tanh-GELU-and-multiply (Gemma's GeGLU).
  *
  * In torch each of these is 3-10 small kernels (casts, powers, means, cats,
  * index copies), and at decode sizes their dispatch, about 2-5 us a kernel,
@@ -9,7 +10,7 @@
  * Each rounds where the torch expressions it replaces round (transformers'
  * RMSNorm: the normalized value is cast to bfloat16 before the weight
  * multiplies it; rotate-half rotary: x*cos and rotate(x)*sin each rounded,
- * then their sum; SiLU rounded, then the product), so results equal torch's
+ * then their sum; SiLU or GELU rounded, then the product), so results equal torch's
  * up to the order of the RMS sum. Only bfloat16 is handled: float32 keeps
  * torch's kernels, the path that must match transformers bit for bit. */
 
@@ -109,5 +110,110 @@ void agentserve_silu_mul(const bf16_t *gu, long T, long inter, bf16_t *out, int 
         }
 #endif
         for (; j < inter; j++) o[j] = f32_to_bf16(silu_mul1(bf16_to_f32(g[j]), bf16_to_f32(u[j])));
+    }
+}
+
+/* tanh(y) for the GELU below, which adds it to 1: 1 - 2e / (1 + e) with
+ * e = exp(-2|y|), so that near |tanh| = 1 (where 1 + tanh cancels for y < 0)
+ * it is the float nearest the true value, as torch's is, up to one rounding;
+ * near 0 the series y - y^3/3 + 2y^5/15 (its next term, 17y^7/315, is below
+ * 1e-12 there); exactly 1 above 8.664339742, where torch's vectorized tanh
+ * (SLEEF's) rounds to 1. */
+#define TANH_ONE 8.664339742f
+
+static inline float tanh_gelu(float y) {
+    float a = fabsf(y);
+    float t;
+    if (a > TANH_ONE) {
+        t = 1.0f;
+    } else if (a < 0.03f) {
+        float y2 = y * y;
+        t = a * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f)));
+    } else {
+        float e = exp_neg(-2.0f * a);
+        t = 1.0f - 2.0f * e / (1.0f + e);
+    }
+    return y < 0.0f ? -t : t;
+}
+
+#define GELU_BETA 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_KAPPA 0.044715f
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanh_gelu(GELU_BETA * (x + GELU_KAPPA * (x * x * x))));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp_neg on 8 lanes (the compiler does not vectorize the scalar one here:
+ * floorf under the default trapping math keeps a branch) */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+    __m256 p = _mm256_set1_ps(1.98756915e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.39819995e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33345205e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16657665e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666657e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.00000000e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 bf16x8_load(const bf16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* f32_to_bf16 on 8 lanes, the bits in the low half of each lane */
+static inline __m256i bf16x8_bits(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                  _mm256_and_si256(hi, _mm256_set1_epi32(1)))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+}
+
+static inline __m256 gelu_tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    __m256 y = _mm256_mul_ps(_mm256_set1_ps(GELU_BETA), _mm256_fmadd_ps(_mm256_set1_ps(GELU_KAPPA), x3, x));
+    __m256 a = _mm256_andnot_ps(sign, y);
+    __m256 e = exp_neg8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), a));
+    __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(one, e)));
+    __m256 y2 = _mm256_mul_ps(y, y);
+    __m256 small = _mm256_mul_ps(a, _mm256_fmadd_ps(y2, _mm256_fmadd_ps(y2, _mm256_set1_ps(2.0f / 15.0f),
+                                                                          _mm256_set1_ps(-1.0f / 3.0f)), one));
+    __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.03f), _CMP_LT_OQ));
+    t = _mm256_blendv_ps(t, one, _mm256_cmp_ps(a, _mm256_set1_ps(TANH_ONE), _CMP_GT_OQ));
+    t = _mm256_or_ps(t, _mm256_and_ps(sign, y));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, t));
+}
+#endif
+
+/* gu [T, 2 * inter] (gate then up) -> out [T, inter] = bf16(gelu_tanh(gate)) * up, where
+ * gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's
+ * F.gelu(approximate="tanh") written as torch writes it (so 1 + tanh rounds to
+ * 0 where torch's does, for x below about -5). */
+void agentserve_gelu_tanh_mul(const bf16_t *gu, long T, long inter, bf16_t *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * inter >= 65536)
+    for (long t = 0; t < T; t++) {
+        const bf16_t *g = gu + t * 2 * inter, *u = g + inter;
+        bf16_t *o = out + t * inter;
+        long j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 8 <= inter; j += 8) {
+            __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_bits(gelu_tanh8(bf16x8_load(g + j))), 16));
+            __m256i b = bf16x8_bits(_mm256_mul_ps(y, bf16x8_load(u + j)));
+            __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+            _mm_storeu_si128((__m128i *)(o + j), packed);
+        }
+#endif
+        for (; j < inter; j++) o[j] = f32_to_bf16(rnd(gelu_tanh(bf16_to_f32(g[j]))) * bf16_to_f32(u[j]));
     }
 }
