@@ -7,6 +7,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from agentserve.cli_examples import add_examples
 from agentserve.argtypes import csv_list, non_negative_ms
 from agentserve.cli_bench import add_bench
 from agentserve.cli_cluster import add_cluster
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_generate(sub)
     add_profile(sub)
+    add_examples(ap)
     return ap
 
 
