@@ -27,12 +27,28 @@ The torch path (fallback: no compiler, CUDA, AGENTSERVE_ATTENTION=torch):
   chunk) gathers its whole context from the cache and uses an offset causal
   mask.
 The metadata (slots, segments or gather indices and masks) is built once per
-step and shared by all layers."""
+step and shared by all layers.
+
+Sliding windows (Mistral, Gemma 3's local layers): `paged_attention(...,
+window=W)` lets a query at position p see the keys at positions j with
+p - W < j <= p, the W positions ending at its own. This is transformers' rule
+exactly (masking_utils: `sliding_window_overlay` keeps kv_idx > q_idx -
+sliding_window, and-ed with the causal kv_idx <= q_idx; its sliding-window
+cache likewise keeps the last W - 1 keys beside the new one); window None is
+full causal attention. A step's metadata lays itself out once per window it is
+asked for (`AttentionMetadata.for_window`, cached on it), so layers of two
+kinds share one metadata. On the native path the kernel reads only the blocks
+inside each row's window (a decode row on a window-W layer reads W keys at any
+context) and masks the rest of a chunk's rows; chunks whose context exceeds the
+window go through it even where they would otherwise use torch's flash kernel,
+which has no window mask. On the torch path decode rows and chunks after a
+prefix gather only the blocks from their window's first one, with a mask, and
+a fresh chunk longer than the window attends to its own K/V with a mask."""
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +82,9 @@ class PrefillSpan:
     row_start: int  # first row of this chunk in the flattened batch
     num_rows: int
     start: int  # position of the chunk's first token
-    blocks: torch.Tensor | None  # block table covering [0, start + num_rows); None when start == 0
-    mask: torch.Tensor | None  # [num_rows, start + num_rows] bool, True = may attend
+    blocks: torch.Tensor | None  # block table covering [kv_start, start + num_rows); None when start == 0
+    mask: torch.Tensor | None  # [num_rows, start + num_rows - kv_start] bool, True = may attend
+    kv_start: int = 0  # position of the first key in `blocks` (> 0 only under a sliding window)
 
 
 @dataclass
@@ -103,6 +120,35 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)  # torch path: all chunks; native: SDPA ones
     native: NativeSegments | None = None  # rows for the native kernel (None: none this step)
     kernel: bool = False  # built for the native path
+    window: int | None = None  # the sliding window this layout serves (None: full causal)
+    max_context: int = 0  # the longest context of any row: a window at least this long changes nothing
+    source: tuple = ()  # build_metadata's inputs, to lay the step out for a window
+    by_window: dict = field(default_factory=dict)  # the layouts for_window built, by window
+
+    def for_window(self, window: int | None) -> "AttentionMetadata":
+        """This step laid out for attention with a sliding window (None: self).
+        Built on first use and kept, so every layer with that window shares it.
+        It never has prefill spans this one lacks: a step that attends without
+        the step's own k and v (no spans) can do so under any window."""
+        if window is None:
+            return self
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"a sliding window is a positive number of positions, not {window!r}")
+        if self.window is not None:  # a layout for_window made
+            if window != self.window:
+                raise ValueError(f"metadata laid out for window {self.window} asked for window {window}")
+            return self
+        if window >= self.max_context:
+            return self
+        laid = self.by_window.get(window)
+        if laid is None:
+            if self.kernel and all(sp.start + sp.num_rows <= window for sp in self.prefills):
+                # the kernel's segments serve any window as they are: only the kernel's argument differs
+                laid = replace(self, window=window, by_window={})
+            else:
+                laid = _layout(self.slot_mapping, *self.source, kernel=self.kernel, window=window)
+            self.by_window[window] = laid
+        return laid
 
 
 def use_native(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -123,29 +169,57 @@ def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
         kernel = use_native(device, dtype)
     slots = torch.tensor(_slot_mapping(decode_tables, decode_lens, prefills, block_size),
                          dtype=torch.int64).to(device)
+    return _layout(slots, decode_tables, decode_lens, prefills, block_size, device, dtype,
+                   kernel=kernel, window=None)
+
+
+def _layout(slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
+            prefills: list[tuple[list[int], int, int]], bs: int, device: torch.device, dtype: torch.dtype,
+            kernel: bool, window: int | None) -> AttentionMetadata:
     if kernel:
-        return _native_metadata(slots, decode_tables, decode_lens, prefills, block_size, device, dtype)
+        meta = _native_metadata(slots, decode_tables, decode_lens, prefills, bs, device, dtype, window)
+    else:
+        meta = _torch_metadata(slots, decode_tables, decode_lens, prefills, bs, device, window)
+    meta.window = window
+    meta.max_context = max([*decode_lens, *(s + n for _, s, n in prefills)], default=0)
+    meta.source = (decode_tables, decode_lens, prefills, bs, device, dtype)
+    return meta
+
+
+def _torch_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
+                    prefills: list[tuple[list[int], int, int]], bs: int, device: torch.device,
+                    window: int | None) -> AttentionMetadata:
     decode = None
-    bs = block_size
     if decode_tables:
-        nb = max(len(t) for t in decode_tables)
-        padded = [t + [0] * (nb - len(t)) for t in decode_tables]
+        # a row of context n sees positions [lo, n), from its block fb on
+        lo = [max(0, n - window) if window else 0 for n in decode_lens]
+        fb = [x // bs for x in lo]
+        tables = [t[f:] for t, f in zip(decode_tables, fb)]
+        nb = max(len(t) for t in tables)
+        padded = [t + [0] * (nb - len(t)) for t in tables]
         mask = None
-        if any(n != nb * bs for n in decode_lens):
-            lens = torch.tensor(decode_lens, dtype=torch.int64)
-            mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :].to(device)
+        if any(n - f * bs != nb * bs or x != f * bs for n, f, x in zip(decode_lens, fb, lo)):
+            pos = torch.arange(nb * bs)[None, :] + torch.tensor(fb, dtype=torch.int64)[:, None] * bs
+            mask = pos < torch.tensor(decode_lens, dtype=torch.int64)[:, None]
+            if window:
+                mask &= pos >= torch.tensor(lo, dtype=torch.int64)[:, None]
+            mask = mask[:, None, None, :].to(device)
         decode = DecodeBatch(len(decode_tables), torch.tensor(padded, dtype=torch.int64).view(-1).to(device),
                              nb, mask)
     spans = []
     row = len(decode_tables)
     for table, start, n in prefills:
-        if start == 0:
+        if start == 0 and (window is None or n <= window):
             spans.append(PrefillSpan(row, n, 0, None, None))
         else:
-            q_pos = torch.arange(start, start + n)
-            mask = torch.arange(start + n)[None, :] <= q_pos[:, None]
-            spans.append(PrefillSpan(row, n, start, torch.tensor(table, dtype=torch.int64).to(device),
-                                     mask.to(device)))
+            fb = max(0, start - window + 1) // bs if window else 0  # the first row's window starts there
+            q_pos = torch.arange(start, start + n)[:, None]
+            k_pos = torch.arange(fb * bs, start + n)[None, :]
+            mask = k_pos <= q_pos
+            if window:
+                mask &= k_pos > q_pos - window
+            blocks = torch.tensor(table[fb:], dtype=torch.int64).to(device) if start else None
+            spans.append(PrefillSpan(row, n, start, blocks, mask.to(device), fb * bs))
         row += n
     return AttentionMetadata(slots, decode, spans)
 
@@ -161,7 +235,7 @@ def _slot_mapping(decode_tables: list[list[int]], decode_lens: list[int],
 
 def _native_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                      prefills: list[tuple[list[int], int, int]], bs: int, device: torch.device,
-                     dtype: torch.dtype) -> AttentionMetadata:
+                     dtype: torch.dtype, window: int | None) -> AttentionMetadata:
     row_start: list[int] = []
     num_rows: list[int] = []
     starts: list[int] = []
@@ -181,7 +255,8 @@ def _native_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode
     row = len(decode_tables)
     all_native = BF16_CHUNKS_NATIVE and dtype is torch.bfloat16 and native.big_tiles()
     for table, start, n in prefills:
-        if n >= GEMM_CHUNK_ROWS and not all_native:
+        # torch's flash kernel has no window mask: a chunk the window cuts stays native
+        if n >= GEMM_CHUNK_ROWS and not all_native and not (window and start + n > window):
             prefix = torch.tensor(table[:-(-start // bs)], dtype=torch.int64).to(device) if start else None
             spans.append(PrefillSpan(row, n, start, prefix, None))
         else:
@@ -194,31 +269,37 @@ def _native_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode
 
 
 def _native_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      segs: NativeSegments, scale: float) -> None:
+                      segs: NativeSegments, scale: float, window: int | None) -> None:
     lib = native.paged_attention_kernel()
     KVH, NB, BS, D = k_cache.shape
     G = q.shape[1] // KVH
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     rc = lib.agentserve_paged_attention(
         1 if q.dtype is torch.bfloat16 else 0, ptr(q), ptr(out), ptr(k_cache), ptr(v_cache),
-        NB, BS, KVH, G, D, *segs.args, scale, torch.get_num_threads(), MIN_PARTITION_TOKENS)
+        NB, BS, KVH, G, D, *segs.args, scale, torch.get_num_threads(), MIN_PARTITION_TOKENS, window or 0)
     if rc != 0:
         raise RuntimeError(f"native paged attention refused its arguments (code {rc}: head_dim <= 256, "
-                           f"block_size <= 128 and at most 16 query heads per KV head are supported)")
+                           f"block_size <= 128, at most 16 query heads per KV head and a window >= 0 "
+                           f"are supported)")
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] for the step's new tokens;
-    k_cache/v_cache [kv_heads, blocks, block_size, d]. Returns [T, heads * d]."""
+    k_cache/v_cache [kv_heads, blocks, block_size, d]. Writes k/v into the cache,
+    then attends: with window None causally (a query at position p sees keys
+    0..p), with a sliding window W the keys j with p - W < j <= p (W keys, its
+    own included; transformers' sliding-window mask). Returns [T, heads * d]."""
     T, H, D = q.shape
     KVH, NB, BS, _ = k_cache.shape
     G = H // KVH
     k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if meta.kernel:
-        return attend_native(q, k, v, k_cache, v_cache, meta, scale)
+        return attend_native(q, k, v, k_cache, v_cache, meta, scale, window)
+    if window is not None:
+        meta = meta.for_window(window)
     dec = meta.decode
     if dec is not None and not meta.prefills:
         return _decode(q, k_cache, v_cache, dec, scale).reshape(T, H * D)
@@ -229,10 +310,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         a, b = sp.row_start, sp.row_start + sp.num_rows
         qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if sp.blocks is None:
-            out[a:b] = _fresh_chunk(q[a:b], k[a:b], v[a:b], scale, G)
+            out[a:b] = _fresh_chunk(q[a:b], k[a:b], v[a:b], scale, G, sp.mask)
             continue
         else:
-            ctx = sp.start + sp.num_rows
+            ctx = sp.start + sp.num_rows - sp.kv_start
             ks = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx]
             vs = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, scale=scale, enable_gqa=G > 1)
@@ -241,20 +322,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attend_native(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The native path (meta.kernel), once the step's K/V are in the cache. The
-    step's own k and v are read only by long chunks on matrix kernels
-    (meta.prefills); without those they may be None. Returns [T, heads * d]."""
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> torch.Tensor:
+    """The native path (meta.kernel), once the step's K/V are in the cache;
+    `window` as in paged_attention. The step's own k and v are read only by
+    long chunks on matrix kernels (meta.prefills); without those they may be
+    None, under any window. Returns [T, heads * d]."""
     T, H, D = q.shape
     G = H // k_cache.shape[0]
     if q.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the native attention kernel takes float32 or bfloat16, not {q.dtype}")
     if meta.prefills and (k is None or v is None):
         raise ValueError("long chunks on matrix kernels need the step's own k and v")
+    if window is not None:
+        meta = meta.for_window(window)
     q = q.contiguous()
     out = torch.empty_like(q)
     if meta.native is not None:
-        _native_attention(q, out, k_cache, v_cache, meta.native, scale)
+        _native_attention(q, out, k_cache, v_cache, meta.native, scale, meta.window)
     for sp in meta.prefills:  # long chunks: matrix-multiply kernels
         a, b = sp.row_start, sp.row_start + sp.num_rows
         if sp.blocks is None:
@@ -264,10 +349,13 @@ def attend_native(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
     return out.view(T, H * D)
 
 
-def _fresh_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, G: int) -> torch.Tensor:
-    """A chunk at position 0 attends causally to its own K/V. Returns [n, heads, d]."""
+def _fresh_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, G: int,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk at position 0 attends to its own K/V: causally, or by `mask`
+    ([n, n], a sliding window's). Returns [n, heads, d]."""
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=G > 1)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=G > 1)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -4,7 +4,11 @@
  * apart). A step's query rows come in segments: a decode row (one query) or a
  * prefill chunk (consecutive queries of one sequence); every query at position
  * p attends to positions 0..p of its sequence, found through the segment's
- * block table. Work is split into items (segment, kv head, row tile, context
+ * block table, or with a sliding window W > 0 to the W positions p-W+1..p
+ * (transformers' rule: key j is seen when p - W < j <= p). An item reads only
+ * the positions its rows' windows cover, so a decode row on a window layer
+ * costs W keys at any context; a chunk's rows mask each its own lower edge.
+ * Work is split into items (segment, kv head, row tile, context
  * partition); each item walks its blocks once, computing the scores of every
  * query head of the KV group and every row of the tile against a block, then
  * an online-softmax update (running max, sum and weighted V). Long contexts
@@ -48,7 +52,13 @@ typedef struct {
     long nblocks; int bs, kvh, group, d;
     const int32_t *row_start, *nrows, *start, *table_off, *table;
     float scale;
+    int window; /* sliding window (0: none) */
 } args_t;
+
+/* The first position a query at position p sees. */
+static inline int window_lo(const args_t *a, int p) {
+    return a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+}
 
 static inline float load(const args_t *a, const void *base, long i) {
     return a->dtype ? bf16_to_f32(((const bf16_t *)base)[i]) : ((const float *)base)[i];
@@ -130,31 +140,35 @@ static inline void scores16(int dtype, const void *kc, long off, int n, int d, c
 }
 
 /* One block of n tokens (cache offset `off`) for nq query vectors: scores,
- * online-softmax update, weighted V. Returns 1 (0: d not a multiple of 16). */
+ * online-softmax update, weighted V. Query qi sees the block's tokens
+ * [first[qi], visible[qi]) (first >= 0). Returns 1 (0: d not a multiple of 16). */
 static int block_avx512(int dtype, const void *kc, const void *vc, long off, int n, int d, int nq,
                         float qf[][MAX_HEAD_DIM], bf16_t qb[][MAX_HEAD_DIM], float scale,
-                        const int *visible, float *m, float *l, float *acc) {
+                        const int *first, const int *visible, float *m, float *l, float *acc) {
     if (d % 16) return 0;
     const int c = d / 16;
     float s[MAX_TILE_Q][MAX_BLOCK];
     for (int qi = 0; qi < nq; qi++) {
-        if (visible[qi] <= 0) continue;
+        if (visible[qi] <= first[qi] || first[qi] >= n) continue;
         for (int t = 0; t < n; t += 16)
             scores16(dtype, kc, off + (long)t * d, n - t < 16 ? n - t : 16, d, qf[qi], qb[qi], scale, s[qi] + t);
     }
     float p[MAX_TILE_Q][MAX_BLOCK];
     for (int qi = 0; qi < nq; qi++) {
         int vis = visible[qi] < n ? visible[qi] : n;
-        if (vis <= 0) {
+        const int f0 = first[qi];
+        if (vis <= f0) {
             for (int t = 0; t < n; t++) p[qi][t] = 0.0f;
             continue;
         }
         float bmax = -INFINITY;
-        for (int t = 0; t < vis; t++) bmax = s[qi][t] > bmax ? s[qi][t] : bmax;
+        for (int t = f0; t < vis; t++) bmax = s[qi][t] > bmax ? s[qi][t] : bmax;
         float mnew = m[qi] > bmax ? m[qi] : bmax;
         __m512 mv = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
-        for (int t = 0; t < vis; t += 16) {
+        for (int t = 0; t < f0; t++) p[qi][t] = 0.0f;
+        for (int t = f0 & ~15; t < vis; t += 16) {
             __mmask16 mk = vis - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vis - t)) - 1);
+            if (f0 > t) mk &= (__mmask16)~((1u << (f0 - t)) - 1); /* f0 - t < 16 here */
             __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s[qi] + t), mv));
             e = _mm512_maskz_mov_ps(mk, e);
             _mm512_mask_storeu_ps(p[qi] + t, mk, e);
@@ -207,7 +221,7 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
     for (int t = 0; t < n; t++) {
         for (int j = 0; j < c; j++) kr[j] = load16(dtype, vc, off + (long)t * d + 16 * j);
         for (int qi = 0; qi < nq; qi++) {
-            if (t >= visible[qi]) continue;
+            if (t >= visible[qi] || t < first[qi]) continue;
             __m512 pv = _mm512_set1_ps(p[qi][t]);
             float *ac = acc + (long)qi * d;
             for (int j = 0; j < c; j++)
@@ -237,7 +251,8 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
  *   the output's own bfloat16 rounding, was enough to flip the default
  *   model's greedy answer at a near tie; float32 keeps the old path's
  *   accuracy.)
- * Masked (causal) positions get probability 0; the softmax is in float32. */
+ * Masked positions (after the query, or before its sliding window) get
+ * probability 0; the softmax is in float32. */
 
 #define BIG_Q 48 /* query vectors per item (rows = BIG_Q / group) */
 #define BIG_NV ((BIG_Q + 15) / 16)
@@ -377,11 +392,13 @@ static void run_item_big(const args_t *a, const item_t *it, float *m_out, float 
     }
     memset(acc, 0, sizeof(float) * nq * d);
     const __m512 scale = _mm512_set1_ps(a->scale), big_neg = _mm512_set1_ps(-1e30f);
+    const int W = a->window;
     const long head_off = (long)it->kvh * a->nblocks * bs * d;
     const bf16_t *kc = (const bf16_t *)a->k + head_off, *vc = (const bf16_t *)a->v + head_off;
     for (int p0 = it->tok0; p0 < it->tok1; p0 += PANEL) {
         const int n = it->tok1 - p0 < PANEL ? it->tok1 - p0 : PANEL;
-        /* query vectors that see something of this panel: a suffix */
+        /* query vectors that see something of this panel: a suffix (with a window, its last
+         * vectors may see nothing yet; their lanes are masked below) */
         int v0 = 0;
         while (v0 < nv && vmax[v0] < p0) v0++;
         if (v0 == nv) continue;
@@ -427,7 +444,8 @@ static void run_item_big(const args_t *a, const item_t *it, float *m_out, float 
         for (int v = v0; v < nv; v++) {
             __m512 x[PANEL];
             __m512 bmax = big_neg;
-            const int full = n == PANEL && vmin[v] >= p0 + PANEL - 1;
+            /* every lane sees the whole panel: none after it, none whose window starts inside it */
+            const int full = n == PANEL && vmin[v] >= p0 + PANEL - 1 && (W == 0 || vmax[v] < p0 + W);
             __mmask16 mk[PANEL];
             if (full) {
                 for (int t = 0; t < PANEL; t++) {
@@ -438,6 +456,8 @@ static void run_item_big(const args_t *a, const item_t *it, float *m_out, float 
                 const __m512i pv = _mm512_load_si512(posl + 16 * v);
                 for (int t = 0; t < PANEL; t++) {
                     mk[t] = t < n ? _mm512_cmpge_epi32_mask(pv, _mm512_set1_epi32(p0 + t)) : 0;
+                    if (W > 0) /* p - W < p0 + t */
+                        mk[t] = _mm512_mask_cmplt_epi32_mask(mk[t], pv, _mm512_set1_epi32(p0 + t + W));
                     x[t] = _mm512_mask_mul_ps(big_neg, mk[t], s[t * BIG_NV + v], scale);
                     bmax = _mm512_max_ps(bmax, x[t]);
                 }
@@ -589,7 +609,8 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
 #endif
 #if defined(HAVE_DECODE64)
     /* one row that sees all of [tok0, tok1): a decode row, or a chunk's row past the context */
-    if (it->nrows == 1 && a->dtype == 1 && d == 64 && G <= 4 && a->start[it->seg] + it->row0 >= it->tok1 - 1) {
+    if (it->nrows == 1 && a->dtype == 1 && d == 64 && G <= 4 && a->start[it->seg] + it->row0 >= it->tok1 - 1
+        && window_lo(a, a->start[it->seg] + it->row0) <= it->tok0) {
         run_decode64(a, it, m, l, acc);
         return;
     }
@@ -598,7 +619,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
     bf16_t qb[MAX_TILE_Q][MAX_HEAD_DIM]; /* the raw bfloat16 query (bfloat16 caches) */
     float kb[MAX_BLOCK * MAX_HEAD_DIM], vb[MAX_BLOCK * MAX_HEAD_DIM];
     float s[MAX_TILE_Q][MAX_BLOCK];
-    int pos[MAX_TILE_Q];
+    int pos[MAX_TILE_Q], qlo[MAX_TILE_Q]; /* the positions each query sees: qlo..pos */
     const int seg_start = a->start[it->seg];
     const int32_t *table = a->table + a->table_off[it->seg];
     for (int r = 0; r < it->nrows; r++) {
@@ -609,6 +630,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
             for (int j = 0; j < d; j++) qf[qi][j] = load(a, a->q, base + j) * a->scale;
             if (a->dtype) memcpy(qb[qi], (const bf16_t *)a->q + base, sizeof(bf16_t) * d);
             pos[qi] = seg_start + it->row0 + r;
+            qlo[qi] = window_lo(a, pos[qi]);
         }
     }
     for (int qi = 0; qi < nq; qi++) {
@@ -626,21 +648,26 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
         long off = head_off + ((long)blk * bs + lo) * d;
 #if defined(__AVX512F__)
         {
-            int visible[MAX_TILE_Q];
-            for (int qi = 0; qi < nq; qi++) visible[qi] = pos[qi] - t0 + 1;
-            if (block_avx512(a->dtype, a->k, a->v, off, n, d, nq, qf, qb, a->scale, visible, m, l, acc)) continue;
+            int first[MAX_TILE_Q], visible[MAX_TILE_Q];
+            for (int qi = 0; qi < nq; qi++) {
+                visible[qi] = pos[qi] - t0 + 1;
+                first[qi] = qlo[qi] > t0 ? qlo[qi] - t0 : 0;
+            }
+            if (block_avx512(a->dtype, a->k, a->v, off, n, d, nq, qf, qb, a->scale, first, visible, m, l, acc))
+                continue;
         }
 #endif
         load_block(a, a->k, off, n, kb);
         load_block(a, a->v, off, n, vb);
         for (int qi = 0; qi < nq; qi++) {
-            /* tokens this query may see in the block: positions <= pos[qi] */
+            /* tokens this query may see in the block: [first, visible) */
             int visible = pos[qi] - t0 + 1;
-            if (visible <= 0) continue;
+            const int first = qlo[qi] > t0 ? qlo[qi] - t0 : 0;
             if (visible > n) visible = n;
+            if (visible <= first) continue;
             const float *qv = qf[qi];
             float bmax = -INFINITY;
-            for (int t = 0; t < visible; t++) {
+            for (int t = first; t < visible; t++) {
                 const float *kr = kb + (long)t * d;
                 float dot = 0.0f;
                 #pragma omp simd reduction(+:dot)
@@ -654,7 +681,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
             float sum = 0.0f;
             float *sq = s[qi];
             #pragma omp simd reduction(+:sum)
-            for (int t = 0; t < visible; t++) {
+            for (int t = first; t < visible; t++) {
                 float p = exp_neg(sq[t] - mnew);
                 sq[t] = p;
                 sum += p;
@@ -665,7 +692,7 @@ static void run_item(const args_t *a, const item_t *it, float *m, float *l, floa
                 #pragma omp simd
                 for (int j = 0; j < d; j++) ac[j] *= alpha;
             }
-            for (int t = 0; t < visible; t++) {
+            for (int t = first; t < visible; t++) {
                 const float p = sq[t];
                 const float *vr = vb + (long)t * d;
                 #pragma omp simd
@@ -733,16 +760,17 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
                                long nblocks, int bs, int kvh, int group, int d,
                                int nsegs, const int32_t *row_start, const int32_t *nrows,
                                const int32_t *start, const int32_t *table_off, const int32_t *table,
-                               float scale, int nthreads, int min_part_tokens) {
-    if (d > MAX_HEAD_DIM || bs > MAX_BLOCK || group > MAX_TILE_Q || group < 1 || bs < 1) return -1;
-    args_t a = {dtype, q, out, k, v, nblocks, bs, kvh, group, d, row_start, nrows, start, table_off, table, scale};
+                               float scale, int nthreads, int min_part_tokens, int window) {
+    if (d > MAX_HEAD_DIM || bs > MAX_BLOCK || group > MAX_TILE_Q || group < 1 || bs < 1 || window < 0) return -1;
+    args_t a = {dtype, q, out, k, v, nblocks, bs, kvh, group, d, row_start, nrows, start, table_off, table, scale,
+                window};
     /* count items without partitions; split contexts only when that leaves cores idle */
     long base_items = 0, longest = 0;
     for (int s = 0; s < nsegs; s++) {
         const int tile = seg_tile(dtype, d, group, nrows[s], NULL);
         base_items += (long)kvh * ((nrows[s] + tile - 1) / tile);
-        long ctx = start[s] + nrows[s];
-        if (ctx > longest) longest = ctx;
+        long span = start[s] + nrows[s] - window_lo(&a, start[s]); /* positions its rows read */
+        if (span > longest) longest = span;
     }
     int parts = 1;
     const long want = 8L * (nthreads > 0 ? nthreads : 1);
@@ -762,21 +790,23 @@ int agentserve_paged_attention(int dtype, const void *q, void *out, const void *
         const int tile = seg_tile(dtype, d, group, nrows[s], &big);
         for (int r0 = 0; r0 < nrows[s]; r0 += tile) {
             int nr = nrows[s] - r0 < tile ? nrows[s] - r0 : tile;
-            int ctx = start[s] + r0 + nr; /* the tile's last row sees [0, ctx) */
+            int ctx = start[s] + r0 + nr; /* the tile's last row sees up to ctx - 1 */
+            int lo = window_lo(&a, start[s] + r0); /* and its first row from lo */
             int np = parts;
             if (np > 1) {
-                int cap2 = (ctx + min_part_tokens - 1) / min_part_tokens;
+                int cap2 = (ctx - lo + min_part_tokens - 1) / min_part_tokens;
                 if (np > cap2) np = cap2;
             }
-            /* partition boundaries on block edges */
-            int nb = (ctx + bs - 1) / bs;
+            /* [lo, ctx) split on block edges (the first part may start inside a block) */
+            int b0 = lo / bs, nb = (ctx + bs - 1) / bs - b0;
             for (int h = 0; h < kvh; h++) {
                 for (int p = 0; p < np; p++) {
                     item_t *it = &items[n++];
                     it->seg = s; it->kvh = h; it->row0 = r0; it->nrows = nr;
                     it->part = p; it->nparts = np; it->big = big;
-                    it->tok0 = (int)((long)nb * p / np) * bs;
-                    int e = (int)((long)nb * (p + 1) / np) * bs;
+                    int e0 = (b0 + (int)((long)nb * p / np)) * bs;
+                    it->tok0 = e0 > lo ? e0 : lo;
+                    int e = (b0 + (int)((long)nb * (p + 1) / np)) * bs;
                     it->tok1 = e < ctx ? e : ctx;
                     if (np > 1) { it->scratch = scratch; scratch += (long)nr * group * qstride; }
                     else it->scratch = -1;
