@@ -36,7 +36,7 @@ NO_CLOCK = ["policy", "kv", "engine", "cost", "router"]
 # Lowest first. A package or top-level module imports only from lower layers
 # (and from itself); two names in one layer do not import each other.
 LAYERS = [
-    {"clock", "argtypes", "cli_errors"},  # leaves: the injected clocks, argparse types, the CLI's error type
+    {"clock", "argtypes", "cli_errors", "cli_examples"},  # leaves: the injected clocks, argparse types, the CLI's error type and examples
     {"kv"},
     {"policy"},
     {"engine"},
@@ -318,6 +318,7 @@ def test_no_wall_clock_below_the_server(layer):
 
 def _map_rows() -> list[str]:
     text = (ROOT / "docs" / "architecture.md").read_text()
+    text = text[text.index("## The code, one sentence a module"):]
     return [line for line in text.splitlines() if line.startswith("| `")]
 
 

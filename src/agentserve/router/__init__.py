@@ -1,4 +1,4 @@
-"""Scale-out: routing requests over several agentserve replicas (DESIGN.md, `router/`).
+"""Scale-out: routing requests over several agentserve replicas (docs/architecture.md, "Layers").
 
 The pure-Python routing logic lives here (no torch, no Ray, no wall clock): what a
 replica reports (`replica_load`), what a request is routed by (`route_key`), the

@@ -5,7 +5,7 @@ Endpoints: POST /v1/chat/completions (chat_endpoint.py), POST /v1/completions
 /v1/responses/{id}, GET /v1/responses/{id}/input_items (OpenAI's Responses API:
 responses_endpoint.py), POST /v1/messages and /v1/messages/count_tokens
 (Anthropic's Messages API: messages_endpoint.py), GET /v1/models, POST
-/v1/programs/{id}/release and /end (explicit retention control, DESIGN.md
+/v1/programs/{id}/release and /end (explicit retention control, docs/architecture.md
 "Request identity"), GET /health,
 GET /metrics (behind the API key when there is one: its counters describe
 everyone's traffic), GET /openapi.json (openapi.py), GET /dashboard (a live page
