@@ -4,8 +4,9 @@ The scheduler's state is a large, long-lived heap: a KV block per block of the
 pool (built at start-up), a prefix-index node per cached block, the requests
 and their token lists, the pins. CPython's collector walks every tracked object
 of a generation when it collects it, and a full (generation-2) collection over
-that heap stalls the engine thread for 100-200 ms at 256 running requests and
-1,000 pins (`agentserve bench sched`), while finding nothing to free: the
+that heap stalls the engine thread for the length of several decode steps at
+hundreds of running requests and a thousand pins (`agentserve bench sched`
+measures it), while finding nothing to free: the
 engine's objects are freed by reference counting, not by the collector. Young
 collections still run every 700 net allocations, each walking what survived
 since the last one.
@@ -24,12 +25,9 @@ So the engine, once it has started (model loaded, KV pool built):
    no collection of any generation found any).
 
 Young collections (generations 0 and 1) stay as CPython runs them: they cost
-about 0.2 ms a step at that scale, most of it walking the token lists of the
-turns admitted since the last one. Larger thresholds made them cost more a step,
-not less, in `bench sched` (one sitting each, a shared machine: a gen-0
-threshold of 2,000 0.32 ms a step, 10,000 0.30 ms, against 0.21 ms at CPython's
-700; a gen-1 threshold of 30 or 100 0.23 and 0.29 ms against 0.20-0.22 ms at
-CPython's 10), with pauses of 15-90 ms instead of a few. `young_threshold` is
+a small fraction of a step, most of it walking the token lists of the turns
+admitted since the last one. Larger thresholds made them cost more a step, not
+less, in `bench sched`, with pauses several times as long. `young_threshold` is
 there to try another on a given machine.
 
 `PYTHON_DEFAULT` leaves CPython's collector as it is (the server's `--gc

@@ -20,7 +20,7 @@ class SchedulerConfig:
     # cap, the whole token budget as without decodes.
     max_step_ms_with_decodes: float | None = 200.0
     # prefill tokens a capped step still computes (speculation's drafts leave room for
-    # them; at 6-7k tokens of context 32 of them cost ~120 ms on a 2-core CPU, 16 half)
+    # them; late in a long prompt each costs as much as a decode row, so few)
     min_prefill_chunk: int = 16
     # a waiting request whose next prompt block a running request is about to compute waits for it
     group_prefill: bool = True

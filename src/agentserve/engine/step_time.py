@@ -10,8 +10,8 @@ cached ones attends to, so a chunk late in a long prompt costs more than the
 same chunk at its start), D the decode rows and K the context those rows
 read (sum of start + 1), R the speculative draft rows and RK the context they
 attend to (a draft row shares its decode row's reads of the cache but not its
-arithmetic: on this CPU one costs about 1.4 ms at 512 tokens of context and
-4 ms at 6k, against a 10 ms one-row step). The fit is least squares over the last `window` steps with
+arithmetic, so it costs a fraction of a decode row, growing with the context).
+The fit is least squares over the last `window` steps with
 prefill and, apart, the last `window` steps without, so a long run of decodes
 does not push the prefill samples out; coefficients are kept non-negative
 (a feature whose coefficient comes out negative is dropped and the rest
@@ -52,7 +52,7 @@ MARGIN_QUANTILE = 0.97
 MAX_MARGIN = 2.0
 _MIN_RATIOS = 8
 # Until the model is fitted, a step with decodes computes at most this many
-# smallest chunks of prefill (a 512-token chunk took ~500 ms at first use).
+# smallest chunks of prefill (the first chunks run on cold kernels and caches).
 COLD_CHUNKS = 4
 
 

@@ -2,11 +2,10 @@
 
 Why one thread for both: torch's CPU build parallelises ops with libgomp, and
 once one thread has run a parallel region (loading and packing the weights
-does), parallel regions entered from a second thread run much slower: on this
-project's 2-core machine a bf16 decode step took 39-44 ms when the server
-loaded the model on the main thread and stepped on the engine thread, against
-23-27 ms when one thread did both (a bare GEMV loop: 9.3 ms against 14.5-16 ms;
-OMP_WAIT_POLICY and GOMP_SPINCOUNT do not change it). So `cmd_serve` builds
+does), parallel regions entered from a second thread run much slower (a bf16
+decode step took well over half as long again when the model was loaded on one
+thread and stepped on another; OMP_WAIT_POLICY and GOMP_SPINCOUNT do not change
+it). So `cmd_serve` builds
 the LLM with `EngineThread.run` and hands the same thread to `AsyncEngine`."""
 
 from __future__ import annotations
