@@ -222,3 +222,120 @@ def _add_value(w: gguf.GGUFWriter, key: str, value) -> None:
         w.add_string(key, value)
     else:
         w.add_array(key, value)
+
+
+# --- SentencePiece vocabularies (tokenizer.ggml.model "llama") ------------------------
+
+SPM_CORPUS = (
+    "the quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs on and on. "
+    "def main(args):\n    return [x * 2 for x in args if x is not None]\n"
+    "Hello world, hello again: tokens, tokenizers and tokenization in the wild. "
+    "Streaming text with spaces  and   runs of    spaces, tabs\tand newlines\n\nare common. "
+    "Café, naïve, déjà vu. 日本語 中文 日本 文本 "
+)
+SPM_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+SPM_USER = ["\n", "\n\n", "  ", "   ", "<think>", "</think>"]
+_SPACE = "\u2581"
+
+
+@dataclass
+class SpmVocab:
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+
+
+def _train_pieces(corpus: str, n_merges: int) -> list[str]:
+    """A tiny BPE trainer (most frequent adjacent pair first) over SentencePiece-
+    style words (each word keeps the "▁" of the space before it): the merged
+    pieces in the order they were learned."""
+    text = corpus.replace(" ", _SPACE)
+    words: dict[tuple[str, ...], int] = {}
+    start = 0
+    for i in range(1, len(text) + 1):
+        if i == len(text) or text[i] == _SPACE:
+            w = tuple(text[start:i])
+            words[w] = words.get(w, 0) + 1
+            start = i
+    learned = []
+    for _ in range(n_merges):
+        pairs: dict[tuple[str, str], int] = {}
+        for w, n in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[(a, b)] = pairs.get((a, b), 0) + n
+        if not pairs:
+            break
+        (a, b), _count = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        if (a + b).strip(_SPACE):  # runs of spaces are the user-defined tokens' business
+            learned.append(a + b)
+        merged = {}
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        words = merged
+    return learned
+
+
+def spm_vocab(order: str = "scores", n_merges: int = 160, seed: int = 0) -> SpmVocab:
+    """A SentencePiece vocabulary as llama.cpp writes one: control tokens, user-
+    defined tokens (newline and space runs, `<think>`), the 256 byte pieces, the
+    single characters of a corpus (most non-ASCII characters are left to byte
+    fallback) and learned pieces. `order` says where the learned order lives:
+    "scores" (Llama 2 style: pieces shuffled in the file, scores rank them, some
+    tied) or "positions" (Gemma style: file order ranks them, scores disagree)."""
+    rng = np.random.default_rng(seed)
+    learned = _train_pieces(SPM_CORPUS, n_merges)
+    chars = sorted({c for c in SPM_CORPUS.replace(" ", _SPACE) if ord(c) < 0x2600 or c in "日本" + _SPACE}
+                   - {"\n", "\t"})
+    tokens = SPM_CONTROL + SPM_USER + [f"<0x{b:02X}>" for b in range(256)] + chars
+    types = [3] * len(SPM_CONTROL) + [4] * len(SPM_USER) + [6] * 256 + [1] * len(chars)
+    scores = [0.0] * (len(SPM_CONTROL) + len(SPM_USER) + 256) + [-1000.0 - i for i in range(len(chars))]
+    rank = np.arange(len(learned), dtype=np.float64)
+    if order == "scores":
+        perm = rng.permutation(len(learned))
+        score_of = -rank
+        score_of[5:15] = score_of[5]  # ties: broken by the longer left part, then file position
+        tokens += [learned[i] for i in perm]
+        scores += [float(score_of[i]) for i in perm]
+    elif order == "positions":
+        tokens += learned
+        scores += [float(s) for s in rng.permutation(len(learned))]  # no relation to the order
+    else:
+        raise ValueError(order)
+    types += [1] * len(learned)
+    return SpmVocab(tokens, scores, types)
+
+
+def write_spm_gguf(path: Path, *, arch: str = "gemma3", add_space_prefix: bool | None = None,
+                   add_bos: bool | None = True, chat_template: str | None = None) -> SpmVocab:
+    """A GGUF holding only a SentencePiece tokenizer (no tensors): enough for
+    `Tokenizer.from_gguf_metadata` and for transformers' GGUF tokenizer converter.
+    A Gemma architecture gets the vocabulary ranked by position, others by score."""
+    vocab = spm_vocab("positions" if arch.startswith("gemma") else "scores")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.name", f"tiny {arch} tokenizer")
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", vocab.tokens)
+    w.add_array("tokenizer.ggml.scores", vocab.scores)
+    w.add_array("tokenizer.ggml.token_type", vocab.types)
+    for key, name in (("bos", "<bos>"), ("eos", "<eos>"), ("unknown", "<unk>"), ("padding", "<pad>")):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", SPM_CONTROL.index(name))
+    if add_bos is not None:
+        w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+    if add_space_prefix is not None:
+        w.add_bool("tokenizer.ggml.add_space_prefix", add_space_prefix)
+    if chat_template is not None:
+        w.add_string("tokenizer.chat_template", chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return vocab

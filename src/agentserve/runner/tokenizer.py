@@ -1,9 +1,10 @@
 """Text <-> token ids for the model runner, over Hugging Face `tokenizers`.
 
 One `Tokenizer` type serves both model sources: a Hugging Face folder
-(`tokenizer.json` + `tokenizer_config.json`) and a GGUF file, whose byte-level
-BPE vocabulary is rebuilt here from the `tokenizer.ggml.*` metadata so that no
-second copy of the tokenizer has to ship with the weights.
+(`tokenizer.json` + `tokenizer_config.json`) and a GGUF file, whose vocabulary
+is rebuilt from the `tokenizer.ggml.*` metadata so that no second copy of the
+tokenizer has to ship with the weights: byte-level BPE here, SentencePiece
+(Gemma, Llama 2) in spm_tokenizer.py.
 
 BOS handling lives in this wrapper, not in the backend's post-processor: the
 backend is always asked for the raw ids and BOS is prepended only when the model
@@ -12,8 +13,8 @@ reads the same for both sources, and chat templates that already write BOS
 never get a second one by accident.
 
 `IncrementalDetokenizer` turns a stream of generated ids into text for
-streaming; a character split across byte-level tokens (emoji, CJK) is held back
-until its last byte arrives instead of leaking a U+FFFD.
+streaming; a character split across byte-level or byte-fallback tokens (emoji,
+CJK) is held back until its last byte arrives instead of leaking a U+FFFD.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from agentserve.runner.spm_tokenizer import sentencepiece_from_gguf
 
 # llama.cpp's token types (llama_token_type): what `tokenizer.ggml.token_type` holds.
 _TOKEN_CONTROL = 3
@@ -101,12 +104,13 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind is None:
             raise ValueError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
-        if kind != "gpt2":
+        builder = _GGUF_TOKENIZERS.get(kind)
+        if builder is None:
             raise NotImplementedError(
-                f"GGUF tokenizer model {kind!r} is not supported; only 'gpt2' (byte-level BPE: "
-                "SmolLM2, Llama 3, Qwen2, ...) is. Load such a model from its Hugging Face folder "
-                "(tokenizer.json) instead")
-        backend = _byte_level_bpe_from_gguf(meta)
+                f"GGUF tokenizer model {kind!r} is not supported (supported: "
+                + ", ".join(f"{k!r} ({what})" for k, (_, what) in _GGUF_TOKENIZERS.items())
+                + "); load such a model from its Hugging Face folder (tokenizer.json) instead")
+        backend = builder[0](meta)
 
         def opt_id(key: str) -> int | None:
             v = meta.get(f"tokenizer.ggml.{key}")
@@ -114,9 +118,11 @@ class Tokenizer:
 
         # EOT/EOM end a turn the same way EOS does (llama.cpp stops on all three).
         eos = [opt_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
         return cls(backend, bos_token_id=opt_id("bos_token_id"),
                    eos_token_ids=[i for i in eos if i is not None],
-                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   add_bos_token=bool(add_bos),
                    unk_token_id=opt_id("unknown_token_id"), pad_token_id=opt_id("padding_token_id"))
 
     @classmethod
@@ -319,6 +325,13 @@ def _byte_level_bpe_from_gguf(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
     if backend.get_vocab_size(with_added_tokens=True) != len(vocab):
         raise ValueError("GGUF tokenizer: added tokens do not map onto the vocabulary")
     return backend
+
+
+# `tokenizer.ggml.model` -> (backend builder, what it is).
+_GGUF_TOKENIZERS = {
+    "gpt2": (_byte_level_bpe_from_gguf, "byte-level BPE: SmolLM2, Llama 3, Qwen2/3, ..."),
+    "llama": (sentencepiece_from_gguf, "SentencePiece with byte fallback: Gemma, Llama 2, Mistral v0.1, ..."),
+}
 
 
 def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
