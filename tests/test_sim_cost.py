@@ -356,10 +356,11 @@ def test_spills_past_the_backlog_wait_for_the_disk_link(h100):
 
 
 def test_cost_model_is_cheap(h100):
-    """Tens of thousands of steps must stay fast: no per-token work."""
+    """Tens of thousands of steps must stay fast: no per-token work. (CPU time of
+    this process, so other work on the machine does not make it fail.)"""
     import time
     out = SchedulerOutput(chunks=[prefill_chunk(make_request(4000), 0, 1024)] + [decode_chunk(8192) for _ in range(64)])
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(20_000):
         h100.step_time(out)
-    assert time.perf_counter() - t < 2.0
+    assert time.process_time() - t < 2.0
