@@ -112,7 +112,7 @@ def test_invalid_text_at_walks_keys_values_and_lists():
 # --- strict types and OpenAI's ranges -----------------------------------------------------
 
 COERCED = [
-    ({"max_tokens": "8"}, "max_tokens"), ({"max_tokens": 8.0}, "max_tokens"), ({"stream": "yes"}, "stream"),
+    ({"max_tokens": "8"}, "max_tokens"), ({"max_tokens": 8.5}, "max_tokens"), ({"stream": "yes"}, "stream"),
     ({"stream": 1}, "stream"), ({"temperature": "0.5"}, "temperature"), ({"temperature": True}, "temperature"),
     ({"n": "1"}, "n"), ({"seed": "7"}, "seed"), ({"top_k": "5"}, "top_k"), ({"ignore_eos": "true"}, "ignore_eos"),
     ({"logprobs": "false"}, "logprobs"), ({"stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
@@ -126,6 +126,15 @@ COERCED = [
 @pytest.mark.parametrize("extra,param", COERCED)
 def test_no_coercion(server, extra, param):
     refused(post(server, {**CHAT, **extra}), param)
+
+
+def test_a_whole_number_is_an_integer(server):
+    # JSON has one kind of number, and JSON Schema's `integer` (the OpenAPI document's) holds 8.0: so does
+    # the server, as 8; a fraction, a string or a boolean is still refused
+    r = post(server, {**CHAT, "max_tokens": 2.0, "seed": 7.0, "n": 1.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    refused(post(server, {**CHAT, "max_tokens": True}), "max_tokens")
 
 
 def test_no_coercion_in_completions(server):

@@ -60,11 +60,29 @@ def test_bad_hint_values_are_400s_naming_the_field():
     for body, param in (({"agent_hints": {"agent_id": "a", "cache_ttl_ms": -1}}, "agent_hints.cache_ttl_ms"),
                         ({"agent_hint": {"session_id": "s", "cache_control": {"ttl": float("inf")}}},
                          "agent_hint.cache_control.ttl"),
-                        ({"agent_hint": {"cache_control": {"ttl": 3}}}, "agent_hint.cache_control.ttl"),
                         ({"job_id": "j" * 300}, "job_id")):
         with pytest.raises(IdentityError) as e:
             ident(**body)
         assert e.value.param == param, body
+
+
+def test_hints_without_a_program_are_ignored():
+    # the request is its own program, ended with it: nothing to keep or release (and no 400 the
+    # OpenAPI document could not state: the id and the hint may come from the body or the headers)
+    anon = ident({"X-Program-TTL": "60", "X-Program-Release": "true"}, agent_hint={"cache_control": {"ttl": 3}})
+    assert (anon.program_id, anon.ttl, anon.release_after, anon.is_last_turn) == (None, None, False, True)
+    with pytest.raises(IdentityError):  # a bad value is still refused
+        ident(agent_hints={"cache_ttl_ms": -1})
+
+
+def test_composite_ids_are_bounded_part_by_part():
+    long = "w" * 256
+    assert ident(agent_hints={"workflow_id": long, "agent_id": long}).program_id == f"{long}/{long}"
+    with pytest.raises(IdentityError) as e:
+        ident(agent_hints={"workflow_id": "w", "agent_id": long + "x"})
+    assert e.value.param == "agent_hints.agent_id"
+    claude = {"x-claude-code-session-id": long, "x-claude-code-agent-id": long}
+    assert ident(claude).program_id == f"{long}/{long}"
 
 
 def test_tenant_scope_prefixes_every_spelling():

@@ -128,6 +128,15 @@ def _refused_for(response) -> str:
         return "(not an OpenAI error body)"
 
 
+def _said(response) -> str:
+    """The message of an error reply (OpenAI's shape or Anthropic's), or the start of the body."""
+    try:
+        err = response.json()["error"]
+        return str(err["message"])[:300]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return response.text[:300]
+
+
 def health_ok(base_url: str, timeout_s: float = 10.0) -> bool:
     try:
         with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as r:
@@ -187,13 +196,15 @@ def _served_model(base_url: str, headers: dict[str, str], timeout_s: float) -> s
         return json.loads(r.read())["data"][0]["id"]
 
 
-def conformance_checks() -> list:
-    """schemathesis's checks of an answer against the document (the 5xx check is this module's own)."""
-    from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
-                                                   response_schema_conformance, status_code_conformance)
+def all_checks() -> list:
+    """Every check schemathesis has (its CLI's `--checks all`): no 5xx; status code, content type, headers
+    and body as documented; a request valid by the document accepted (no 4xx but 401/403/404/409/429), an
+    invalid one refused; a required header's absence refused; an undocumented method answered 405 with
+    `Allow`; auth not ignored; resources gone after a delete. A check that does not apply to a case passes."""
+    from schemathesis.checks import CHECKS, load_all_checks
 
-    return [status_code_conformance, content_type_conformance, response_headers_conformance,
-            response_schema_conformance]
+    load_all_checks()
+    return CHECKS.get_all()
 
 
 def _sender(report: FuzzReport, label: str, mode: str, headers: dict[str, str], timeout_s: float):
@@ -201,7 +212,7 @@ def _sender(report: FuzzReport, label: str, mode: str, headers: dict[str, str], 
     from schemathesis.core.failures import FailureGroup
 
     counts = report.statuses[label]
-    checks = conformance_checks()
+    checks = all_checks()
 
     def send(case) -> None:
         try:
@@ -226,10 +237,11 @@ def _sender(report: FuzzReport, label: str, mode: str, headers: dict[str, str], 
         try:
             case.validate_response(r, checks=checks, headers=headers)
         except FailureGroup as group:
+            said = f" (the server said: {_said(r)})" if 400 <= r.status_code < 500 else ""
             for f in group.exceptions:
                 report.nonconforming.setdefault(label, Counter())[f.title] += 1
-                report.failures.append(Failure(label, mode, f"status {r.status_code}: {f.title}: {f.message}"[:600],
-                                               case.as_curl_command(headers=headers)))
+                report.failures.append(Failure(label, mode, f"status {r.status_code}: {f.title}: {f.message}"
+                                               f"{said}"[:900], case.as_curl_command(headers=headers)))
 
     return send
 

@@ -134,7 +134,8 @@ async def health(request: Request) -> Response:
 async def openapi_endpoint(request: Request) -> Response:
     st = server_state(request)
     if st.openapi is None:
-        st.openapi = openapi_document(st.config.served_model_names, auth=st.config.tenants.enabled)
+        st.openapi = openapi_document(st.config.served_model_names, auth=st.config.tenants.enabled,
+                                      vocab_size=st.llm.config.vocab_size)
     return JSONResponse(st.openapi)
 
 

@@ -1,7 +1,7 @@
 """Which program a request belongs to, the client's retention hints, and the
 request's prefix-cache salt.
 
-The scheduler keeps KV and orders work by *program* (DESIGN.md, "Request
+The scheduler keeps KV and orders work by *program* (docs/architecture.md, "Request
 identity"), so the server has to name the program of every request. Clients
 differ in how they say it; the first of these that is present wins:
 
@@ -33,6 +33,8 @@ release after this turn (body `release_program: true`, header
 `X-Program-Release`); and the end of the program (body `end_program: true`,
 header `X-Program-End`), after which its pin is dropped and its job completion
 time recorded. Body fields win over headers, and ours over the spellings below.
+A request that names no program has no hints: a TTL or release sent with it is
+ignored (the request ends its own program).
 
 Other engines' spellings, accepted so that their clients need no change:
 
@@ -135,7 +137,7 @@ def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = 
         value = value.strip()
         if not value:
             continue  # an empty id names nothing: fall through to the next source
-        if len(value) > MAX_ID_LENGTH:
+        if len(value) > MAX_ID_LENGTH and name not in _COMPOSITE:  # (a composite's parts are checked alone)
             raise IdentityError(f"{name} is longer than {MAX_ID_LENGTH} characters", name)
         pid, source = value, name
         break
@@ -149,11 +151,11 @@ def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = 
     release = bool(getattr(body, "release_program", False)) or _flag(headers, "x-program-release", "X-Program-Release")
     end = (bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
            or bool(getattr(body, "is_last_step", False)))
-    if pid is None and (ttl is not None or release):
-        # Hints about a program nobody can come back to would be silently meaningless.
-        raise IdentityError("a retention hint (ttl / release_program) needs a program id: send program_id, "
-                            "X-Program-Id, session_id, X-Session-Id or user", ttl_param if ttl is not None
-                            else "release_program")
+    if pid is None:
+        # A request that names no program is a program of one turn, ended with it: nothing to keep or
+        # release, so its retention hints are moot. Accepted, not refused: the rule spans the body and the
+        # headers, which no OpenAPI schema can state, and a client may send its hints on every request.
+        ttl, release = None, False
     salt = getattr(body, "cache_salt", None)
     if salt is not None and not 0 < len(salt) <= MAX_SALT_LENGTH:
         raise IdentityError(f"cache_salt must be a non-empty string of at most {MAX_SALT_LENGTH} characters",
@@ -178,7 +180,11 @@ def _claude_code_program(headers: Mapping[str, str]) -> str | None:
     if session is None:
         return None
     agent = _first_header(headers, "x-claude-code-agent-id")
-    return session.strip() if agent is None else f"{session.strip()}/{agent.strip()}"
+    _check_part(session, "x-claude-code-session-id")
+    if agent is None:
+        return session.strip()
+    _check_part(agent, "x-claude-code-agent-id")
+    return f"{session.strip()}/{agent.strip()}"
 
 
 def _metadata_user(body: Any) -> str | None:
@@ -189,8 +195,21 @@ def _metadata_user(body: Any) -> str | None:
 
 def _sglang_program(hints: Any) -> str | None:
     workflow, agent = getattr(hints, "workflow_id", None), getattr(hints, "agent_id", None)
+    for part, name in ((workflow, "agent_hints.workflow_id"), (agent, "agent_hints.agent_id")):
+        if part is not None:
+            _check_part(part, name)
     parts = [p.strip() for p in (workflow, agent) if p is not None and p.strip()]
     return "/".join(parts) or None
+
+
+# ids made of two parts (`session/agent`, `workflow/agent`): each part within MAX_ID_LENGTH, as the
+# document states each field's limit, so the whole may be longer
+_COMPOSITE = ("x-claude-code-session-id", "agent_hints")
+
+
+def _check_part(value: str, name: str) -> None:
+    if len(value.strip()) > MAX_ID_LENGTH:
+        raise IdentityError(f"{name} is longer than {MAX_ID_LENGTH} characters", name)
 
 
 def _ttl(body: Any, headers: Mapping[str, str], vllm_hint: Any, sgl_hints: Any) -> tuple[float | None, str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 from agentserve.server.identity import MAX_ID_LENGTH
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-ID_HEADERS = ("X-Program-Id", "X-Session-Id")
+ID_HEADERS = ("X-Program-Id", "X-Session-Id", "x-claude-code-session-id", "x-claude-code-agent-id")
 
 
 class InputError(ValueError):

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
-from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict
+from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict, served, whole_number
 
 NO_VISION = "is refused: the model served here reads text only"
 
@@ -121,7 +121,28 @@ ContentBlock = _typed(TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, R
 SystemBlock = _typed(TextBlock, what="system block")
 
 
+# which blocks each role's message may hold (messages_endpoint.py refuses the others by name)
+_BLOCKS_OF = {"user": ("TextBlock", "ToolResultBlock"),
+              "assistant": ("TextBlock", "ToolUseBlock", "ThinkingBlock", "RedactedThinkingBlock")}
+
+
+def _blocks_by_role(schema: dict[str, Any]) -> None:
+    content = schema["properties"]["content"]
+    blocks = next(b for b in content["anyOf"] if b.get("type") == "array")["items"]["oneOf"]
+    schema["oneOf"] = [{"properties": {"role": {"const": role}, "content": {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"oneOf": [
+            b for b in blocks if _model_of(b["$ref"]) in names]}}]}}} for role, names in _BLOCKS_OF.items()]
+
+
+def _model_of(ref: str) -> str:
+    """The model a $ref names, in its final form (`.../TextBlock`) or pydantic's while it builds the
+    schema (`.../agentserve__server__messages_protocol__TextBlock-Input__1`)."""
+    return ref.rsplit("/", 1)[1].split("-")[0].split("__")[-1]
+
+
 class MessageParam(_Strict):
+    model_config = ConfigDict(json_schema_extra=_blocks_by_role)
+
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
@@ -179,11 +200,17 @@ class MessagesMetadata(_Strict):
 
 class OutputConfig(_Strict):
     effort: str | None = None  # accepted; nothing here trades effort for speed
-    format: dict[str, Any] | None = None  # structured outputs: {"type": "json_schema", "schema": {...}}
+    format: dict[str, Any] | None = Field(None, json_schema_extra=served(  # messages_endpoint.to_chat's rule
+        {"type": "object", "required": ["type", "schema"],
+         "properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}}}))
 
 
 class CountTokensRequest(_Strict):
     """POST /v1/messages/count_tokens: what the prompt is made of."""
+    model_config = ConfigDict(json_schema_extra={  # tool_choice any or tool needs tools (messages_endpoint.to_chat)
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}})
 
     model: Id
     messages: list[MessageParam] = Field(min_length=1)
@@ -198,12 +225,12 @@ class CountTokensRequest(_Strict):
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: whole_number(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, lt=2**63)
+    top_k: whole_number(ge=0, lt=2**63) | None = None
     metadata: MessagesMetadata | None = None
     ignore_eos: bool = False  # vLLM's extension, as chat has it: decode max_tokens tokens (benchmarks)
 

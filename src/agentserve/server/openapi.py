@@ -44,8 +44,8 @@ _ERRORS = {
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
                                 "schema": {"type": "integer", "minimum": 0}}}
 
-_NEEDS_ID = ("; a retention hint, so it needs a program id (the body's program_id, X-Program-Id, or any other way "
-             "the request names its program): without one the request gets 400")
+_NEEDS_ID = ("; a retention hint of the program the request names (the body's program_id, X-Program-Id, or any "
+             "other way): a request that names none is its own program, ended with it, and the hint is ignored")
 _FLAG = ("true, false, 1, 0, yes, no, on or off, in any case (empty: false)", {"pattern": HEADER_FLAG_PATTERN})
 _ID_HEADERS = [
     ("X-Program-Id", "the program this request belongs to (when the body names none); spaces around it are "
@@ -54,8 +54,8 @@ _ID_HEADERS = [
      {"maxLength": MAX_ID_LENGTH}),
     ("X-Program-TTL", "seconds to keep the program's KV after this turn: digits, with a fraction after a '.' "
                       "(60, 2.5)" + _NEEDS_ID, {"pattern": HEADER_SECONDS_PATTERN}),
-    ("X-Program-Release", "a flag: true drops the program's pin after this turn; " + _FLAG[0] + _NEEDS_ID + " when "
-                          "true", _FLAG[1]),
+    ("X-Program-Release", "a flag: true drops the program's pin after this turn; " + _FLAG[0] + _NEEDS_ID,
+     _FLAG[1]),
     ("X-Program-End", "a flag: true ends the program after this turn (no program named: nothing to end); "
                       + _FLAG[0], _FLAG[1]),
 ]
@@ -198,19 +198,23 @@ def _program_op(summary: str, reply: type[BaseModel], auth: list) -> dict[str, A
         "responses": {"200": {"description": "done", "content": _json(reply)}, **_errors("400", "401")}}}
 
 
-def openapi_document(model_names: list[str], auth: bool) -> dict[str, Any]:
-    """The document for a server serving `model_names`; `auth`: whether it wants a Bearer key."""
+def openapi_document(model_names: list[str], auth: bool, vocab_size: int | None = None) -> dict[str, Any]:
+    """The document for a server serving `model_names`; `auth`: whether it wants a Bearer key;
+    `vocab_size`: the model's, the bound of a token id (prompt, stop_token_ids)."""
     _, defs = models_json_schema([(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _RESPONSES],
                                  ref_template=_REF)
     for name in ("MessagesRequest", "CountTokensRequest"):  # Anthropic's `model` is required: one served here
         defs["$defs"][name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
     # /v1/completions takes one prompt, not empty (completions_endpoint.py refuses others with a 400)
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
-           "description": "token ids of the model's vocabulary"}
+    token = {"type": "integer", "minimum": 0, **({"maximum": vocab_size - 1} if vocab_size else {})}
+    ids = {"type": "array", "items": token, "minItems": 1, "description": "token ids of the model's vocabulary"}
     defs["$defs"]["CompletionRequest"]["properties"]["prompt"] = {"title": "Prompt", "anyOf": [
         {"type": "string", "minLength": 1}, ids,
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
         {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        defs["$defs"][name]["properties"]["stop_token_ids"] = {"title": "Stop Token Ids", "anyOf": [
+            {"type": "array", "items": token}, {"type": "null"}]}
     need = [{"bearer": []}] if auth else []
     need_anthropic = [{"bearer": []}, {"x-api-key": []}] if auth else []  # either header
     paths: dict[str, Any] = {

@@ -6,7 +6,7 @@ the output in a way this server cannot honour (logprobs, penalties, n > 1) are
 declared here so the app can refuse them with a clear 400 instead of silently
 ignoring them. A few extensions other servers accept are declared too: `top_k`,
 `ignore_eos`, `stop_token_ids`, `cache_salt` (vLLM's names) and the
-program-identity fields of DESIGN.md ("Request identity"), with the agent-hint
+program-identity fields of docs/architecture.md ("Request identity"), with the agent-hint
 spellings of other engines that identity.py maps to them.
 
 Declared fields are strict: a value of the wrong JSON type is a 400, never
@@ -24,13 +24,39 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 from agentserve.server.identity import MAX_ID_LENGTH, MAX_SALT_LENGTH
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _whole(v: Any) -> Any:
+    # JSON has one kind of number: 8.0 is the integer 8 (JSON Schema's `integer` says so too); 8.5 is not one
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def whole_number(**bounds: Any) -> Any:
+    """An integer field within `bounds` (Field's ge, lt, ...): 8 or 8.0, never 8.5, "8" or true. (The
+    bounds come before the validator, or pydantic leaves them out of the JSON schema.)"""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+
+
+Int = whole_number()
+
+
+def served(*schemas: dict[str, Any], nullable: bool = True) -> Any:
+    """json_schema_extra for a field typed wider than what the server serves (so that the rest gets a 400
+    of its own, `n=2: only n=1 is supported`): the OpenAPI document gives `schemas` (or null) as the
+    field's values, so that a request valid by the document is one the server answers."""
+    def edit(schema: dict[str, Any]) -> None:
+        for k in [k for k in schema if k not in ("title", "description", "default")]:
+            del schema[k]
+        branches = [*schemas, *([{"type": "null"}] if nullable else [])]
+        schema.update(branches[0] if len(branches) == 1 else {"anyOf": branches})
+    return edit
 
 
 Id = Annotated[str, Field(max_length=MAX_ID_LENGTH)]
@@ -41,9 +67,17 @@ ToolName = Annotated[str, Field(min_length=1, max_length=256)]
 # --- requests -----------------------------------------------------------------
 
 
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    # what is served: a text part with its text (the document lists no other type)
+    schema["properties"]["type"] = {"type": "string", "enum": ["text"]}
+    schema["properties"]["text"] = {"type": "string"}
+    schema["required"] = ["type", "text"]
+
+
 class TextPart(_Strict):
     """A content part. Only text parts reach the model; another type is refused
     by name when the messages are rendered (chat_template.py)."""
+    model_config = ConfigDict(json_schema_extra=_text_part_schema)
 
     type: str
     text: str | None = None
@@ -84,6 +118,10 @@ class UserMessage(_Message):
 
 
 class AssistantMessageIn(_Message):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # content or calls, as the validator below says
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]})
+
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -139,6 +177,10 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
+    model_config = ConfigDict(json_schema_extra={  # as the validator below says
+        "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
+
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
@@ -150,26 +192,27 @@ class ResponseFormat(_Strict):
 
 
 # The other engines' hints are typed here; their values (ids within MAX_ID_LENGTH,
-# finite TTLs >= 0) are checked where they are mapped, in identity.py.
+# finite TTLs >= 0) are checked where they are mapped, in identity.py, and stated in the document.
 class CacheControlHint(_Strict):
-    ttl: float | None = None  # seconds
+    ttl: float | None = Field(None, json_schema_extra={"minimum": 0})  # seconds
 
 
 class AgentHint(_Strict):
     """vLLM's agent-hint RFC (`agent_hint`); identity.py maps what is used."""
-    session_id: str | None = None
+    session_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})
     cache_control: CacheControlHint | None = None
 
 
 class AgentHints(_Strict):
     """SGLang's `agent_hints`; identity.py maps what is used."""
-    workflow_id: str | None = None
-    agent_id: str | None = None
-    cache_ttl_ms: float | None = None
+    workflow_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})
+    agent_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})
+    cache_ttl_ms: float | None = Field(None, json_schema_extra={"minimum": 0})
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-TokenCount = Annotated[int, Field(ge=1)]
+TokenCount = whole_number(ge=1)
+_ZERO = {"type": "number", "const": 0}
 
 
 class _Common(_Strict):
@@ -181,25 +224,26 @@ class _Common(_Strict):
     max_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-2**63, lt=2**64)
-    stop: str | list[str] | None = None  # at most 16 strings (SamplingParams)
-    n: int | None = Field(1, ge=1, le=128)
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    seed: whole_number(ge=-2**63, lt=2**64) | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # (SamplingParams')
+    n: whole_number(ge=1, le=128) | None = Field(1, json_schema_extra=served({"type": "integer", "const": 1}))
+    presence_penalty: Penalty | None = Field(None, json_schema_extra=served(_ZERO))
+    frequency_penalty: Penalty | None = Field(None, json_schema_extra=served(_ZERO))
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, json_schema_extra=served({"type": "object", "maxProperties": 0}))
     user: Id | None = None
     # extensions (vLLM's names)
-    top_k: int | None = Field(None, ge=-1, lt=2**63)  # the sampler holds it as a 64-bit integer
+    top_k: whole_number(ge=-1, lt=2**63) | None = None  # the sampler holds it as a 64-bit integer
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    # program identity and retention hints (DESIGN.md, "Request identity")
+    stop_token_ids: list[whole_number(ge=0)] | None = None
+    # program identity and retention hints (docs/architecture.md, "Request identity")
     program_id: Id | None = None
     session_id: Id | None = None
     ttl: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     release_program: bool = False
     end_program: bool = False
     # the same, as other engines spell it (identity.py maps them)
-    job_id: str | None = None  # Continuum (its length: identity.py)
+    job_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})  # Continuum
     is_last_step: bool = False  # Continuum
     agent_hint: AgentHint | None = None  # vLLM's agent-hint RFC
     agent_hints: AgentHints | None = None  # SGLang
@@ -208,6 +252,10 @@ class _Common(_Strict):
 
 
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={  # a tool_choice but "none" needs tools (tool_output.py)
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}})
+
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -215,17 +263,17 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: TokenCount | None = None
     prompt_cache_key: Id | None = None  # OpenAI's cache scope: names the program (identity.py)
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None  # metadata.user_id names it too
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool | None = Field(None, json_schema_extra=served({"type": "boolean", "const": False}))
+    top_logprobs: whole_number(ge=0, le=20) | None = Field(None, json_schema_extra=served({"type": "integer", "const": 0}))
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=0, le=20)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    echo: bool = Field(False, json_schema_extra=served({"type": "boolean", "const": False}, nullable=False))
+    suffix: str | None = Field(None, json_schema_extra=served({"type": "string", "maxLength": 0}))
+    best_of: whole_number(ge=0, le=20) | None = Field(None, json_schema_extra=served({"type": "integer", "const": 1}))
+    logprobs: whole_number(ge=0, le=5) | None = Field(None, json_schema_extra=served())
 
 
 # --- responses ----------------------------------------------------------------

@@ -6,7 +6,9 @@ Requests are strict as chat's are (protocol.py: unknown fields ignored, no
 coercion). An input item, a tool and a `tool_choice` of a type this server
 does not serve is still parsed (as `OtherItem`, `OtherTool`, `OtherToolChoice`)
 so that the translation can refuse it by its type name in a clear 400, rather
-than pydantic listing every type it tried. The union tags are capitalised
+than pydantic listing every type it tried; the OpenAPI document leaves those
+branches out (SkipJsonSchema), as it states every other value the server
+refuses, so that a request valid by the document is one the server answers. The union tags are capitalised
 because input_checks.param_of leaves such labels out of the parameter names
 it reports (`input[2].call_id`, not `input[2].FunctionCall.call_id`).
 
@@ -18,9 +20,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from agentserve.server.identity import MAX_SALT_LENGTH
-from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict
+from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict, served, whole_number
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")  # the content parts whose text reaches the model
 
@@ -38,8 +41,16 @@ def _tag(kinds: dict[str, str], default: str | None = None):
 # --- requests: input items ------------------------------------------------------------
 
 
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    # what is served: a text part with its text (the document lists no other type)
+    schema["properties"]["type"] = {"type": "string", "enum": list(TEXT_PART_TYPES)}
+    schema["properties"]["text"] = {"type": "string"}
+    schema["required"] = ["type", "text"]
+
+
 class ContentPart(_Strict):
     """A content part; only text parts reach the model, another type is refused by name."""
+    model_config = ConfigDict(json_schema_extra=_text_part_schema)
 
     type: str
     text: str | None = None
@@ -117,7 +128,7 @@ InputItem = Annotated[Union[
     Annotated[CustomToolCallItem, Tag("CustomToolCall")],
     Annotated[CustomToolCallOutputItem, Tag("CustomToolCallOutput")],
     Annotated[ReasoningItem, Tag("Reasoning")],
-    Annotated[OtherItem, Tag("Other")],
+    Annotated[SkipJsonSchema[OtherItem], Tag("Other")],
 ], Discriminator(_tag({"message": "Message", "function_call": "FunctionCall",
                        "function_call_output": "FunctionCallOutput", "custom_tool_call": "CustomToolCall",
                        "custom_tool_call_output": "CustomToolCallOutput", "reasoning": "Reasoning"},
@@ -172,7 +183,7 @@ Tool = Annotated[Union[
     Annotated[FunctionTool, Tag("Function")],
     Annotated[CustomTool, Tag("Custom")],
     Annotated[NamespaceTool, Tag("Namespace")],
-    Annotated[OtherTool, Tag("Other")],
+    Annotated[SkipJsonSchema[OtherTool], Tag("Other")],
 ], Discriminator(_tag({"function": "Function", "custom": "Custom", "namespace": "Namespace"}))]
 
 
@@ -190,6 +201,11 @@ class OtherToolChoice(_Strict):
 
 
 class TextFormat(_Strict):
+    model_config = ConfigDict(json_schema_extra={  # as the validator below says
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["name", "schema"], "properties": {"name": {"type": "string"},
+                                                               "schema": {"type": "object"}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # as chat's
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -215,7 +231,13 @@ class PromptCacheOptions(_Strict):
 class ResponsesRequest(_Strict):
     # something to answer: input, or a stored conversation to continue, or at least instructions
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
-        {"required": ["input"]}, {"required": ["previous_response_id"]}, {"required": ["instructions"]}]})
+        {"required": ["input"], "properties": {"input": {"anyOf": [{"type": "string"},
+                                                                  {"type": "array", "minItems": 1}]}}},
+        {"required": ["previous_response_id"], "properties": {"previous_response_id": {"type": "string"}}},
+        {"required": ["instructions"], "properties": {"instructions": {"type": "string"}}}],
+        # a tool_choice but "none" needs tools (tool_output.py, as chat's)
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}})
 
     model: Id | None = None
     input: str | list[InputItem] | None = None
@@ -223,16 +245,16 @@ class ResponsesRequest(_Strict):
     previous_response_id: NonEmptyId | None = None
     store: bool | None = None  # None: true, as OpenAI's default
     stream: bool = False
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
+    background: bool | None = Field(None, json_schema_extra=served({"type": "boolean", "const": False}))
+    conversation: str | dict[str, Any] | None = Field(None, json_schema_extra=served())
+    prompt: dict[str, Any] | None = Field(None, json_schema_extra=served())
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | OtherToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | SkipJsonSchema[OtherToolChoice] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: whole_number(ge=1) | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: whole_number(ge=0, le=20) | None = Field(None, json_schema_extra=served({"type": "integer", "const": 0}))
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
     user: Id | None = None
     prompt_cache_key: Id | None = None
@@ -243,7 +265,7 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None
     generate: bool | None = None  # false: Codex's prewarm (prefill, no output)
     prompt_cache_options: PromptCacheOptions | None = None
-    # program identity and retention hints (DESIGN.md, "Request identity"), as chat has them
+    # program identity and retention hints (docs/architecture.md, "Request identity"), as chat has them
     program_id: Id | None = None
     session_id: Id | None = None
     ttl: float | None = Field(None, ge=0.0, allow_inf_nan=False)
