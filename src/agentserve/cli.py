@@ -12,7 +12,7 @@ from agentserve.argtypes import csv_list, non_negative_ms
 from agentserve.cli_bench import add_bench
 from agentserve.cli_cluster import add_cluster
 from agentserve.cli_errors import CliError
-from agentserve.cli_model import add_generate, add_profile
+from agentserve.cli_model import add_generate, add_models, add_profile
 from agentserve.cli_serve import add_serve
 
 WORKLOADS = ("swebench", "bfcl", "claude-code", "swe-smith")
@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_generate(sub)
     add_profile(sub)
+    add_models(sub)
     add_examples(ap)
     return ap
 

@@ -11,7 +11,8 @@ EXAMPLES: dict[str, list[str]] = {
     "sim": ["agentserve sim --workload swebench --policies agentserve,vllm-fcfs --rates 0.2,0.5 --programs 100",
             "agentserve sim --workload bfcl --host-tier --replicas 4 --router program --json sim.json"],
     "serve": ["agentserve serve --port 8001 --kv-cache-tokens 131072 --api-key secret",
-              "agentserve serve --model path/to/model.gguf --served-model-name my-model --host 0.0.0.0"],
+              "agentserve serve --model path/to/model.gguf --served-model-name my-model --host 0.0.0.0",
+              "agentserve serve --model gemma3-270m"],
     "cluster": ["agentserve cluster --replicas 2 --router program --port 8000"],
     "bench": ["agentserve bench run --url http://127.0.0.1:8000 --workload swebench --programs 16 --rate 0.5"],
     "bench run": ["agentserve bench run --url http://127.0.0.1:8000 --workload swebench --programs 16 --rate 0.5 "
@@ -27,6 +28,7 @@ EXAMPLES: dict[str, list[str]] = {
     "bench soak": ["agentserve bench soak --programs 64 --duration 1800 --json soak.json"],
     "generate": ['agentserve generate "def fib(n):" --max-tokens 64 --stop "\\n\\n"',
                  'agentserve generate --chat "Write a haiku about caches." --model path/to/model.gguf'],
+    "models": ["agentserve models"],
     "profile": ["agentserve profile",
                 "agentserve profile --model path/to/model.gguf --contexts 512,4096 --output profile.json"],
 }

