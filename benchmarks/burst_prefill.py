@@ -1,9 +1,9 @@
-"""`agentserve bench burst`: a burst of agents that share one long preamble
+"""`python -m benchmarks burst`: a burst of agents that share one long preamble
 (system prompt and tool schemas) arrives at once; grouped prefill on and off,
 side by side on the real model.
 
-    agentserve bench burst                                  # 8 agents, 2048-token preamble
-    agentserve bench burst --agents 16 --budgets 512,4096 --json burst.json
+    python -m benchmarks burst                                  # 8 agents, 2048-token preamble
+    python -m benchmarks burst --agents 16 --budgets 512,4096 --json burst.json
 
 For each step budget (--max-num-batched-tokens) and each setting it reports
 the prompt tokens the model computed, the prefix hits, and the median and p99
@@ -17,6 +17,8 @@ import argparse
 import random
 import sys
 from dataclasses import dataclass
+
+from benchmarks.common import run_main, write_run_json
 
 
 @dataclass
@@ -88,11 +90,11 @@ def print_table(results: list[BurstResult], out=None) -> None:
               f"{r.wall_s:>7.2f}", file=out)
 
 
-def add_burst_parser(subparsers) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from agentserve.argtypes import csv_list
 
-    p = subparsers.add_parser("burst", help="a burst of agents sharing a long preamble: grouped prefill on/off",
-                              description=__doc__.split("\n\n")[0].replace("`agentserve bench burst`: ", ""))
+    p = argparse.ArgumentParser(prog="python -m benchmarks burst",
+                                description=__doc__.split("\n\n")[0].replace("`python -m benchmarks burst`: ", ""))
     p.add_argument("--model", default=None, help="a GGUF or safetensors model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--agents", type=int, default=8, help="requests in the burst (default 8)")
     p.add_argument("--preamble", type=int, default=2048, help="tokens every prompt shares (default 2048)")
@@ -102,7 +104,6 @@ def add_burst_parser(subparsers) -> argparse.ArgumentParser:
                    help="step token budgets (--max-num-batched-tokens) to run at (default 512,4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
-    p.set_defaults(func=cmd_burst)
     return p
 
 
@@ -114,6 +115,13 @@ def cmd_burst(args) -> int:
     results = run_burst(args.model, args.agents, args.preamble, args.own, args.max_tokens, args.budgets, args.seed)
     print_table(results)
     if args.json:
-        from agentserve.bench.replay_results import write_run_json
         write_run_json(args, results, args.json)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), cmd_burst, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
-"""`python -m agentserve.bench.cluster_failover`: kill one engine replica of an
+"""`python -m benchmarks cluster-failover`: kill one engine replica of an
 `agentserve cluster` mid-run and count what the agents saw.
 
-    python -m agentserve.bench.cluster_failover --programs 4 --rate 0.5 --token-scale 0.05 --time-scale 0.3 --kill-after 5 --baseline
+    python -m benchmarks cluster-failover --programs 4 --rate 0.5 --token-scale 0.05 --time-scale 0.3 --kill-after 5 --baseline
 
 Starts `agentserve cluster` (the peer spec `cluster-<router>`, 2 replicas, in
 its own Ray under a private RAY_TMPDIR so no other Ray on the machine is
@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from agentserve.bench.fastpath import parse_prometheus
+from benchmarks.fastpath import parse_prometheus
 from agentserve.bench.peers.running import http_text
 
 COUNTERS = ("retries", "failed_streams", "unavailable")
@@ -194,7 +194,7 @@ def _replay(programs, cfg, url: str, kill_after: float | None, victim_index: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.cluster_failover", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks cluster-failover", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="swebench")
     ap.add_argument("--programs", type=int, default=4)

@@ -1,5 +1,5 @@
-"""The agent-workload runner of `agentserve bench agentic`: the paper's novel
-workloads (bench/novel_workloads.py) and its repeated-prompt patterns against
+"""The agent-workload runner of `python -m benchmarks agentic`: the paper's novel
+workloads (benchmarks/novel_workloads.py) and its repeated-prompt patterns against
 any OpenAI-compatible server, with the server's Prometheus counters read
 before and after.
 
@@ -42,8 +42,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .novel_workloads import AgentRun, dispatch_order, repeat_agents, scripted_prompt
-from .replay_stream import ReplayError, StreamAccumulator, base_url, server_info, stream_chat
+from benchmarks.novel_workloads import AgentRun, dispatch_order, repeat_agents, scripted_prompt
+from agentserve.bench.replay_stream import ReplayError, StreamAccumulator, base_url, server_info, stream_post
 
 # ---------------------------------------------------------------------------
 # Prometheus counters
@@ -192,7 +192,8 @@ class AgenticClient:
         return time.perf_counter() - self.t0
 
     async def _stream(self, body: dict, pid: str, t_send: float) -> ToolStream:
-        return await stream_chat(self.client, body, pid, ToolStream(t_send), self.now)
+        return await stream_post(self.client, "/v1/chat/completions", body, {"X-Program-Id": pid}, ToolStream(t_send),
+                                 self.now)
 
     async def request(self, messages: list[dict], tools, pid: str, max_tokens: int, end: bool,
                       rec: dict) -> ToolStream | None:

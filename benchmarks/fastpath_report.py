@@ -1,4 +1,4 @@
-"""Figures and tables of `agentserve bench agentic` (results of bench/fastpath.py).
+"""Figures and tables of `python -m benchmarks agentic` (results of benchmarks/fastpath.py).
 
 Novel workloads, per server: median per-turn latency (the paper's metric) and
 its ratio to the reference server, p90, median TTFT, output tokens per turn

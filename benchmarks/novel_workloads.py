@@ -14,7 +14,7 @@ real chat conversations with six declared tools (OpenAI `tools` JSON schemas):
   patterns of the response-cache evaluation (section 5.4).
 
 A run is a list of `ScriptedTurn`s. What a replay does with turn k (see
-bench/fastpath.py): append its `user` message if any, send the conversation
+benchmarks/fastpath.py): append its `user` message if any, send the conversation
 (the model's own earlier replies included), append the model's reply, then
 append `result` answering the reply's tool call (a `tool` message; a `user`
 message naming the tool when the reply made no call). `call` is the call the
@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .agent_runs import (SYSTEM_BUGFIX, SYSTEM_CODING, TOOL_NAMES, TOOLS, AgentRun, ScriptedTurn,  # noqa: F401
+from benchmarks.agent_runs import (SYSTEM_BUGFIX, SYSTEM_CODING, TOOL_NAMES, TOOLS, AgentRun, ScriptedTurn,  # noqa: F401
                          call_message, run_rng, run_tag)
 
 # ---------------------------------------------------------------------------

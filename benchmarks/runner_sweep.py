@@ -21,7 +21,7 @@ SWEEP_CHUNK = 2048  # max_num_batched_tokens of the chunked prefill (the server'
 SWEEP_MIXED = (8, 4096, 2048, 2048)  # decodes, their context, prefill chunk, its prefix
 PEER_NEW_TOKENS = 128
 KV_SLACK_TOKENS = 1024
-KV_TOKENS_MULTIPLE = 256  # so that every peer holds exactly that many (bench/peers/specs.py)
+KV_TOKENS_MULTIPLE = 256  # so that every peer holds exactly that many (agentserve/bench/peers/specs.py)
 
 
 @dataclass
@@ -157,14 +157,13 @@ def run_sweep(model, dtype: str, cfg: SweepConfig, progress: Callable[[str], Non
     gc.collect()
     result["peers"] = {}
     if cfg.peers:
-        from agentserve.bench.peer_speed import PeerSweep, measure_peer
-        from agentserve.bench.peers.specs import server_spec
+        from agentserve.bench.peers.specs import server_specs
+        from benchmarks.peer_speed import PeerSweep, measure_peers
 
         sweep = PeerSweep(cfg.contexts, cfg.batches, cfg.prefill_tokens, cfg.peer_new_tokens)
         result["config"]["peer_nonce"] = sweep.nonce
-        for name in cfg.peers:
-            spec = server_spec(name, cfg.kv_tokens, vllm_reserved_cpus=cfg.vllm_reserved_cpus)
-            result["peers"][name] = measure_peer(spec, sweep, progress)
+        specs = server_specs(cfg.peers, cfg.kv_tokens, vllm_reserved_cpus=cfg.vllm_reserved_cpus)
+        result["peers"] = measure_peers(specs, sweep, progress)
     result["rows"] = sweep_rows(result)
     return result
 
@@ -232,7 +231,7 @@ def peer_errors(result: dict) -> list[str]:
 
 
 def sweep_config(args) -> SweepConfig:
-    from agentserve.bench.peer_speed import peer_names
+    from benchmarks.peer_speed import peer_names
 
     return SweepConfig(contexts=args.contexts, batches=args.batches, prefill_tokens=args.prefill_tokens,
                        chunk=args.max_num_batched_tokens, mixed=args.mixed, kv_tokens=args.kv_tokens,

@@ -1,4 +1,4 @@
-"""`agentserve bench sched`: the scheduler's own time a step when it holds many
+"""`python -m benchmarks sched`: the scheduler's own time a step when it holds many
 requests and pins.
 
 The real scheduler, KV manager and policy, driven by the simulator's executor
@@ -172,11 +172,11 @@ def print_table(results: list[OverheadResult]) -> None:
               f"{r.median_us:>9.0f} {r.p90_us:>7.0f} {r.p99_us:>7.0f} {r.max_us:>7.0f} {r.schedule_us:>11.0f}")
 
 
-def add_sched_parser(subparsers) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from agentserve.argtypes import csv_list
 
-    p = subparsers.add_parser("sched", help="the scheduler's own time a step with many running requests and pins",
-                              description=__doc__.split("\n\n")[0].replace("`agentserve bench sched`: ", ""))
+    p = argparse.ArgumentParser(prog="python -m benchmarks sched",
+                                description=__doc__.split("\n\n")[0].replace("`python -m benchmarks sched`: ", ""))
     p.add_argument("--policies", type=csv_list(str), default=["agentserve", "continuum", "static-ttl", "infercept", "vllm-fcfs"],
                    help="policies to measure (default agentserve,continuum,static-ttl,infercept,vllm-fcfs)")
     p.add_argument("--running", type=int, default=256, help="requests decoding at once (default 256)")
@@ -194,7 +194,6 @@ def add_sched_parser(subparsers) -> argparse.ArgumentParser:
                         "server's; python: CPython's defaults)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
-    p.set_defaults(func=cmd_sched)
     return p
 
 
@@ -215,6 +214,16 @@ def cmd_sched(args) -> int:
                for pol in args.policies]
     print_table(results)
     if args.json:
-        from agentserve.bench.replay_results import write_run_json
+        from benchmarks.common import write_run_json
         write_run_json(args, results, args.json)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import run_main
+
+    return run_main(build_parser(), cmd_sched, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,10 +1,10 @@
-"""`agentserve bench soak`: a long run of misbehaving agent programs against one
+"""`python -m benchmarks soak`: a long run of misbehaving agent programs against one
 server, and what it left behind.
 
-    agentserve bench soak --programs 64 --duration 1800 --json soak.json     # starts `agentserve serve`
-    agentserve bench soak --url http://127.0.0.1:8000 --server-pid 1234 --duration 300
+    python -m benchmarks soak --programs 64 --duration 1800 --json soak.json     # starts `agentserve serve`
+    python -m benchmarks soak --url http://127.0.0.1:8000 --server-pid 1234 --duration 300
 
-N programs run at once for the duration (bench/soak_client.py: dropped
+N programs run at once for the duration (benchmarks/soak_client.py: dropped
 streams, tools that never return, invalid requests, several tenants with
 --tenants on a server that takes several keys). Every `--sample-s` seconds it
 reads the server's resident memory (/proc/PID/status, when the server's pid is
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import httpx
 
-from agentserve.bench.fastpath import parse_prometheus
-from agentserve.bench.soak_client import SoakClients, SoakConfig
+from benchmarks.fastpath import parse_prometheus
+from benchmarks.soak_client import SoakClients, SoakConfig
 
 P = "agentserve:"
 METRICS = {"free": "kv_cache_free_blocks", "blocks": "kv_cache_blocks", "pinned_blocks": "pinned_blocks",
@@ -251,11 +251,11 @@ def start_server(args, keys: list[str], log_path: Path) -> tuple[subprocess.Pope
         time.sleep(0.5)
 
 
-def add_soak_parser(subparsers) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from agentserve.argtypes import csv_list
 
-    p = subparsers.add_parser("soak", help="N misbehaving agent programs for a duration: leaks, lost responses, RSS",
-                              description=__doc__.split("\n\n")[0].replace("`agentserve bench soak`: ", ""))
+    p = argparse.ArgumentParser(prog="python -m benchmarks soak",
+                                description=__doc__.split("\n\n")[0].replace("`python -m benchmarks soak`: ", ""))
     p.add_argument("--url", default=None, help="a running server (default: start `agentserve serve` on loopback)")
     p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for its RSS")
     p.add_argument("--model", default=None, help="the model the started server serves (default: its default)")
@@ -280,7 +280,6 @@ def add_soak_parser(subparsers) -> argparse.ArgumentParser:
                    "of the duration, at most 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
-    p.set_defaults(func=cmd_soak)
     return p
 
 
@@ -331,3 +330,13 @@ def _model_name(url: str, keys: list[str]) -> str:
     if r.status_code != 200:
         raise RuntimeError(f"GET /v1/models answered HTTP {r.status_code}: {r.text[:200]}")
     return r.json()["data"][0]["id"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import run_main
+
+    return run_main(build_parser(), cmd_soak, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

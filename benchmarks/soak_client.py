@@ -1,4 +1,4 @@
-"""The clients of `agentserve bench soak`: agent programs that misbehave the way
+"""The clients of `python -m benchmarks soak`: agent programs that misbehave the way
 real clients do, and the bookkeeping that says whether every request got what
 it should.
 

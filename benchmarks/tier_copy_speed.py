@@ -1,4 +1,4 @@
-"""Host-tier copy bandwidth: `python -m agentserve.bench.tier_copy_speed`.
+"""Host-tier copy bandwidth: `python -m benchmarks tier-copy-speed`.
 
 Offloads and reloads N KV blocks between the device cache and the host tier
 through the runner's own copies (runner/kv_cache.py write_host / read_host:
@@ -30,7 +30,7 @@ def print_table(res: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     from agentserve.runner.random_model import SHAPES
 
-    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.tier_copy_speed", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks tier-copy-speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when available)")
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
                     help="the KV shape (default: llama3.1-8b on CUDA, smollm2-135m on the CPU)")

@@ -1,10 +1,10 @@
 """Tokens the streaming tool-call validator's early stop saves, measured: every turn of the
-paper's agent workloads (bench/novel_workloads.py, each turn's conversation scripted up to it)
+paper's agent workloads (benchmarks/novel_workloads.py, each turn's conversation scripted up to it)
 is decoded greedily twice on the real model, once plainly and once with the validator the
 server attaches (server/tool_validation.py), and the output tokens are compared.
 
-    python -m agentserve.bench.toolcall_early_stop                       # bugfix6 + deepcoding35
-    python -m agentserve.bench.toolcall_early_stop --runs 2 --turns 6 --json early_stop.json
+    python -m benchmarks toolcall-early-stop                       # bugfix6 + deepcoding35
+    python -m benchmarks toolcall-early-stop --runs 2 --turns 6 --json early_stop.json
 
 Tokens saved on a turn = plain output tokens - validated output tokens: exact, since greedy
 decoding of the same prompt is the same until the validator stops it (each pair runs alone,
@@ -97,9 +97,9 @@ def table(results: list[TurnResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agentserve.bench.novel_workloads import NOVEL, novel_runs, scripted_prompt
+    from benchmarks.novel_workloads import NOVEL, novel_runs, scripted_prompt
 
-    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.toolcall_early_stop", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks toolcall-early-stop", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="model: 'default', a .gguf file or a Hugging Face folder")
     ap.add_argument("--workloads", nargs="+", default=["bugfix6", "deepcoding35"], choices=sorted(NOVEL))

@@ -5,7 +5,7 @@ a later turn prefills only the delta, so its TTFT should not grow with the
 prompt. Prints a table and writes JSON.
 
     agentserve serve &    # or any OpenAI-compatible server
-    python -m agentserve.bench.turn_ttft --url http://127.0.0.1:8000 --turns 5 --json ttft.json
+    python -m benchmarks turn-ttft --url http://127.0.0.1:8000 --turns 5 --json ttft.json
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def summarize(rows: list[dict], turns: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks turn-ttft", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default=None, help="model name (default: the server's first)")
     ap.add_argument("--turns", type=int, default=5)

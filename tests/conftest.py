@@ -3,11 +3,17 @@ model loaded from that same GGUF (slow to build: once per session)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from agentserve.runner.loader import default_model_path
+# The repository root, so that `import benchmarks` (the top-level benchmarks package) works from any directory.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from agentserve.runner.loader import default_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

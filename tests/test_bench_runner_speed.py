@@ -1,4 +1,4 @@
-"""bench/runner_speed.py: the sweep's pure parts (roofline arithmetic, KV
+"""benchmarks/runner_speed.py: the sweep's pure parts (roofline arithmetic, KV
 sizing, arguments, table) and a smoke run of the sweep on the tiny random model."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from agentserve.bench import runner_speed as rs
-from agentserve.bench import runner_sweep as rsw
+from benchmarks import runner_speed as rs
+from benchmarks import runner_sweep as rsw
 
 SMOLLM2 = dict(layers=30, kv_heads=3, head_dim=64, elt=2)  # 23,040 KV bytes per token
 

@@ -1,12 +1,11 @@
-"""`agentserve bench sched`: the steady state it measures the scheduler in is the
+"""`python -m benchmarks sched`: the steady state it measures the scheduler in is the
 one asked for (running requests, pins, a queue), for pinning policies and not."""
 
 from __future__ import annotations
 
 import json
 
-from agentserve.bench.sched_overhead import measure
-from agentserve.cli import main as cli_main
+from benchmarks.sched_overhead import main, measure
 
 
 def test_the_steady_state_holds_the_requests_pins_and_queue_asked_for():
@@ -20,10 +19,10 @@ def test_the_steady_state_holds_the_requests_pins_and_queue_asked_for():
 
 def test_cli_table_json_and_errors(tmp_path, capsys):
     out = tmp_path / "sched.json"
-    assert cli_main(["bench", "sched", "--policies", "continuum", "--running", "8", "--pins", "10", "--waiting", "2",
+    assert main(["--policies", "continuum", "--running", "8", "--pins", "10", "--waiting", "2",
                      "--steps", "20", "--context", "64", "--output", "8", "--json", str(out)]) == 0
     assert "continuum" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["args"]["running"] == 8 and data["results"][0]["policy"] == "continuum"
-    assert cli_main(["bench", "sched", "--policies", "nope"]) == 2
+    assert main(["--policies", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`agentserve bench soak`: the response bookkeeping against servers that lose,
+"""`python -m benchmarks soak`: the response bookkeeping against servers that lose,
 duplicate or fail answers (an in-memory transport), the figures' arithmetic,
 and the 60-second soak itself: the command starts `agentserve serve` on a
 tiny GGUF model and its misbehaving programs must leave nothing behind."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentserve.bench.soak import passed, rss_mb, run_soak, slope_per_min
-from agentserve.bench.soak_client import SoakClients, SoakConfig, StreamCheck
+from benchmarks.soak import passed, rss_mb, run_soak, slope_per_min
+from benchmarks.soak_client import SoakClients, SoakConfig, StreamCheck
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_a_key_the_server_does_not_take_is_reported_at_once():
     async def go():
         transport = httpx.MockTransport(_Server("good"))
         cfg = SoakConfig(model="m", programs=1, duration_s=1, keys=["k0", "k1"])
-        import agentserve.bench.soak as soak
+        import benchmarks.soak as soak
         real = soak.httpx.AsyncClient
         soak.httpx.AsyncClient = lambda **kw: real(transport=transport, **kw)
         try:
@@ -137,7 +137,7 @@ def test_a_key_the_server_does_not_take_is_reported_at_once():
 
 
 def test_a_sixty_second_soak_leaves_nothing_behind(tmp_path):
-    """The CI version of the measured soak: `agentserve bench soak` starts a server on a tiny GGUF model."""
+    """The CI version of the measured soak: `python -m benchmarks soak` starts a server on a tiny GGUF model."""
     pytest.importorskip("gguf")
     sys.path.insert(0, str(ROOT / "tests"))
     from gguf_fixtures import write_tiny_gguf
@@ -145,8 +145,8 @@ def test_a_sixty_second_soak_leaves_nothing_behind(tmp_path):
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model)
     out = tmp_path / "soak.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "agentserve.cli", "bench", "soak", "--model", str(model),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "soak", "--model", str(model),
                            "--programs", "16", "--duration", "60", "--sample-s", "5", "--settle-s", "90",
                            "--p-disconnect", "0.15", "--p-quiet", "0.1", "--p-invalid", "0.15",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)

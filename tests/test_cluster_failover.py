@@ -3,7 +3,7 @@
 
 import json
 
-from agentserve.bench import cluster_failover as cf
+from benchmarks import cluster_failover as cf
 
 
 def rec(pid, turn, t_send, prompt=100, cached=0, out=5, error=None):

@@ -1,6 +1,6 @@
 """The engine's garbage-collector policy (engine/gc_policy.py): what applying it
 does to the process's collector, when its controller runs full collections,
-and that the server and `bench sched` apply it through the same function."""
+and that the server and `python -m benchmarks sched` apply it through the same function."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_the_policies_by_name():
 
 
 def test_bench_sched_applies_the_same_policy_and_puts_the_collector_back(monkeypatch):
-    from agentserve.bench import sched_overhead
+    from benchmarks import sched_overhead
 
     applied = []
     real = sched_overhead.apply_gc_policy

@@ -58,7 +58,7 @@ def test_a_preempted_leader_frees_its_followers():
 
 
 def test_burst_benchmark_on_a_tiny_model(capsys):
-    from agentserve.bench.burst_prefill import print_table, run_burst
+    from benchmarks.burst_prefill import print_table, run_burst
     from tiny_models import hf_llama, loaded
 
     res = run_burst(loaded(hf_llama()), agents=4, preamble=96, own=8, max_tokens=2, budgets=[512], seed=1,

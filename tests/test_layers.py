@@ -5,13 +5,16 @@
   every import, including those inside functions and under TYPE_CHECKING, is an
   edge, and each goes to a lower layer of `LAYERS`;
 - the entry points (`llm.py`, `cli*.py`, the package root) may import anything,
-  and nothing below them imports them, except `bench/`, whose benchmarks drive
-  the offline `LLM` (inside functions: see the next rule);
+  and nothing below them imports them;
 - the torch-free layers never import torch, directly or through another module:
   each of their modules is imported in a subprocess where `import torch` fails;
 - nothing below the server, nor the router, reads the wall clock: time comes from an injected clock;
 - no module in engine/, kv/, policy/, server/, router/ grows much past 400 lines;
-- the architecture page's module map lists every module, and only modules that exist.
+- the architecture page's module map lists every module, and only modules that exist;
+- `benchmarks/` (the research measurements, beside src/) sits above the whole
+  package: it imports agentserve, nothing in agentserve imports it, its modules
+  form no import cycle, and none imports torch (they reach the runner and the
+  offline `LLM` through agentserve, inside functions), so each imports without it.
 """
 
 import ast
@@ -45,7 +48,7 @@ LAYERS = [
     {"server"},
     {"router"},  # scale-out: routing over replicas (engines, identity rules, the simulator); its Ray Serve plumbing
     {"llm"},  # the offline API: entry point
-    {"bench"},  # benchmarks: servers over HTTP, the simulator, the offline LLM
+    {"bench"},  # what `agentserve bench` runs: servers over HTTP, the KV manager alone
     # entry points; "agentserve" is the package root (its lazy LLM export)
     {"agentserve", "cli_model", "cli_bench"},
     {"cli_serve"},
@@ -53,7 +56,7 @@ LAYERS = [
     {"cli"},
 ]
 ENTRY_POINTS = {"llm", "cli", "cli_model", "cli_serve", "cli_cluster", "cli_bench", "agentserve"}
-LLM_USERS = ENTRY_POINTS | {"bench"}
+LLM_USERS = ENTRY_POINTS
 
 
 # --- the import graph ---
@@ -174,7 +177,7 @@ UNITS = unit_graph(GRAPH)
 def test_the_graph_sees_every_kind_of_import():
     g = GRAPH
     assert "agentserve.engine.scheduler" in g["agentserve.engine.llm_engine"]  # top-level, absolute
-    assert "agentserve.llm" in g["agentserve.bench.runner_speed"]  # inside a function
+    assert "agentserve.cli_errors" in g["agentserve.bench.replay"]  # inside a function
     assert "agentserve.kv.pins" in g["agentserve.policy.base"]  # under TYPE_CHECKING
     assert "agentserve.server.engine_snapshot" in g["agentserve.server.stats_log"]
 
@@ -268,8 +271,8 @@ def _torch_free_modules() -> list[str]:
     return out
 
 
-def _imports_ray(path: pathlib.Path) -> bool:
-    return any(m == "ray" or m.startswith("ray.") for m, _ in _imported_names(_module_name(path), path))
+def _imports_ray(path: pathlib.Path, src: pathlib.Path = SRC) -> bool:
+    return any(m == "ray" or m.startswith("ray.") for m, _ in _imported_names(_module_name(path, src), path))
 
 
 def test_torch_free_layers_import_without_torch():
@@ -328,22 +331,54 @@ def test_module_map_lists_every_module_and_nothing_else():
     for row in _map_rows():
         first = row.split("|")[1]
         for entry in re.findall(r"`([^`]+)`", first):
-            base = ROOT if entry.startswith(("examples/", "tests/")) else PKG
+            base = ROOT if entry.startswith(("examples/", "tests/", "benchmarks/")) else PKG
             hits = [p for p in base.glob(entry.rstrip("/")) if p.exists()]
             if not hits:
                 stale.append(entry)
             for h in hits:
                 listed |= set(h.rglob("*")) if h.is_dir() else {h}
     missing = []
-    for p in sorted(PKG.rglob("*.py")):
+    for p in sorted(PKG.rglob("*.py")) + sorted(BENCHMARKS.rglob("*.py")):
         body = ast.parse(p.read_text()).body
         if p.name == "__init__.py" and all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
                                            for n in body):
             continue  # an empty package marker
         if p not in listed:
-            missing.append(str(p.relative_to(PKG)))
+            missing.append(str(p.relative_to(PKG if PKG in p.parents else ROOT)))
     assert not missing, f"modules missing from docs/architecture.md's module map: {missing}"
     assert not stale, f"docs/architecture.md's module map lists what does not exist: {stale}"
+
+
+# --- benchmarks/, outside the package ---
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def test_nothing_in_agentserve_imports_benchmarks():
+    bad = [f"{p.relative_to(SRC)}:{line} imports {m}" for m, p in _module_files().items()
+           for name, line in _imported_names(m, p) if name == "benchmarks" or name.startswith("benchmarks.")]
+    assert not bad, bad
+
+
+def test_benchmarks_have_no_import_cycle():
+    graph = import_graph(ROOT, "benchmarks")
+    assert len(graph) > 15
+    found = cycles(graph)
+    assert not found, "\n".join(f"cycle {c}: " + "; ".join(_explain(c, graph)) for c in found)
+
+
+def test_benchmarks_never_import_torch_and_import_without_it():
+    files = _module_files(ROOT, "benchmarks")
+    direct = [f"{p.relative_to(ROOT)}:{line} imports {m}" for name, p in files.items()
+              for m, line in _imported_names(name, p) if m == "torch" or m.startswith("torch.")]
+    assert not direct, direct
+    import importlib.util
+
+    ray_missing = importlib.util.find_spec("ray") is None
+    mods = [m for m, p in files.items() if not (ray_missing and _imports_ray(p, ROOT))]
+    res = import_without_torch(mods, ROOT)
+    assert not res["failed"], "\n".join(f"{m}: {e}" for m, e in res["failed"].items())
+    assert not res["torch_loaded"]
 
 
 # --- module size ---

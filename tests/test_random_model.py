@@ -66,7 +66,7 @@ def test_host_copies_round_trip_through_scattered_slots():
 def test_the_tier_copy_benchmark_prints_its_table_and_writes_json(tmp_path, capsys):
     import json
 
-    from agentserve.bench.tier_copy_speed import main
+    from benchmarks.tier_copy_speed import main
 
     out = tmp_path / "copies.json"
     assert main(["--device", "cpu", "--blocks", "4", "--repeats", "1", "--json", str(out)]) == 0

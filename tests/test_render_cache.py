@@ -331,7 +331,7 @@ def test_server_multi_turn_counts_and_ids(entries):
 
 
 def test_render_cost_benchmark_runs(tmp_path):
-    from agentserve.bench.render_cost import measure
+    from benchmarks.render_cost import measure
 
     r = measure(byte_tokenizer(), ChatTemplate(CHATML), 12000, repeats=2)  # a byte a token
     assert r["prompt_tokens"] >= 12000 and 0 < r["tokenized_on_next_turn"] < r["prompt_tokens"] / 2

@@ -286,7 +286,7 @@ def test_engine_early_stop_cuts_text_not_tokens(llm):
 
 
 def test_bench_measures_tokens_saved(llm):
-    from agentserve.bench.toolcall_early_stop import measure_turn, summarize, table
+    from benchmarks.toolcall_early_stop import measure_turn, summarize, table
 
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in DECLARED]
     msgs = [{"role": "user", "content": "Weather?"}]

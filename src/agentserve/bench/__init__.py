@@ -1,4 +1,7 @@
-"""Measuring servers from outside: the replay client for agent workloads, the peers
-(vLLM, llama.cpp) started side by side, reports and plots, and the measurement commands
-of `agentserve bench`. It never imports torch; it talks to servers over HTTP, runs the
-simulator, and drives the offline `LLM` inside functions only."""
+"""Measuring servers from outside, what `agentserve bench` runs: the replay
+client for agent workloads (`run`), its reports (`report`), the peers (vLLM,
+llama.cpp, agentserve under other policies) started side by side (`compare`),
+the eviction analysis through the KV manager alone (`apc`), and the API fuzzer
+the tests run against a live server. It never imports torch: it talks to
+servers over HTTP and may import the layers below it, never the entry points.
+The research measurements live outside the package, in benchmarks/."""

@@ -1,6 +1,7 @@
 """`agentserve bench compare`: the same agent workload against several servers
 on this machine, one after another: start a server (agentserve with a policy,
-vLLM's CPU build, llama.cpp's server; `bench/peers/`), replay the workload with
+vLLM's CPU build, llama.cpp's server; `bench/peers/`, installed with
+`benchmarks/peers/install_*.sh`), replay the workload with
 the same seed and the same message text, stop it, and print one table with
 every server's figures and its mean-JCT ratio to agentserve-continuum (to the
 first server of the run when continuum is not in it)."""
@@ -10,13 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentserve.bench.peers.running import http_text, start_server
+from agentserve.bench.peers.running import each_server, http_text
 from agentserve.bench.peers.specs import (
     HOST_KV_FACTOR,
     SERVER_NAMES,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
-    PeerServerError,
     reserved_cpus_arg,
     server_specs,
 )
@@ -57,7 +57,7 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0].replace("`agentserve bench compare`: ", ""))
     p.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
                    help=f"comma-separated, from {', '.join(SERVER_NAMES)} (an agentserve name is its policy; +host: "
-                        f"with a host KV tier of {HOST_KV_FACTOR}x --kv-tokens; peers need bench/peers/install_*.sh; "
+                        f"with a host KV tier of {HOST_KV_FACTOR}x --kv-tokens; peers need benchmarks/peers/install_*.sh; "
                         f"default: {','.join(DEFAULT_SERVERS)})")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity in tokens given to every server")
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
@@ -111,24 +111,19 @@ def cmd_compare(a) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     text_seed = f"compare-{a.seed}"  # the same message text for every server
+
+    def run(spec, srv) -> dict:
+        cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate, seed=a.seed,
+                           text_seed=text_seed, token_scale=a.token_scale, time_scale=a.time_scale,
+                           max_context=spec.max_model_len, label=spec.name, progress=a.progress)
+        result = replay(programs, cfg)
+        if spec.name.startswith(("agentserve-", "cluster-")):
+            result["final_metrics"] = final_metrics(srv.base_url)
+        return result
+
     results = []
-    for spec in specs:
-        missing = spec.missing()
-        if missing:
-            print(f"skipping {spec.name}: not installed ({spec.install_hint or ', '.join(missing)})", file=sys.stderr)
-            continue
-        print(f"starting {spec.name}: {spec.shell_command()}", file=sys.stderr)
-        try:
-            with start_server(spec) as srv:
-                cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate,
-                                   seed=a.seed, text_seed=text_seed, token_scale=a.token_scale,
-                                   time_scale=a.time_scale, max_context=spec.max_model_len, label=spec.name,
-                                   progress=a.progress)
-                result = replay(programs, cfg)
-                if spec.name.startswith(("agentserve-", "cluster-")):
-                    result["final_metrics"] = final_metrics(srv.base_url)
-        except (PeerServerError, ReplayError, OSError) as e:
-            print(f"{spec.name} failed: {e}", file=sys.stderr)
+    for spec, result, _ in each_server(specs, run, (ReplayError,)):
+        if result is None:
             continue
         result["server"] = spec.name
         result["server_setup"] = spec.describe()

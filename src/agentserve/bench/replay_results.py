@@ -81,10 +81,3 @@ def write_json(result: dict, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_jsonable(result), f, indent=1)
 
-
-def write_run_json(args, results: list, path: str) -> None:
-    """A benchmark command's results beside the arguments it ran with (dataclasses as dicts)."""
-    from dataclasses import asdict, is_dataclass
-
-    write_json({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                "results": [asdict(r) if is_dataclass(r) else r for r in results]}, path)

@@ -1,5 +1,5 @@
 """The replay client's side of the wire, shared with the other benchmarks that
-talk to OpenAI-compatible servers (peer_speed.py, fastpath.py): a streamed
+talk to OpenAI-compatible servers (benchmarks/: peer_speed.py, fastpath.py): a streamed
 response folded into first-token time, token times, text and usage; the
 server's base URL; its model and context length from /v1/models; and the
 error a failed request becomes."""
@@ -11,13 +11,6 @@ import json
 
 class ReplayError(Exception):
     """A failed request (its message goes into the results)."""
-
-
-async def stream_chat(client, body: dict, pid: str, acc, now):
-    """POST a streamed chat request for program `pid` and feed each SSE line to
-    `acc` (with `now()`); an HTTP error becomes a ReplayError with the
-    server's message. Returns `acc`."""
-    return await stream_post(client, "/v1/chat/completions", body, {"X-Program-Id": pid}, acc, now)
 
 
 async def stream_post(client, path: str, body: dict, headers: dict, acc, now):
@@ -47,7 +40,7 @@ class StreamAccumulator:
     time, the time of every chunk that carried tokens, text, usage.
 
     feed(line, now) takes one line of the stream; an `{"error": ...}` event
-    raises ReplayError. (The same parsing turn_ttft.py does.) A chat chunk
+    raises ReplayError. A chat chunk
     carries tokens when its delta has content or tool calls; a
     /v1/completions chunk (`text` instead of `delta`) does even with empty text
     (a token that ends inside a UTF-8 character), except an empty one with the

@@ -20,7 +20,7 @@ asynchronous copy into pinned memory (on the CPU one indexed copy does it
 all); a reload does the reverse. Measured on an H200 with an 8B-shaped
 cache: 36-47 GB/s, where the earlier head-major host slots, copied through a
 pageable bounce and CPU indexing, moved 1.1-4 GB/s
-(`python -m agentserve.bench.tier_copy_speed`)."""
+(`python -m benchmarks tier-copy-speed`)."""
 
 from __future__ import annotations
 

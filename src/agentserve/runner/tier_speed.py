@@ -1,7 +1,7 @@
 """How fast the KV tiers move blocks on this machine: the disk tier's files
 (`disk_bandwidth`, which `agentserve profile` records) and the host tier's
 copies against the head-major path they replaced (`tier_copy_speed`, behind
-`python -m agentserve.bench.tier_copy_speed`)."""
+`python -m benchmarks tier-copy-speed`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _raise_first(results: list) -> None:
 def tier_copy_speed(device: str, shape: str, blocks: int, block_size: int = 16, repeats: int = 5) -> dict:
     """Host-tier copy bandwidth of `blocks` blocks of a `random_model` shape's KV
     each way, by the runner's copies and by the head-major path they replaced
-    (`python -m agentserve.bench.tier_copy_speed`)."""
+    (`python -m benchmarks tier-copy-speed`)."""
     from agentserve.runner.config import ModelConfig
     from agentserve.runner.kv_cache import PagedKVCache
     from agentserve.runner.random_model import SHAPES

@@ -1,19 +1,20 @@
 """Peer servers to measure agentserve against on the same machine and model:
 vLLM's CPU build and llama.cpp (llama-cpp-python's server), plus agentserve
-itself under two policies. See servers.py and README.md.
+itself under other policies or as a cluster: each one's spec (specs.py), and
+starting, waiting for, measuring in turn and stopping them (running.py).
+Installing the peers and their command line: benchmarks/peers/README.md and
+`python -m benchmarks peers` in the repository.
 
-The names below are loaded from specs.py and running.py on first use, so
-that importing this package (as `python -m agentserve.bench.peers.servers`
-does) costs nothing."""
+The names below are loaded from specs.py and running.py on first use."""
 
 from __future__ import annotations
 
 __all__ = ["DEFAULT_PORTS", "MODEL_NAME", "SERVER_NAMES", "PeerServerError", "RunningServer", "ServerSpec",
-           "UnknownServerError", "kv_bytes_per_token", "server_spec", "server_specs", "start_server",
+           "UnknownServerError", "each_server", "kv_bytes_per_token", "server_spec", "server_specs", "start_server",
            "vllm_kvcache_space_gib"]
 
 
-_RUNNING = ("RunningServer", "start_server")
+_RUNNING = ("RunningServer", "each_server", "start_server")
 
 
 def __getattr__(name: str):

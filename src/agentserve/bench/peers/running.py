@@ -1,7 +1,8 @@
 """Running a peer server: started in its own session with its output in its log
 file, ready once its health path answers and /v1/models lists the model name,
 stopped with SIGTERM to its process group and SIGKILL after a grace period.
-Errors carry the log's tail."""
+Errors carry the log's tail. `each_server` is the loop every comparison runs:
+start each server in turn, skip one that is not installed, measure, stop."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from agentserve.bench.peers.specs import PeerServerError, ServerSpec
+
+T = TypeVar("T")
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
@@ -168,3 +174,33 @@ def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None
             server.stop(grace_s=10.0)
             raise
     return server
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def each_server(specs: Iterable[ServerSpec], measure: Callable[[ServerSpec, RunningServer], T],
+                errors: tuple[type[BaseException], ...] = (),
+                log: Callable[[str], None] = _to_stderr) -> Iterator[tuple[ServerSpec, T | None, str | None]]:
+    """Each server in turn, one running at a time: one that is not installed is skipped, the
+    others started, measured with `measure(spec, server)` and stopped. Yields (spec, result, None),
+    or (spec, None, why) where it was skipped or failed (PeerServerError, OSError or one of
+    `errors`, while it started or was measured), so one server's failure does not end the run;
+    each step is logged in a line."""
+    for spec in specs:
+        missing = spec.missing()
+        if missing:
+            why = f"not installed ({spec.install_hint or ', '.join(missing)})"
+            log(f"skipping {spec.name}: {why}")
+            yield spec, None, why
+            continue
+        log(f"starting {spec.name}: {spec.shell_command()}")
+        try:
+            with start_server(spec) as srv:
+                result = measure(spec, srv)
+        except (PeerServerError, OSError, *errors) as e:
+            log(f"{spec.name} failed: {e}")
+            yield spec, None, str(e)
+            continue
+        yield spec, result, None

@@ -312,7 +312,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                    f"{VLLM_BLOCK_TOKENS}; VLLM_CPU_KVCACHE_SPACE would be {vllm_kvcache_space_gib(kv_tokens)} GiB)")
         # vllm-install.json is written last by install_vllm.sh: a finished install
         requires = (py, peers / "vllm-install.json", model_dir / "config.json", model_dir / "model.safetensors")
-        hint = "bash src/agentserve/bench/peers/install_vllm.sh"
+        hint = "bash benchmarks/peers/install_vllm.sh"
     else:  # llama.cpp
         py = venv_python(peers, name)
         model = Path(gguf) if gguf is not None else default_gguf_path()
@@ -326,7 +326,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         health = "/v1/models"  # llama-cpp-python's server has no /health
         setting = f"--n_ctx {kv_tokens} (one sequence at a time: no parallel slots)"
         requires = (py, peers / "llamacpp-install.json", model)  # the json: written last by the install
-        hint = "bash src/agentserve/bench/peers/install_llamacpp.sh"
+        hint = "bash benchmarks/peers/install_llamacpp.sh"
         max_len = kv_tokens  # n_ctx is the longest sequence too
 
     argv += list(extra_args)
