@@ -221,8 +221,13 @@ def gemma_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma_tokenizer(gemma_path) -> Tokenizer:
-    return _ours(gemma_path)
+def gemma_meta(gemma_path) -> dict:
+    return read_metadata(open_gguf(gemma_path))
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma_meta) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(gemma_meta)
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +260,15 @@ def test_gemma3_streams_byte_fallback_and_spaces(gemma_tokenizer):
     pieces, text = _streamed(tok, ids)
     assert "".join(pieces) == text == "a \U0001D54F b"
     assert all(p in ("", "\U0001D54F") or "\U0001D54F" not in p for p in pieces)
+
+
+
+def test_gemma3_base_file_gets_gemma_turns(gemma_meta, gemma_tokenizer):
+    """The base file has no chat template; its vocabulary has Gemma's turn markers
+    as single control tokens, so it gets the Gemma turn format."""
+    from agentserve.runner.chat_formats import format_for
+
+    assert "tokenizer.chat_template" not in gemma_meta
+    fmt = format_for(gemma_meta["general.architecture"], gemma_tokenizer)
+    assert fmt is not None and fmt.family == "gemma"
+    assert [gemma_tokenizer.token_to_id(t) for t in fmt.markers] == [105, 106]
