@@ -1,9 +1,11 @@
 """Where the GGUF block kernel (linear.BlockLinear) stops beating the bf16 copy:
 the projections of the Gemma 3 270M Q4_K_M file, all 18 layers (so the weights
-stream from memory as in a step, not from cache), per row count, median of
+stream from memory as in a step, not from cache), per row count, best of
 `--repeat` passes, ms for the layers' four projections and, separately, the
-tied Q8_0 LM head. Not a test (pytest does not collect it); about half a
-minute on 2 cores. Run: python tests/timing_block_kernel.py [--threads N]
+tied Q8_0 LM head. Not a test (pytest does not collect it); one to two
+minutes on 2 cores. Run: python tests/timing_block_kernel.py [--threads N]; on shared cores
+use 1 thread (the default): OpenMP teams on oversubscribed cores measure the
+other load, not the kernel.
 
 Also times Q4_0 on SmolLM2-shaped weights against torch's int4 kernel, which
 decides what Q4_0/Q4_1 use on CPUs without the AVX512-VNNI kernel."""

@@ -33,7 +33,13 @@ numbers and kernel of the `bf16` weight format). That copy costs memory, 2
 bytes a weight on top of the int4 form's 0.625, and no time. Dequantizing per
 call instead, to save the memory, was measured far slower: dequantizing
 SmolLM2's 120 projections takes about 120 ms a step, the bf16 GEMMs themselves
-17 ms at 16 rows, 41 ms at 64 and ~260 ms at 512."""
+17 ms at 16 rows, 41 ms at 64 and ~260 ms at 512.
+
+`BlockLinear` keeps any kept GGUF type (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K) as the file's blocks and multiplies on csrc/block_matmul.c (AVX2,
+FMA, F16C) for at most `BLOCK_MAX_ROWS` rows, the bf16 copy above; a fused
+projection whose parts differ in type is one kernel call per run of one type.
+`codes_linear` picks the kernel per projection."""
 
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from agentserve.runner import native
+from agentserve.runner.device import cpu_has_native_bf16
 from agentserve.runner.quant import BLOCK, BLOCK_TYPES, Q4Weight, Q8Weight, BlockWeight
 
 log = logging.getLogger("agentserve.runner")
@@ -320,12 +327,20 @@ def q8_available(device: torch.device) -> bool:
 # csrc/block_matmul.c's type numbers
 BLOCK_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 # Rows up to which BlockLinear multiplies on the file's blocks; above, the bf16
-# copy. Measured on this project's 2-core AVX2 machine (AMD EPYC, no AVX512,
-# no native bf16: the bf16 copy runs unpacked F.linear) on the Gemma 3 270M
-# Q4_K_M file's shapes, 2 threads, median of 20 (ms; block kernel / bf16 copy),
-# `python -m agentserve.runner.block_timing` (see the report of this change):
-# FILLED IN BELOW
-BLOCK_MAX_ROWS = 12
+# copy. Measured on this project's 2-core AVX2 machine (AMD EPYC, no AVX512, no
+# native bf16, so the bf16 copy is unpacked, emulated F.linear) over the 72
+# projections of the Gemma 3 270M Q4_K_M file's 18 layers (65 MiB of blocks,
+# 191 MiB in bf16: they stream from memory as in a step), 1 thread, best of 5
+# (ms; block kernel / bf16 copy; `python tests/timing_block_kernel.py
+# --threads 1 --repeat 5`, on shared cores, so +-30%): 1 row 33 / 49, 2 rows
+# 56 / 105, 4 rows 86 / 214, 8 rows 150 / 637, 12 rows 245 / 344, 16 rows
+# 178 / 488, 24 rows 286 / 779; its Q8_0 LM head (262144 x 640) at 2 threads:
+# 1 row 60 / 143, 8 rows 186 / 744, 16 rows 323 / 1656. Past 16 rows a step
+# is a prefill chunk, where the bf16 copy's oneDNN path and chunking matter
+# more than this, so 16 on such CPUs. Where the CPU has native bf16 (AVX512-BF16
+# or AMX) the bf16 copy is several times faster; not measured here: 8 there,
+# the crossover the AVX512-VNNI Q8_0 kernel measured against packed bf16.
+BLOCK_MAX_ROWS = 8 if cpu_has_native_bf16() else 16
 
 
 def block_available(device: torch.device) -> bool:
@@ -455,8 +470,9 @@ def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Line
         q = parts[0] if len(parts) == 1 else kind.cat(parts)  # type: ignore[attr-defined]
         if tiled and int4_shape_ok(q.shape):
             return layer(q, bias, pack=pack, dense=dense)
-        # torch's int4 kernel where it works: as fast as the block kernel at 1-4 rows (see
-        # tests/timing_block_kernel.py), and what the model's accounting of int4 projections counts
+        # torch's int4 kernel where it takes the shape: as fast as the block kernel at 1-4 rows
+        # (SmolLM2's 120 Q4_0 projections, 1 thread, ms block / torch: 1 row 27 / 24, 4 rows 34 / 35,
+        # 8 rows 70 / 123; tests/timing_block_kernel.py), and what the model counts as int4 projections
         if kind is Q4Weight and int4_shape_ok(q.shape) and _torch_int4_works():
             return layer(q, bias, pack=pack, dense=dense)
     if not all(isinstance(r, (Q4Weight, Q8Weight, BlockWeight)) for r in parts):
