@@ -52,6 +52,7 @@ class Wire:
 
     name = "chat"
     path = "/v1/chat/completions"
+    stream_type: type[StreamAccumulator] = StreamAccumulator
 
     def __init__(self, api_key: str | None = None) -> None:
         self.api_key = api_key
@@ -69,12 +70,10 @@ class Wire:
         return Request(self.path, body, {"X-Program-Id": pid})
 
     def accumulator(self, t_send: float) -> StreamAccumulator:
-        return StreamAccumulator(t_send)
+        return self.stream_type(t_send)
 
     def usage(self, reply: dict) -> tuple[int, int, int]:
-        u = reply.get("usage") or {}
-        return (int(u.get("prompt_tokens") or 0), int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                int(u.get("completion_tokens") or 0))
+        return self.stream_type.tokens(reply.get("usage") or {})
 
     def answered(self, pid: str, messages: list[dict], acc: StreamAccumulator) -> None:
         pass
@@ -116,9 +115,50 @@ def response_items(messages: list[dict]) -> list[dict]:
     return items
 
 
+class ResponsesAccumulator(StreamAccumulator):
+    """The Responses API's event stream: text and call-argument deltas, the usage and status of the
+    final response event; `response_id` from the first event that carries the response."""
+
+    def __init__(self, t_send: float) -> None:
+        super().__init__(t_send)
+        self.response_id: str | None = None
+
+    def feed(self, line: str, now: float) -> None:
+        ev = _event(line)
+        if ev is None:
+            return
+        kind = ev.get("type")
+        if kind == "error":
+            raise ReplayError(f"error event: {ev.get('message') or ev.get('error') or ev}")
+        resp = ev.get("response")
+        if isinstance(resp, dict) and resp.get("id"):
+            self.response_id = resp["id"]
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta",
+                    "response.custom_tool_call_input.delta"):
+            piece = ev.get("delta") or ""
+            if piece:
+                _carried_tokens(self, now)
+                if kind == "response.output_text.delta":
+                    self.parts.append(piece)
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            self.usage = resp.get("usage") or {}
+            self.done = True
+            details = resp.get("incomplete_details") or {}
+            self.finish_reason = details.get("reason") or resp.get("status")
+            if kind == "response.failed":
+                err = resp.get("error") or {}
+                raise ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+
+    @staticmethod
+    def tokens(u: dict) -> tuple[int, int, int]:
+        return (int(u.get("input_tokens") or 0), int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0),
+                int(u.get("output_tokens") or 0))
+
+
 class ResponsesWire(Wire):
     name = "responses"
     path = "/v1/responses"
+    stream_type = ResponsesAccumulator
 
     def request(self, model: str, messages: list[dict], pid: str, max_tokens: int, *, stream: bool,
                 ignore_eos: bool, end: bool) -> Request:
@@ -136,12 +176,6 @@ class ResponsesWire(Wire):
         if end:
             body["end_program"] = True
         return body
-
-    def accumulator(self, t_send: float) -> StreamAccumulator:
-        return ResponsesAccumulator(t_send)
-
-    def usage(self, reply: dict) -> tuple[int, int, int]:
-        return ResponsesAccumulator.tokens(reply.get("usage") or {})
 
 
 @dataclass
@@ -197,58 +231,6 @@ class ResponsesChainWire(ResponsesWire):
         return ResponsesWire(self.api_key)
 
 
-class ResponsesAccumulator(StreamAccumulator):
-    """The Responses API's event stream: text and call-argument deltas, the usage and status of the
-    final response event; `response_id` from the first event that carries the response."""
-
-    def __init__(self, t_send: float) -> None:
-        super().__init__(t_send)
-        self.response_id: str | None = None
-
-    def feed(self, line: str, now: float) -> None:
-        ev = _event(line)
-        if ev is None:
-            return
-        kind = ev.get("type")
-        if kind == "error":
-            raise ReplayError(f"error event: {ev.get('message') or ev.get('error') or ev}")
-        resp = ev.get("response")
-        if isinstance(resp, dict) and resp.get("id"):
-            self.response_id = resp["id"]
-        if kind in ("response.output_text.delta", "response.function_call_arguments.delta",
-                    "response.custom_tool_call_input.delta"):
-            piece = ev.get("delta") or ""
-            if piece:
-                _carried_tokens(self, now)
-                if kind == "response.output_text.delta":
-                    self.parts.append(piece)
-        elif kind in ("response.completed", "response.incomplete", "response.failed"):
-            self.usage = resp.get("usage") or {}
-            self.done = True
-            details = resp.get("incomplete_details") or {}
-            self.finish_reason = details.get("reason") or resp.get("status")
-            if kind == "response.failed":
-                err = resp.get("error") or {}
-                raise ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
-
-    @staticmethod
-    def tokens(u: dict) -> tuple[int, int, int]:
-        return (int(u.get("input_tokens") or 0), int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0),
-                int(u.get("output_tokens") or 0))
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.tokens(self.usage)[0]
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.tokens(self.usage)[1]
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.tokens(self.usage)[2]
-
-
 # --- the Messages API -------------------------------------------------------------------
 
 
@@ -278,33 +260,6 @@ def anthropic_messages(messages: list[dict]) -> tuple[str | None, list[dict]]:
         else:
             out.append({"role": "assistant" if role == "assistant" else "user", "content": m.get("content") or ""})
     return system, out
-
-
-class MessagesWire(Wire):
-    name = "messages"
-    path = "/v1/messages"
-
-    def request(self, model: str, messages: list[dict], pid: str, max_tokens: int, *, stream: bool,
-                ignore_eos: bool, end: bool) -> Request:
-        system, msgs = anthropic_messages(messages)
-        body: dict[str, Any] = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
-                                "stream": stream}
-        if system is not None:
-            body["system"] = system
-        if ignore_eos:
-            body["ignore_eos"] = True
-        headers = {"x-claude-code-session-id": pid, "anthropic-version": ANTHROPIC_VERSION}
-        if self.api_key:
-            headers["x-api-key"] = self.api_key
-        if end:
-            headers["X-Program-End"] = "1"
-        return Request(self.path, body, headers)
-
-    def accumulator(self, t_send: float) -> StreamAccumulator:
-        return MessagesAccumulator(t_send)
-
-    def usage(self, reply: dict) -> tuple[int, int, int]:
-        return MessagesAccumulator.tokens(reply.get("usage") or {})
 
 
 class MessagesAccumulator(StreamAccumulator):
@@ -340,17 +295,27 @@ class MessagesAccumulator(StreamAccumulator):
         prompt = int(u.get("input_tokens") or 0) + read + int(u.get("cache_creation_input_tokens") or 0)
         return prompt, read, int(u.get("output_tokens") or 0)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.tokens(self.usage)[0]
 
-    @property
-    def cached_tokens(self) -> int:
-        return self.tokens(self.usage)[1]
+class MessagesWire(Wire):
+    name = "messages"
+    path = "/v1/messages"
+    stream_type = MessagesAccumulator
 
-    @property
-    def completion_tokens(self) -> int:
-        return self.tokens(self.usage)[2]
+    def request(self, model: str, messages: list[dict], pid: str, max_tokens: int, *, stream: bool,
+                ignore_eos: bool, end: bool) -> Request:
+        system, msgs = anthropic_messages(messages)
+        body: dict[str, Any] = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
+                                "stream": stream}
+        if system is not None:
+            body["system"] = system
+        if ignore_eos:
+            body["ignore_eos"] = True
+        headers = {"x-claude-code-session-id": pid, "anthropic-version": ANTHROPIC_VERSION}
+        if self.api_key:
+            headers["x-api-key"] = self.api_key
+        if end:
+            headers["X-Program-End"] = "1"
+        return Request(self.path, body, headers)
 
 
 def _carried_tokens(acc: StreamAccumulator, now: float) -> None:

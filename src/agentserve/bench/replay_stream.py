@@ -92,17 +92,23 @@ class StreamAccumulator:
     def text(self) -> str:
         return "".join(self.parts)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.usage.get("prompt_tokens") or 0)
+    @staticmethod
+    def tokens(u: dict) -> tuple[int, int, int]:
+        """(prompt, cached, completion) tokens of a usage object, as this API names them."""
+        return (int(u.get("prompt_tokens") or 0), int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                int(u.get("completion_tokens") or 0))
 
     @property
-    def completion_tokens(self) -> int:
-        return int(self.usage.get("completion_tokens") or 0)
+    def prompt_tokens(self) -> int:
+        return self.tokens(self.usage)[0]
 
     @property
     def cached_tokens(self) -> int:
-        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return self.tokens(self.usage)[1]
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.tokens(self.usage)[2]
 
 
 def base_url(url: str) -> str:

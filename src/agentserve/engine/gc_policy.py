@@ -5,7 +5,7 @@ pool (built at start-up), a prefix-index node per cached block, the requests
 and their token lists, the pins. CPython's collector walks every tracked object
 of a generation when it collects it, and a full (generation-2) collection over
 that heap stalls the engine thread for the length of several decode steps at
-hundreds of running requests and a thousand pins (`agentserve bench sched`
+hundreds of running requests and a thousand pins (`python -m benchmarks sched`
 measures it), while finding nothing to free: the
 engine's objects are freed by reference counting, not by the collector. Young
 collections still run every 700 net allocations, each walking what survived
@@ -32,7 +32,7 @@ there to try another on a given machine.
 
 `PYTHON_DEFAULT` leaves CPython's collector as it is (the server's `--gc
 python`). The policy is process-wide (the collector is), so the functions here
-are what the server's start-up and `agentserve bench sched` call; nothing else
+are what the server's start-up and `python -m benchmarks sched` call; nothing else
 in the engine touches the collector."""
 
 from __future__ import annotations
