@@ -1,9 +1,9 @@
 """What a loader hands the runner: `LoadedModel` (config, Hugging Face-named
 weights, tokenizer, chat template), and `check_weights`, which both loaders
-(`gguf_loader.py`, `safetensors_loader.py`) run so that a checkpoint the Llama
-runner cannot run (a missing projection, a q_norm it does not know, a wrong
-shape) fails at load with a one-line error, not later as a KeyError or garbage
-text."""
+(`gguf_loader.py`, `safetensors_loader.py`) run so that a checkpoint the
+runner cannot run as its architecture (a missing projection, a norm or bias
+that architecture does not have, a wrong shape) fails at load with a one-line
+error, not later as a KeyError or garbage text."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ class LoadedModel:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the Llama runner reads, with its [out, in] shape."""
+    """Every weight the runner reads for the config's architecture, with its [out, in] shape."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, kv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
@@ -45,13 +45,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         })
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.gemma:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     return shapes
 
 
 def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """q/k/v biases (Qwen2-style attention); the runner uses them when present."""
+    """q/k/v biases (Qwen2's attention, which always has them); the runner uses
+    them when present. No other architecture has them: there they are refused."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out: dict[str, tuple[int, ...]] = {}
+    if cfg.arch != "qwen2":
+        return out
     for n in range(cfg.num_layers):
         a = f"model.layers.{n}.self_attn."
         out.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
@@ -67,7 +74,7 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: st
     unknown = [n for n in weights if n not in required and n not in optional]
     if unknown:
         raise ValueError(f"{source}: unexpected weight {unknown[0]} "
-                         f"({len(unknown)} in all; not a Llama-family layout this runner knows)")
+                         f"({len(unknown)} in all; not the {cfg.arch} layout this runner knows)")
     for name, tensor in weights.items():
         want = required.get(name) or optional[name]
         if tuple(tensor.shape) != want:

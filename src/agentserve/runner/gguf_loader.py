@@ -12,10 +12,18 @@ Three translations happen here, each undoing a choice llama.cpp made:
   [out, in] like torch's Linear.
 * llama.cpp's converter reorders the rows of q and k inside every head so its
   interleaved ("GPT-J") rope can rotate adjacent pairs; the runner uses the
-  rotate-half layout, so `unpermute_qk` puts the rows back.
+  rotate-half layout, so `unpermute_qk` puts the rows back. Only `llama`
+  files are permuted: Qwen2, Qwen3 and Gemma 3 are converted for llama.cpp's
+  NEOX (rotate-half) rope and keep their rows.
+* Gemma 3's converter stores every norm weight as 1 + w (llama.cpp multiplies
+  by the stored value); the loader subtracts the 1 again, as transformers'
+  GGUF reader does, so the weights are the Hugging Face ones.
 
 The config comes from `{general.architecture}.*` metadata and the tokenizer
-from `tokenizer.ggml.*` (see tokenizer.py).
+from `tokenizer.ggml.*` (see tokenizer.py). Gemma 3 files do not carry what
+llama.cpp hard-codes for the architecture: every sixth layer global, the
+others sliding-window with RoPE base 10000, the attention scale from head_dim
+(hidden / heads for the 27B model); the loader uses the same values.
 """
 
 from __future__ import annotations
@@ -30,14 +38,15 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from agentserve.runner.config import ModelConfig
+from agentserve.runner.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
 from agentserve.runner.checkpoint import LoadedModel, check_weights
 from agentserve.runner.quant import KEPT_TYPES, QuantWeight, from_blocks
 from agentserve.runner.tokenizer import Tokenizer
 
 # Architecture -> whether its converter permuted q/k rows for interleaved rope.
-# Qwen2 is converted for llama.cpp's NEOX rope (rotate-half), so it is not.
-_ARCHITECTURES = {"llama": True, "qwen2": False}
+# The others are converted for llama.cpp's NEOX rope (rotate-half), so they are not.
+# (Mistral models are converted as `llama`.)
+_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -55,6 +64,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 3 names its four norms by place: ffn_norm is the one before the MLP
+_GEMMA3_NAMES = {**_LAYER_NAMES, **_QK_NORM_NAMES,
+                 "post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+_NAMES_BY_ARCH = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+                  "gemma3": _GEMMA3_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1's rope scaling, stored by llama.cpp as per-frequency divisors; folded into the config.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -68,16 +85,23 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> LoadedModel:
     meta = read_metadata(reader)
     arch = meta.get("general.architecture", "llama")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
+        raise UnsupportedModel(f"{path}: GGUF architecture {arch!r} is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}; Mistral files are `llama`)")
     tensors = {t.name: t for t in reader.tensors}
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    config = config_from_metadata(meta, tensors, tokenizer)
+    try:
+        config = config_from_metadata(meta, tensors, tokenizer)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{path}: {e}") from None
     if _ROPE_FREQS in tensors:
         config.rope_scaling = llama3_scaling_from_freq_factors(
             dequantize_tensor(tensors[_ROPE_FREQS]).numpy(), config, str(path))
     weights = load_weights(tensors, config, permuted=_ARCHITECTURES[arch], source=str(path),
                            keep_quantized=keep_quantized)
+    if config.gemma:
+        for name, w in weights.items():
+            if name.endswith("norm.weight"):
+                weights[name] = w - 1.0
     check_weights(config, weights, str(path))
     types = tuple(sorted({GGMLQuantizationType(t.tensor_type).name for t in tensors.values()}))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
@@ -93,7 +117,7 @@ def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted
     for name, t in tensors.items():
         if name == _ROPE_FREQS:
             continue
-        hf = hf_name(name, source)
+        hf = hf_name(name, source, config.arch)
         qtype = GGMLQuantizationType(t.tensor_type).name
         w: torch.Tensor | QuantWeight
         if keep_quantized and qtype in KEPT_TYPES and len(t.shape) == 2:
@@ -153,9 +177,22 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, ReaderTensor],
     head_dim = int(get("attention.key_length", hidden // heads))
     rot_dim = int(get("rope.dimension_count", head_dim))
     if rot_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings ({rot_dim} of {head_dim} dims) are not supported")
+        raise UnsupportedModel(f"partial rotary embeddings ({rot_dim} of {head_dim} dims) are not supported")
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise UnsupportedModel(f"value heads of {value_dim} dims beside key heads of {head_dim} are not supported")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(key, None):
+            raise UnsupportedModel(f"{arch}.{key} = {get(key)} is not supported (the runner would ignore it)")
+    layers = int(get("block_count"))
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        extra = _gemma3_metadata(get, layers, hidden, heads, head_dim)
+    elif get("attention.sliding_window", None) is not None:
+        # llama.cpp itself ignores a window on these architectures; which layers it would bind is unknown
+        raise UnsupportedModel(f"{arch}.attention.sliding_window is not supported for {arch} files")
     return ModelConfig(
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_heads=heads,
@@ -170,7 +207,29 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, ReaderTensor],
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=list(tokenizer.eos_token_ids),
         name=meta.get("general.name") or arch,
+        arch=arch,
+        **extra,
     )
+
+
+def _gemma3_metadata(get, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp's Gemma 3 loader takes from the file or hard-codes: the
+    window, which layers slide (a stored pattern, else every sixth layer global),
+    the sliding layers' RoPE base (10000 unless stored) and the attention scale."""
+    pattern = get("attention.sliding_window_pattern", None)
+    if isinstance(pattern, list):  # per layer: true where the layer slides
+        if len(pattern) != layers:
+            raise UnsupportedModel(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                                   f"for {layers} layers")
+        types = [SLIDING if p else FULL for p in pattern]
+    else:
+        n = int(pattern or 6)
+        types = [SLIDING if (i + 1) % n else FULL for i in range(layers)]
+    # Gemma 3 27B (62 layers) scales by hidden/heads, the others by head_dim (as llama.cpp does)
+    scalar = hidden // heads if layers == 62 else head_dim
+    return dict(sliding_window=int(get("attention.sliding_window")), layer_types=types,
+                local_rope_theta=float(get("rope.freq_base_swa", 10000.0)), local_rope_scaling=None,
+                query_pre_attn_scalar=float(scalar))
 
 
 def _vocab_size(declared: int | None, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:
@@ -184,27 +243,42 @@ def _vocab_size(declared: int | None, meta: dict[str, Any], tensors: dict[str, R
     return len(meta["tokenizer.ggml.tokens"])
 
 
+# llama.cpp's optional yarn keys -> transformers' names
+_YARN_KEYS = {"rope.scaling.attn_factor": "attention_factor", "rope.scaling.yarn_beta_fast": "beta_fast",
+              "rope.scaling.yarn_beta_slow": "beta_slow"}
+
+
 def _rope_scaling(get) -> dict[str, Any] | None:
     """llama.cpp's `rope.scaling.*` keys as an HF rope_scaling dict (linear, yarn)."""
     kind = get("rope.scaling.type", None)
     if kind in (None, "none"):
         return None
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedModel(f"rope scaling type {kind!r} is not supported in GGUF files (linear, yarn are)")
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
     original = get("rope.scaling.original_context_length", None)
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    if kind == "yarn":
+        for key, name in _YARN_KEYS.items():
+            if get(key, None) is not None:
+                scaling[name] = float(get(key))
+        for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier"):
+            if get(key, None):
+                raise UnsupportedModel(f"{key} is not supported (transformers' yarn has no such parameter)")
     return scaling
 
 
-def hf_name(gguf_name: str, source: str = "GGUF") -> str:
+def hf_name(gguf_name: str, source: str = "GGUF", arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _NAMES_BY_ARCH[arch]
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
+    if m and m.group(2) in names:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    raise ValueError(f"{source}: tensor {gguf_name!r} has no Llama counterpart")
+        return f"model.layers.{layer}.{names[part]}.{kind}"
+    raise ValueError(f"{source}: tensor {gguf_name!r} has no counterpart in the {arch} layout")
 
 
 def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:

@@ -1,6 +1,17 @@
-"""A Llama-family decoder (RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU MLP, tied or untied embeddings) whose attention reads and writes the
+"""The decoder the runner serves - Llama, Mistral, Qwen2, Qwen3 and Gemma 3 as
+one model with per-layer settings - whose attention reads and writes the
 paged KV cache, over a flattened mixed batch of prefill chunks and decode tokens.
+
+Every architecture is RMSNorm, rotary embeddings, grouped-query attention and a
+gated MLP; they differ in a few switches, all read from `ModelConfig`:
+* q/k norm (Qwen3, Gemma 3): a per-head RMSNorm on q and k before RoPE;
+* Gemma 3's layer: RMSNorm as x * (1 + w) (the 1 + w is added once at load),
+  the attention and MLP outputs normed before their residual adds, GeGLU with
+  the tanh GELU, embeddings scaled by sqrt(hidden), the attention scale from
+  query_pre_attn_scalar;
+* a sliding window per layer (Mistral: every layer; Gemma 3: its sliding
+  layers), which the attention kernel applies;
+* a rotary table per layer kind (Gemma 3's sliding layers have their own base).
 
 Weights arrive in Hugging Face names; the q/k/v and gate/up projections are
 fused into one matrix each, so a layer runs four matrix multiplies. With
@@ -33,15 +44,35 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: Linear | Q4Linear | Q8Linear
     o: Linear | Q4Linear | Q8Linear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the norm before the MLP (Gemma's pre_feedforward_layernorm)
     gate_up: Linear | Q4Linear | Q8Linear
     down: Linear | Q4Linear | Q8Linear
+    rope: RotaryTable
+    window: int | None = None  # sliding window of this layer's attention
+    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
+    attn_out_norm: torch.Tensor | None = None  # Gemma: on the attention output before its residual add
+    mlp_out_norm: torch.Tensor | None = None  # Gemma: on the MLP output before its residual add
+
+    @property
+    def norms(self) -> list[torch.Tensor]:
+        return [t for t in (self.input_norm, self.post_norm, self.qk_norm, self.attn_out_norm, self.mlp_out_norm)
+                if t is not None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.chunk(2, dim=-1)
+    return F.gelu(g, approximate="tanh") * u
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
 
 
 class LlamaModel:
@@ -51,13 +82,17 @@ class LlamaModel:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
         if quantized:
             why = int4_unavailable(self.device)
             if why or dtype is not torch.bfloat16:
                 raise ValueError(f"quantized weights need bfloat16 on a CPU with the int4 kernel "
                                  f"({why or f'dtype is {dtype}'})")
         self.quantized = quantized
+        max_positions = max_positions or cfg.max_position_embeddings
+        # a window at least as long as the longest sequence never excludes a key
+        self.windows = [w if w is not None and w < max_positions else None
+                        for w in (cfg.layer_window(i) for i in range(cfg.num_layers))]
         w = _Weights(weights, dtype, self.device)
         # None: pack where it is known to help and stay exact (bfloat16 on the CPU)
         self.pack = should_pack(dtype, self.device) if pack_weights is None else \
@@ -65,17 +100,24 @@ class LlamaModel:
         self.embed = w.take("model.embed_tokens.weight")
         if self.embed.shape[0] != cfg.vocab_size:
             raise ValueError(f"embedding has {self.embed.shape[0]} rows, config says vocab {cfg.vocab_size}")
+        # Gemma scales the gathered embeddings by sqrt(hidden), rounded to the compute dtype as transformers does
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if cfg.gemma else None
+        self.rope = RotaryTable(cfg, max_positions, dtype, self.device)
+        self.local_rope = RotaryTable(cfg, max_positions, dtype, self.device, local=True) \
+            if cfg.local_rope_theta is not None else self.rope
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
-        self.norm = w.take("model.norm.weight")
+        self.norm = self._norm(w, "model.norm.weight")
         tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
         if tied:  # a Q4 embedding still needs its bf16 table for the gather: the head shares it
             dense = Linear(self.embed, pack=self.pack)
             self.lm_head = self._linear(w, ["model.embed_tokens.weight"], dense=dense)
         else:
             self.lm_head = self._linear(w, ["lm_head.weight"])
-        self.rope = RotaryTable(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         # bfloat16 on the CPU: norms, rotary + KV write and SiLU as one native call each
         self.ops = LayerOps.create(dtype, self.device)
+        self.act = gelu_tanh_mul if cfg.gemma else silu_mul
+        if self.ops is not None:
+            self.fused_act = self.ops.gelu_tanh_mul if cfg.gemma else self.ops.silu_mul
         linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
         q4 = [x for x in linears if isinstance(x, Q4Linear)]
         self.int4_linears = len(q4)
@@ -86,6 +128,15 @@ class LlamaModel:
         # what `--weights` calls it: native when any projection runs on 4-bit codes
         self.weight_format = "native" if self.int4_linears or self.q8_linears else \
             {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+    def _norm(self, w: "_Weights", name: str) -> torch.Tensor:
+        """A norm weight as the model multiplies it: Gemma's x * (1 + w) as
+        x * w', with w' = 1 + w added in float32 as transformers does."""
+        if not self.cfg.gemma:
+            return w.take(name)
+        raw = w.raw(name)
+        raw = raw.dequantize() if is_quantized(raw) else raw
+        return (1.0 + raw.float()).to(device=self.device, dtype=self.dtype).contiguous()
 
     def _linear(self, w: "_Weights", names: list[str], bias: torch.Tensor | None = None,
                 dense: Linear | None = None) -> Linear | Q4Linear | Q8Linear:
@@ -102,18 +153,30 @@ class LlamaModel:
         return Linear(weight, bias, self.pack)
 
     def _layer(self, w: "_Weights", i: int) -> _Layer:
+        cfg = self.cfg
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         bias = None
         if w.has(a + "q_proj.bias"):
             bias = torch.cat([w.take(a + f"{n}_proj.bias") for n in "qkv"])
+        qk_norm = None
+        if cfg.qk_norm:
+            qk_norm = torch.cat([self._norm(w, a + "q_norm.weight").expand(cfg.num_heads, -1),
+                                 self._norm(w, a + "k_norm.weight").expand(cfg.num_kv_heads, -1)]).contiguous()
+        gemma = cfg.gemma
         return _Layer(
-            input_norm=w.take(p + "input_layernorm.weight"),
+            input_norm=self._norm(w, p + "input_layernorm.weight"),
             qkv=self._linear(w, [a + f"{n}_proj.weight" for n in "qkv"], bias),
             o=self._linear(w, [a + "o_proj.weight"]),
-            post_norm=w.take(p + "post_attention_layernorm.weight"),
+            post_norm=self._norm(w, p + ("pre_feedforward_layernorm.weight" if gemma
+                                         else "post_attention_layernorm.weight")),
             gate_up=self._linear(w, [m + "gate_proj.weight", m + "up_proj.weight"]),
             down=self._linear(w, [m + "down_proj.weight"]),
+            rope=self.local_rope if cfg.is_sliding(i) else self.rope,
+            window=self.windows[i],
+            qk_norm=qk_norm,
+            attn_out_norm=self._norm(w, p + "post_attention_layernorm.weight") if gemma else None,
+            mlp_out_norm=self._norm(w, p + "post_feedforward_layernorm.weight") if gemma else None,
         )
 
     @property
@@ -125,7 +188,7 @@ class LlamaModel:
         total = self.lm_head.nbytes + size(self.norm)
         for L in self.layers:
             total += L.qkv.nbytes + L.o.nbytes + L.gate_up.nbytes + L.down.nbytes
-            total += size(L.input_norm) + size(L.post_norm)
+            total += sum(size(t) for t in L.norms)
         return total
 
     @property
@@ -135,6 +198,10 @@ class LlamaModel:
         linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
         extra = sum(x.resident_bytes - x.nbytes for x in linears)
         return self.weight_bytes + extra + self.embed.numel() * self.embed.element_size()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        return h if self.embed_scale is None else h * self.embed_scale
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -147,22 +214,31 @@ class LlamaModel:
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = H * D, KVH * D
         eps = cfg.rms_norm_eps
-        cos, sin = self.rope.lookup(positions)
-        h = F.embedding(input_ids, self.embed)
+        tables = {id(self.rope): self.rope.lookup(positions)}
+        if self.local_rope is not self.rope:
+            tables[id(self.local_rope)] = self.local_rope.lookup(positions)
+        h = self._embed(input_ids)
         for i, L in enumerate(self.layers):
+            cos, sin = tables[id(L.rope)]
             x = rms_norm(h, L.input_norm, eps)
             qkv = L.qkv(x)
-            # q and k sit side by side in the fused projection: rotate them in one pass
-            qk = apply_rotary(qkv[:, :q_size + kv_size].view(T, H + KVH, D), cos, sin)
+            # q and k sit side by side in the fused projection: norm and rotate them in one pass
+            qk = qkv[:, :q_size + kv_size].view(T, H + KVH, D)
+            if L.qk_norm is not None:
+                qk = rms_norm(qk, L.qk_norm, eps)
+            qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, q_size + kv_size:].view(T, KVH, D)
             k_cache, v_cache = kv.layer(i)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + L.o(attn)
+            attn = L.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=L.window))
+            if L.attn_out_norm is not None:
+                attn = rms_norm(attn, L.attn_out_norm, eps)
+            h = h + attn
             x = rms_norm(h, L.post_norm, eps)
-            gu = L.gate_up(x)
-            g, u = gu.chunk(2, dim=-1)
-            h = h + L.down(F.silu(g) * u)
+            mlp = L.down(self.act(L.gate_up(x)))
+            if L.mlp_out_norm is not None:
+                mlp = rms_norm(mlp, L.mlp_out_norm, eps)
+            h = h + mlp
         h = h[logit_rows]
         h = rms_norm(h, self.norm, eps)
         return self.lm_head(h).float()
@@ -171,24 +247,34 @@ class LlamaModel:
                        kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """forward() with the small operations as native calls (self.ops): each
         residual add is folded into the next norm; rotary, the KV write and the
-        q copy are one pass over the fused projection."""
+        q copy are one pass over the fused projection (after the q/k norm, where
+        the model has one)."""
         cfg, ops = self.cfg, self.ops
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_size = (H + KVH) * D
         eps = cfg.rms_norm_eps
         positions = positions.to(torch.int64).contiguous()
         if positions.numel() and int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
                              f"({self.rope.max_positions} positions)")
         slots = meta.slot_mapping
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         x = torch.empty_like(h)
         ops.add_rms_norm(h, None, self.layers[0].input_norm, eps, x)
         for i, L in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            q = ops.rope_kv(L.qkv(x), H, KVH, D, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
-            attn = attend_native(q, None, None, k_cache, v_cache, meta, self.scale)
-            ops.add_rms_norm(h, L.o(attn), L.post_norm, eps, x)
-            down = L.down(ops.silu_mul(L.gate_up(x)))
+            qkv = L.qkv(x)
+            if L.qk_norm is not None:
+                T = qkv.shape[0]
+                qkv[:, :qk_size] = rms_norm(qkv[:, :qk_size].view(T, H + KVH, D), L.qk_norm, eps).view(T, -1)
+            q = ops.rope_kv(qkv, H, KVH, D, L.rope.cos, L.rope.sin, positions, k_cache, v_cache, slots)
+            attn = L.o(attend_native(q, None, None, k_cache, v_cache, meta, self.scale, window=L.window))
+            if L.attn_out_norm is not None:
+                attn = ops.add_rms_norm(attn, None, L.attn_out_norm, eps, torch.empty_like(attn))
+            ops.add_rms_norm(h, attn, L.post_norm, eps, x)
+            down = L.down(self.fused_act(L.gate_up(x)))
+            if L.mlp_out_norm is not None:
+                down = ops.add_rms_norm(down, None, L.mlp_out_norm, eps, torch.empty_like(down))
             if i + 1 < len(self.layers):
                 ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, eps, x)
             else:

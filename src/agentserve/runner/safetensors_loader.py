@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from agentserve.runner.config import ModelConfig
+from agentserve.runner.config import ModelConfig, UnsupportedModel
 from agentserve.runner.checkpoint import LoadedModel, check_weights
 from agentserve.runner.tokenizer import Tokenizer
 
@@ -30,7 +30,13 @@ def load_safetensors_dir(path: str | Path) -> LoadedModel:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found: {folder}")
-    config = ModelConfig.from_hf(_read_json(folder / "config.json"), name=folder.name)
+    try:
+        config = ModelConfig.from_hf(_read_json(folder / "config.json"), name=folder.name)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{folder}: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{folder}/config.json lacks a field the runner needs or has one of the wrong type: "
+                         f"{e}") from None
     generation = _read_json(folder / "generation_config.json", required=False)
     config.eos_token_ids = _merge_ids(config.eos_token_ids, _as_ids(generation.get("eos_token_id")))
     tok_config = _read_json(folder / "tokenizer_config.json", required=False)

@@ -1,0 +1,170 @@
+"""Qwen3, Mistral (sliding window) and Gemma 3 (sliding and global layers, two
+RoPE tables, its norms and GeGLU) against transformers: same weights, greedy,
+token for token in float32, through every engine path (batching, chunked
+prefill, prefix hits, preemption with recompute and with swap, the host tier,
+speculation), loaded from Hugging Face folders and GGUF files. The windowed
+models use a window of 8 and prompts of up to 61 tokens plus 64 generated, so
+most of every sequence lies outside the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.llm import LLM
+from agentserve.runner.loader import load_model
+from tiny_models import (DEVICE, hf_gemma3, hf_greedy, hf_mistral, hf_qwen3, loaded_as, prompt, save_hf_folder,
+                         teacher_forced_logits, write_gguf_from_hf)
+
+N_NEW = 64
+GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+BUILDERS = {"qwen3": hf_qwen3, "mistral": hf_mistral, "gemma3": hf_gemma3}
+
+
+def make_llm(model, **kw) -> LLM:
+    opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=4096, block_size=4, max_num_batched_tokens=256,
+                policy="vllm-fcfs", speculate=0)
+    opts.update(kw)
+    return LLM(model, **opts)
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hf(arch):
+    return BUILDERS[arch]()
+
+
+@pytest.fixture(scope="module")
+def references(hf):
+    """Greedy continuations of 6 prompts of different lengths (up to ~8 windows), from transformers."""
+    prompts = [prompt(i, n) for i, n in enumerate([5, 9, 17, 31, 40, 61])]
+    return prompts, [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+def test_batch_of_different_lengths(arch, hf, references):
+    prompts, refs = references
+    llm = make_llm(loaded_as(hf, arch))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    llm.check_integrity()
+
+
+def test_chunked_prefill_in_chunks_of_7(arch, hf, references):
+    prompts, refs = references
+    llm = make_llm(loaded_as(hf, arch), max_num_batched_tokens=7)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_prefix_hit_covering_all_but_3_tokens(arch, hf):
+    llm = make_llm(loaded_as(hf, arch))
+    first = llm.generate([prompt(7, 30)], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True),
+                         program_ids=["P"])[0]
+    second_prompt = (prompt(7, 30) + first.token_ids)[:40] + prompt(8, 3)
+    out = llm.generate([second_prompt], GREEDY, program_ids=["P"])[0]
+    assert out.num_cached_tokens == 40
+    assert out.token_ids == hf_greedy(hf, second_prompt, N_NEW)
+    llm.check_integrity()
+
+
+def test_preemption_with_recompute_and_with_swap(arch, hf, references):
+    prompts, refs = references
+    for policy, host in (("vllm-fcfs", 0), ("infercept", 4096)):
+        llm = make_llm(loaded_as(hf, arch), kv_cache_tokens=192, host_kv_tokens=host, policy=policy)
+        outs = llm.generate(prompts, GREEDY)
+        assert llm.scheduler.stats.preemptions > 0, policy
+        assert [o.token_ids for o in outs] == refs, policy
+        llm.check_integrity()
+
+
+def test_reload_from_host_tier(arch, hf):
+    llm = make_llm(loaded_as(hf, arch), kv_cache_tokens=160, host_kv_tokens=1024)
+    p1 = prompt(11, 37)
+    first = llm.generate([p1], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True), program_ids=["A"])[0]
+    llm.generate([prompt(100 + i, 60) for i in range(4)], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                          ignore_eos=True))
+    turn2 = p1 + first.token_ids + prompt(12, 5)
+    before = llm.scheduler.stats.loaded_tokens
+    out = llm.generate([turn2], GREEDY, program_ids=["A"])[0]
+    assert llm.scheduler.stats.loaded_tokens - before >= 32, "the prefix was not reloaded from the host tier"
+    assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
+    llm.check_integrity()
+
+
+def test_speculation(arch, hf):
+    """Prompt-lookup drafts verified as multi-row chunks: the same tokens as
+    transformers. The last prompt ends with a 16-token stretch that occurred
+    before, followed there by the model's own continuation: with a window of 8
+    over 2 layers (Mistral) nothing older reaches the next token, so the drafts
+    taken from the earlier occurrence are accepted."""
+    start = prompt(21, 30)
+    ps = [[(7 * i) % 50 + 60 for i in range(30)] * 2, [97, 98, 99, 100] * 12,
+          start + hf_greedy(hf, start, 24) + start[-16:]]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    llm = make_llm(loaded_as(hf, arch), speculate=8)
+    got = [o.token_ids for o in llm.generate(ps, params)]
+    assert got == [hf_greedy(hf, p, 48) for p in ps]
+    stats = llm.scheduler.speculator.stats
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    llm.check_integrity()
+
+
+def test_from_a_hugging_face_folder(arch, hf, references, tmp_path):
+    save_hf_folder(hf, tmp_path)
+    model = load_model(str(tmp_path))
+    assert model.config.arch == arch
+    prompts, refs = references
+    outs = make_llm(model).generate(prompts[-2:], GREEDY)
+    assert [o.token_ids for o in outs] == refs[-2:]
+
+
+def test_bfloat16_fused_decode_path_agrees(arch, hf, references):
+    """bfloat16 one token a forward (the fused native path on the CPU): top-1
+    agreement with transformers' float32 logits on positions without a near tie."""
+    prompts, refs = references
+    ids = prompts[3] + refs[3]
+    llm = make_llm(loaded_as(hf, arch), dtype="bfloat16")
+    ours = teacher_forced_logits(llm, ids, 1)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].float()
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * theirs.std()
+    agree = (ours.argmax(-1) == theirs.argmax(-1))[clear].float().mean().item()
+    assert agree >= 0.95, agree
+
+
+# --- GGUF files written the way llama.cpp's converter writes these architectures ---
+
+@pytest.mark.parametrize("gguf_arch", ["qwen3", "gemma3"])
+def test_from_gguf(gguf_arch, tmp_path):
+    if gguf_arch == "qwen3":
+        hf = hf_qwen3(seed=4)
+    else:  # what a Gemma 3 GGUF leaves to the architecture: every sixth layer global, local base 10000,
+        # scale from head_dim; the global layers' linear scaling is not in this file
+        hf = hf_gemma3(seed=4, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=32,
+                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+        with torch.no_grad():  # weights whose 1 + w round trip is exact, as a Gemma file's are
+            for name, p in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_((p + 1.0) - 1.0)
+    path = tmp_path / f"{gguf_arch}.gguf"
+    write_gguf_from_hf(hf, path, gguf_arch)
+    model = load_model(str(path))
+    c = model.config
+    assert c.arch == gguf_arch and c.head_dim == hf.config.head_dim
+    expected = {k: v for k, v in hf.state_dict().items() if not (c.tie_word_embeddings and k == "lm_head.weight")}
+    assert set(model.weights) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(model.weights[name], t), name
+    if gguf_arch == "gemma3":
+        assert c.layer_types == hf.config.layer_types and c.sliding_window == 8
+        assert c.local_rope_theta == 10_000.0 and c.attention_scale == 32 ** -0.5
+    prompts = [prompt(30 + i, n) for i, n in enumerate([12, 45])]
+    outs = make_llm(model).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
