@@ -13,6 +13,7 @@ import torch
 
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
+from agentserve.runner.config import ModelConfig
 from agentserve.runner.loader import load_model
 from tiny_models import (DEVICE, hf_gemma3, hf_greedy, hf_mistral, hf_qwen3, loaded_as, prompt, save_hf_folder,
                          teacher_forced_logits, write_gguf_from_hf)
@@ -168,3 +169,84 @@ def test_from_gguf(gguf_arch, tmp_path):
     prompts = [prompt(30 + i, n) for i, n in enumerate([12, 45])]
     outs = make_llm(model).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+# --- what the runner cannot serve exactly is refused, with one line ---
+
+def _config(arch: str) -> dict:
+    return BUILDERS[arch](layers=1).config.to_dict() if arch != "gemma3" else hf_gemma3().config.to_dict()
+
+
+@pytest.mark.parametrize("arch,change,message", [
+    ("qwen3", {"model_type": "phi3"}, r"model_type 'phi3' is not supported \(supported: gemma3, llama, mistral, "
+                                      r"qwen2, qwen3\)"),
+    ("gemma3", {"model_type": "gemma3"}, "multimodal"),
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3", {"hidden_activation": "gelu"}, "activation 'gelu'"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "longrope", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "RoPE type 'longrope'"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"layer_types": ["sliding_attention"]}, "sliding_attention"),
+    ("mistral", {"hidden_act": "gelu"}, "activation"),
+    ("mistral", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("mistral", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                                     "rope_theta": 1e4, "extrapolation": 1}}, "key 'extrapolation'"),
+    ("mistral", {"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "RoPE type 'su'"),
+])
+def test_configs_the_runner_cannot_honour_are_refused(arch, change, message):
+    from agentserve.runner.config import UnsupportedModel
+
+    cfg = dict(_config(arch), **change)
+    with pytest.raises(UnsupportedModel, match=message) as e:
+        ModelConfig.from_hf(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_llama_biases_and_qwen2_windows_are_refused():
+    from transformers import LlamaConfig, Qwen2Config
+
+    from agentserve.runner.config import UnsupportedModel
+
+    llama = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=64).to_dict()
+    for change in ({"attention_bias": True}, {"mlp_bias": True}, {"pretraining_tp": 2}):
+        with pytest.raises(UnsupportedModel):
+            ModelConfig.from_hf(dict(llama, **change))
+    qwen2 = Qwen2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=64,
+                        use_sliding_window=True, sliding_window=16, max_window_layers=0).to_dict()
+    with pytest.raises(UnsupportedModel, match="use_sliding_window"):
+        ModelConfig.from_hf(qwen2)
+
+
+def test_a_refused_folder_names_itself_and_the_field(tmp_path):
+    import json
+
+    hf = hf_gemma3()
+    save_hf_folder(hf, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["attn_logit_softcapping"] = 50.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"^{tmp_path}: gemma3 config: attn_logit_softcapping = 50.0 is not "
+                                         "supported"):
+        load_model(str(tmp_path))
+
+
+def test_an_unknown_gguf_architecture_names_the_supported_ones(tmp_path):
+    from gguf_fixtures import write_tiny_gguf
+
+    path = tmp_path / "phi.gguf"
+    write_tiny_gguf(path, arch="phi3")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'phi3' is not supported \(supported: gemma3, llama, "
+                                         r"mistral, qwen2, qwen3"):
+        load_model(str(path))
+
+
+def test_a_gguf_with_a_soft_cap_is_refused(tmp_path):
+    path = tmp_path / "g.gguf"
+    write_gguf_from_hf(hf_gemma3(layer_types=["sliding_attention"] * 5 + ["full_attention"]), path, "gemma3",
+                       extra={"gemma3.final_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="gemma3.final_logit_softcapping = 30.0 is not supported"):
+        load_model(str(path))

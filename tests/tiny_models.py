@@ -154,7 +154,7 @@ def loaded_as(hf_model, name: str, tokenizer: Tokenizer | None = None) -> Loaded
     return LoadedModel(cfg, weights, tokenizer or byte_tokenizer(), None, name)
 
 
-def write_gguf_from_hf(hf_model, path, arch: str) -> None:
+def write_gguf_from_hf(hf_model, path, arch: str, extra: dict[str, float] | None = None) -> None:
     """Write an HF model as llama.cpp's converter would for `arch` (qwen3, gemma3),
     every tensor float32 so that the loaded model is the HF one exactly: ggml
     names, no q/k permutation (both use NEOX rope), Gemma's norms stored as 1 + w,
@@ -191,6 +191,13 @@ def write_gguf_from_hf(hf_model, path, arch: str) -> None:
     w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+    if rope["rope_type"] in ("linear", "yarn"):  # llama.cpp's keys for these (llama3's is a tensor)
+        w.add_string(f"{arch}.rope.scaling.type", rope["rope_type"])
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    for key, value in (extra or {}).items():
+        w.add_float32(key, value)
     tokens, types, merges = byte_level_vocab()
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "smollm")
