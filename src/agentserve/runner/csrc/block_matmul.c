@@ -29,14 +29,14 @@
 #include <string.h>
 
 enum { BW_Q4_0, BW_Q4_1, BW_Q8_0, BW_Q5_0, BW_Q5_1, BW_Q4_K, BW_Q5_K, BW_Q6_K, BW_NTYPES };
-static const int bw_block[BW_NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
-static const int bw_bytes[BW_NTYPES] = {18, 20, 34, 22, 24, 144, 176, 210};
 #define BW_ROWS 4  /* activation rows sharing one decode of a weight row */
 #define BW_XMAX 16383.0f
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define BW_FAST 1
+static const int bw_block[BW_NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
+static const int bw_bytes[BW_NTYPES] = {18, 20, 34, 22, 24, 144, 176, 210};
 
 static inline float bw_half(const uint8_t *p) {
     uint16_t h;
