@@ -283,7 +283,8 @@ def test_tiny_kquant_model_native_against_bf16():
     m = tiny_kquant_model()
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
     kq, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
-    assert kq.dtype == torch.bfloat16
+    assert kq.dtype == torch.bfloat16 and kq.model.weight_format == "native"
+    assert (kq.model.block_linears, kq.model.num_linears) == (9, 9)
     layer = kq.model.layers[0]
     assert isinstance(layer.qkv, BlockLinear) and layer.qkv.qtypes == ["Q4_K", "Q5_K", "Q6_K"]
     assert all(isinstance(x, BlockLinear) for x in (layer.o, layer.gate_up, layer.down, kq.model.lm_head))
@@ -361,7 +362,7 @@ def test_gemma_q4_k_m_native_agrees_with_dequantized_bfloat16():
     native, bf16 = (LLM(loaded, weights=w, **opts) for w in ("native", "bf16"))
     m = native.model
     linears = [m.lm_head] + [x for L in m.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
-    assert all(isinstance(x, BlockLinear) for x in linears)
+    assert all(isinstance(x, BlockLinear) for x in linears) and m.weight_format == "native"
     assert m.weight_bytes < 0.5 * bf16.model.weight_bytes
     ids = native.tokenizer.encode(STORY + "\n\n" + STORY.replace("He", "She"))[:300]
     dense = teacher_forced_logits(bf16, ids, len(ids))

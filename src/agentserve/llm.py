@@ -24,6 +24,7 @@ from agentserve.runner import device as devices
 from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.linear import BLOCK_MAX_ROWS
 from agentserve.runner.loader import load_model
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.profiling import tier_costs_for
@@ -142,9 +143,14 @@ class LLM:
         m = self.model
         if m.weight_format != "native":
             return m.weight_format
-        q8 = f", {m.q8_linears} Q8_0" if m.q8_linears else ""
-        return (f"native: {m.int4_linears} of {m.num_linears} projections int4 ({m.int4_kernel} kernel) "
-                f"up to {m.int4_max_rows} rows a step{q8}, "
+        parts = [f"{m.int4_linears} of {m.num_linears} projections int4 ({m.int4_kernel} kernel) "
+                 f"up to {m.int4_max_rows} rows a step"] if m.int4_linears else []
+        if m.q8_linears:
+            parts.append(f"{m.q8_linears} Q8_0")
+        if m.block_linears:
+            parts.append(f"{m.block_linears} of {m.num_linears} on the GGUF block kernel up to "
+                         f"{BLOCK_MAX_ROWS} rows a step")
+        return (f"native: {', '.join(parts)}, "
                 f"bf16 above; {m.weight_bytes / 2**20:.0f} MiB read a decode step, "
                 f"{m.resident_weight_bytes / 2**20:.0f} MiB held")
 

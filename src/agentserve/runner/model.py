@@ -34,7 +34,8 @@ from agentserve.runner.attention import AttentionMetadata, attend_native, paged_
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
 from agentserve.runner.layer_ops import LayerOps
-from agentserve.runner.linear import Linear, Q4Linear, Q8Linear, codes_linear, int4_unavailable, should_pack
+from agentserve.runner.linear import (BlockLinear, Linear, Q4Linear, Q8Linear, codes_linear, int4_unavailable,
+                                      should_pack)
 from agentserve.runner.quant import QuantWeight, is_quantized
 from agentserve.runner.rope import RotaryTable, apply_rotary
 
@@ -122,11 +123,12 @@ class LlamaModel:
         q4 = [x for x in linears if isinstance(x, Q4Linear)]
         self.int4_linears = len(q4)
         self.q8_linears = sum(isinstance(x, Q8Linear) for x in linears)
+        self.block_linears = sum(isinstance(x, BlockLinear) for x in linears)  # K-quants, Q5, AVX2 Q8_0
         self.int4_kernel = q4[0].kernel if q4 else None  # "agentserve" or "torch"
         self.int4_max_rows = q4[0].max_rows if q4 else 0
         self.num_linears = len(linears)
-        # what `--weights` calls it: native when any projection runs on 4-bit codes
-        self.weight_format = "native" if self.int4_linears or self.q8_linears else \
+        # what `--weights` calls it: native when any projection runs on GGUF codes
+        self.weight_format = "native" if self.int4_linears or self.q8_linears or self.block_linears else \
             {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
     def _norm(self, w: "_Weights", name: str) -> torch.Tensor:
