@@ -303,6 +303,37 @@ def test_tiny_kquant_model_native_against_bf16():
     assert torch.equal(native_logits.argmax(-1)[clear], dense.argmax(-1)[clear])
 
 
+def test_loader_keeps_k_quant_and_q5_tensors_as_blocks(tmp_path):
+    """From a GGUF file: Q5_0/Q5_1 q/k rows (permuted by llama.cpp) un-permuted on
+    the blocks, Q4_K/Q6_K down projections, each equal to the dequantizing
+    loader's tensor; the file runs natively against its bf16 form."""
+    from gguf_fixtures import write_tiny_gguf
+
+    from agentserve.runner.gguf_loader import load_gguf
+
+    qtypes = {"model.layers.0.self_attn.q_proj.weight": Q.Q5_0, "model.layers.0.self_attn.k_proj.weight": Q.Q5_1,
+              "model.layers.0.self_attn.v_proj.weight": Q.Q8_0, "model.layers.1.self_attn.q_proj.weight": Q.Q5_1,
+              "model.layers.0.mlp.down_proj.weight": Q.Q4_K, "model.layers.1.mlp.down_proj.weight": Q.Q6_K}
+    t = write_tiny_gguf(tmp_path / "kq.gguf", inter=256, qtypes=qtypes)
+    m = load_gguf(t.path, keep_quantized=True)
+    for name, qtype in qtypes.items():
+        w = m.weights[name]
+        assert is_quantized(w) and w.qtype == qtype.name, name
+        np.testing.assert_array_equal(w.dequantize().numpy(), t.expected[name], err_msg=name)
+    if native.block_kernel() is None:
+        return
+    opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
+    kq, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
+    assert isinstance(kq.model.layers[0].qkv, BlockLinear) and kq.model.layers[0].qkv.qtypes == ["Q5_0", "Q5_1",
+                                                                                                  "Q8_0"]
+    assert isinstance(kq.model.layers[1].down, BlockLinear) and kq.model.layers[1].down.qtypes == ["Q6_K"]
+    ids = list(np.random.default_rng(1).integers(0, t.vocab, 40))
+    exact = teacher_forced_logits(fp32, ids, 40)
+    rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
+    # decode-sized forwards on the blocks: as close to float32 as the bf16 weights are
+    assert rel(teacher_forced_logits(kq, ids, 4)) <= 1.2 * rel(teacher_forced_logits(bf16, ids, 4))
+
+
 # --- the real Gemma 3 270M Q4_K_M file ---------------------------------------------
 
 
