@@ -324,9 +324,12 @@ BAD = [
      400, "messages[1].content[1]: tool_use 'toolu_1' has no tool_result in messages[2]"),
     ("a conversation ending in a tool_use", {**OK, "tools": [WEATHER], "messages": [
         {"role": "user", "content": "go"}, {"role": "assistant", "content": [USE]}]},
-     400, "messages[1].content[0]: tool_use 'toolu_1' has no tool_result"),
-    ("a prefill", {**OK, "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "Sure"}]},
-     400, "messages[1]: the conversation ends with an assistant message"),
+     400, "messages[1].content[0]: tool_use 'toolu_1' has no tool_result: a conversation that ends with an "
+          "assistant's tool_use cannot be continued"),
+    ("a prefill with a JSON format", {**OK, "output_config": {"format": {"type": "json_schema", "schema": {}}},
+                                      "messages": [{"role": "user", "content": "go"},
+                                                   {"role": "assistant", "content": "{"}]},
+     400, "messages[1]: the conversation ends with an assistant message (a prefill), and output_config.format"),
     ("a tool_result in an assistant message", {**OK, "messages": [
         {"role": "user", "content": "go"}, {"role": "assistant", "content": [RESULT]},
         {"role": "user", "content": "x"}]},
@@ -365,6 +368,77 @@ def test_bad_input_is_a_clear_anthropic_error(server, body, status, message):
                        json={k: v for k, v in body.items() if k != "max_tokens"})
         assert (c.status_code, c.json()["error"]["type"]) == (status, err["error"]["type"]), c.text
         assert message in c.json()["error"]["message"]
+    idle(server)
+
+
+# --- prefill: a conversation that ends with the assistant's text -------------------------------------
+
+
+def test_a_prefill_is_continued_and_the_reply_holds_only_the_new_text(server, client):
+    sid = "prefill-" + uuid.uuid4().hex[:8]
+    server.scripted.script_turns(sid, ' "sunny", "temp": 21}', ' "rain"}')
+    convo = [{"role": "user", "content": "Weather in Paris as JSON?"}, {"role": "assistant", "content": '{"sky":'}]
+    hdr = {"x-claude-code-session-id": sid}
+    r = client.messages.create(model="tiny", max_tokens=64, messages=convo, extra_headers=hdr)
+    assert r.stop_reason == "end_turn" and [b.type for b in r.content] == ["text"]
+    assert r.content[0].text == ' "sunny", "temp": 21}'  # the new text only: the client joins it to its prefill
+    # the assistant turn is the generation prompt's continuation: the prefill's bytes after it, no end of turn
+    plain = client.messages.count_tokens(model="tiny", messages=convo[:1]).input_tokens
+    n = client.messages.count_tokens(model="tiny", messages=convo).input_tokens
+    assert n == plain + len('{"sky":')  # one token a byte
+    u = r.usage
+    assert u.input_tokens + u.cache_read_input_tokens == n and u.output_tokens == len(r.content[0].text) + 1
+    # streamed the same way: the deltas add up to the new text
+    with client.messages.stream(model="tiny", max_tokens=64, messages=convo, extra_headers=hdr) as s:
+        final = s.get_final_message()
+    assert [b.text for b in final.content] == [' "rain"}'] and final.stop_reason == "end_turn"
+    idle(server)
+
+
+def test_a_prefill_renders_as_the_template_opens_the_turn():
+    from agentserve.server.chat_run import continued_prompt
+    from agentserve.server.chat_template import ChatTemplate, TemplateError
+
+    chatml = ChatTemplate(None)
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    opened = chatml.render(convo[:1])  # ends with the generation prompt
+    assert continued_prompt(chatml, convo, None) == opened + "Hel"
+    # the template's own words are kept: Gemma's turn names the model, and trims the content's start
+    gemma = ChatTemplate(
+        "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+        "{% endif %}")
+    got = continued_prompt(gemma, [convo[0], {"role": "assistant", "content": "  Hel"}], None)
+    assert got == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nHel"
+    # an empty prefill is the generation prompt itself; a list of text parts is continued too
+    assert continued_prompt(chatml, [convo[0], {"role": "assistant", "content": ""}], None) == opened
+    parts = [{"type": "text", "text": "He"}, {"type": "text", "text": "l"}]
+    assert continued_prompt(chatml, [convo[0], {"role": "assistant", "content": parts}], None) == opened + "Hel"
+    # a template that leaves the last assistant turn out cannot be continued, nor a call, nor a user turn
+    hides = ChatTemplate("{% for m in messages %}{% if not (loop.last and m['role'] == 'assistant') %}"
+                         "{{ m['content'] }}{% endif %}{% endfor %}")
+    with pytest.raises(TemplateError, match="does not show the final assistant message once"):
+        continued_prompt(hides, convo, None)
+    with pytest.raises(TemplateError, match="only an assistant message of text can be continued"):
+        continued_prompt(chatml, [convo[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], None)
+    with pytest.raises(TemplateError, match="only an assistant message of text"):
+        continued_prompt(chatml, convo[:1], None)
+
+
+def test_a_prefill_with_tools_and_thinking_only(server, client):
+    sid = "prefill-tools-" + uuid.uuid4().hex[:8]
+    server.scripted.script(sid, " Paris." + call_text("get_weather", {"city": "Paris"}))
+    hdr = {"x-claude-code-session-id": sid}
+    convo = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Looking up"}]
+    r = client.messages.create(model="tiny", max_tokens=200, tools=[WEATHER], messages=convo, extra_headers=hdr)
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["text", "tool_use"]
+    assert r.content[0].text == " Paris." and r.content[1].input == {"city": "Paris"}
+    # a final assistant message of thinking only continues nothing: the reply opens the turn
+    thinking = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}]}]
+    n = client.messages.count_tokens(model="tiny", messages=thinking).input_tokens
+    assert n == client.messages.count_tokens(model="tiny", messages=thinking[:1]).input_tokens
     idle(server)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from starlette.requests import Request
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.server.api_errors import APIError
-from agentserve.server.chat_template import TemplateError
+from agentserve.server.chat_template import ChatTemplate, TemplateError
 from agentserve.server.identity import ProgramIdentity
 from agentserve.server.input_checks import InputError
 from agentserve.server.message_checks import check_chat
@@ -127,7 +128,9 @@ def grammar_library_missing(e: RuntimeError) -> bool:
 
 
 def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = None,
-                prompt_param: str = "messages") -> list[int]:
+                prompt_param: str = "messages", continue_final: bool = False) -> list[int]:
+    """The prompt's token ids. `continue_final`: the last message is an assistant's text that the reply
+    continues (Anthropic's prefill): it is rendered without its end of turn, and no new turn is opened."""
     messages = []
     for m in req.messages:
         d = m.model_dump(exclude_none=True)
@@ -136,18 +139,47 @@ def render_chat(st: ServerState, req: ChatCompletionRequest, scope: Hashable = N
         messages.append(d)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        if st.render_cache is not None:
+        if continue_final:  # not through the render cache: a prefill is rare, and its text ends mid-turn
+            prompt = continued_prompt(st.llm.chat_template, messages, tools)
+        elif st.render_cache is not None:
             return st.render_cache.encode_chat(messages, tools, scope)
-        prompt = st.llm.chat_template.render(messages, tools=tools)
+        else:
+            prompt = st.llm.chat_template.render(messages, tools=tools)
     except TemplateError as e:
         raise APIError(400, str(e), param=prompt_param) from None
     return st.llm.tokenizer.encode(prompt)
 
 
+def continued_prompt(template: ChatTemplate, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None) -> str:
+    """The prompt whose continuation continues the last message, an assistant's text: the template renders
+    the conversation with a marker after that text (no generation prompt) and the prompt ends where the
+    marker begins. The template's own words around the turn are kept (Gemma's `model` role, a trimmed
+    start), and what it writes after the content (the end of turn) is dropped. A template that does not
+    show the text exactly once cannot be continued."""
+    last = messages[-1]
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        raise TemplateError(f"messages[{len(messages) - 1}]: only an assistant message of text can be continued")
+    marker = f"\x00continue-{secrets.token_hex(8)}\x00"  # nothing a client sends can be it by chance
+    content = last.get("content")
+    if isinstance(content, list):
+        content = [*content, {"type": "text", "text": marker}]
+    else:
+        content = (content or "") + marker
+    text = template.render([*messages[:-1], {**last, "content": content}], tools=tools, add_generation_prompt=False)
+    at = text.find(marker)
+    if at < 0 or text.find(marker, at + 1) >= 0:
+        raise TemplateError(f"messages[{len(messages) - 1}]: the model's chat template does not show the final "
+                            "assistant message once, so a reply cannot continue it")
+    return text[:at]
+
+
 async def checked_prompt(st: ServerState, req: ChatCompletionRequest, ident: ProgramIdentity,
-                         names: PromptNames = PromptNames()) -> tuple[ToolChoice | None, ResponseFormat | None, list[int]]:
+                         names: PromptNames = PromptNames(), *, continue_final: bool = False,
+                         ) -> tuple[ToolChoice | None, ResponseFormat | None, list[int]]:
     """`req` checked across its fields, its tool choice, its JSON format (None: text) and its prompt's
-    token ids: what the engine would be given (count_tokens answers with exactly this)."""
+    token ids: what the engine would be given (count_tokens answers with exactly this).
+    `continue_final`: the reply continues the last message (render_chat)."""
     try:
         check_chat(req)
         fmt = json_format(req)
@@ -156,17 +188,19 @@ async def checked_prompt(st: ServerState, req: ChatCompletionRequest, ident: Pro
     choice = chat_tool_choice(req)
     if fmt is not None:
         choice = without_bare_json_calls(choice)
-    ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt, names.prompt)
+    ids = await run_in_threadpool(render_chat, st, req, ident.cache_salt, names.prompt, continue_final)
     return choice, fmt, ids
 
 
 async def start_chat(st: ServerState, request: Request, req: ChatCompletionRequest, rid: str,
                      ident: ProgramIdentity, names: PromptNames = PromptNames(), *,
-                     max_tokens: int | None = None, clamp_max_tokens: bool = False) -> ChatRun:
+                     max_tokens: int | None = None, clamp_max_tokens: bool = False,
+                     continue_final: bool = False) -> ChatRun:
     """Check `req`, render it and put it into the engine. `max_tokens`: the output cap
     (None: the room the context leaves), named `names.max_tokens` in errors; `clamp_max_tokens`:
-    a cap beyond that room is cut to it rather than refused."""
-    choice, fmt, ids = await checked_prompt(st, req, ident, names)
+    a cap beyond that room is cut to it rather than refused; `continue_final`: the reply continues
+    the last message, an assistant's text (render_chat), and holds only what it adds."""
+    choice, fmt, ids = await checked_prompt(st, req, ident, names, continue_final=continue_final)
     params = sampling_params(st, req, len(ids), max_tokens, names.prompt, names.max_tokens, clamp=clamp_max_tokens)
     if choice is not None and choice.forced:
         params = await run_in_threadpool(_constrain_call, st, req, choice, params)

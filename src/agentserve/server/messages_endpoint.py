@@ -24,8 +24,13 @@ the reply is Anthropic's. The translation:
   Code asks for 32000 whatever the model), and a reply that reaches it ends
   with stop_reason `model_context_window_exceeded`. A prompt longer than the
   context is a 400 naming the model and the context that would fit.
-- A conversation that ends with an assistant message (Anthropic's prefill)
-  is refused: the reply here always starts a new assistant turn.
+- A conversation that ends with an assistant message is Anthropic's prefill:
+  the reply continues that message's text (its turn is rendered without its
+  end, chat_run.continued_prompt) and its content holds only the new text.
+  Only text can be continued: a final assistant message with a `tool_use`
+  is refused (the call needs its result first), and so is a prefill with
+  `output_config.format` (the JSON grammar decodes a whole document from the
+  reply's start, not from inside a prefilled one).
 - `output_config.format` (`{"type": "json_schema", "schema": ...}`, Anthropic's
   structured outputs) is chat's strict json_schema `response_format`: the reply
   is decoded under the schema's grammar (structured_output.py).
@@ -149,7 +154,6 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             raise _refuse(f"{at}: tool_use {use_id!r} has no tool_result in messages[{i}]: the user message after an "
                           "assistant's tool_use blocks must answer each with a tool_result block", at)
 
-    last = len(body.messages) - 1
     for i, m in enumerate(body.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if m.role == "assistant":
@@ -166,10 +170,6 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                     calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
                 elif not isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
                     raise _refuse(f"{at}: a {b.type} block belongs in a user message", at)
-            if i == last and not calls:
-                raise _refuse(f"messages[{i}]: the conversation ends with an assistant message; continuing an "
-                              "assistant's reply (prefill) is not supported here: end with a user message",
-                              f"messages[{i}]")
             out.append({"role": "assistant", "content": _joined(texts), **({"tool_calls": calls} if calls else {})})
             continue
         texts, results = [], []
@@ -193,9 +193,15 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             out.append({"role": "user", "content": _joined(texts)})
     if pending:
         use_id, at = next(iter(pending.items()))
-        raise _refuse(f"{at}: tool_use {use_id!r} has no tool_result: the conversation must go on with a user "
-                      "message that answers it", at)
+        raise _refuse(f"{at}: tool_use {use_id!r} has no tool_result: a conversation that ends with an assistant's "
+                      "tool_use cannot be continued (a prefill is text); go on with a user message that answers it",
+                      at)
     return out
+
+
+def prefilled(body: CountTokensRequest) -> bool:
+    """Whether the reply continues the last message (an assistant's: Anthropic's prefill)."""
+    return body.messages[-1].role == "assistant"
 
 
 def _cache_ttl(body: CountTokensRequest) -> float | None:
@@ -226,6 +232,11 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     if fmt is not None and (fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict)):
         raise _refuse('output_config.format: the format must be {"type": "json_schema", "schema": {...}}',
                       "output_config.format")
+    if fmt is not None and prefilled(body):
+        raise _refuse(f"messages[{len(body.messages) - 1}]: the conversation ends with an assistant message (a "
+                      "prefill), and output_config.format decodes a whole JSON document from the reply's start: the "
+                      "two cannot be combined; end with a user message, or leave out output_config.format",
+                      f"messages[{len(body.messages) - 1}]")
     tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                **({"description": t.description} if t.description else {})}}
              for t in body.tools or ()]
@@ -263,7 +274,7 @@ async def messages(request: Request) -> Response:
     req = to_chat(body)
     ident = program_identity(body, request, cache_ttl=_cache_ttl(body))
     run = await start_chat(st, request, req, f"msg_{uuid.uuid4().hex}", ident, max_tokens=body.max_tokens,
-                           clamp_max_tokens=True)
+                           clamp_max_tokens=True, continue_final=prefilled(body))
     report = st.config.cached_tokens_report
     if body.stream:
         return EventStream(_events(run, model, report, body.max_tokens), run.stream, done=False,
@@ -282,7 +293,8 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """The prompt's length as the real request would render it (the same template, tools and drops)."""
     st, body, _ = await _accept(request, CountTokensRequest)
-    _, _, ids = await checked_prompt(st, to_chat(body), program_identity(body, request))
+    _, _, ids = await checked_prompt(st, to_chat(body), program_identity(body, request),
+                                     continue_final=prefilled(body))
     return JSONResponse(TokensCount(input_tokens=len(ids)).model_dump())
 
 
