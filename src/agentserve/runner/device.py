@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from agentserve.runner.native import cpu_has_native_bf16
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -31,16 +33,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r} is not supported (cpu, cuda, auto)")
     return dev
-
-
-def cpu_has_native_bf16() -> bool:
-    """bfloat16 matmuls only pay off with AVX512-BF16 or AMX; elsewhere they are emulated and slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 from agentserve.runner import native
-from agentserve.runner.device import cpu_has_native_bf16
 from agentserve.runner.quant import BLOCK, BLOCK_TYPES, Q4Weight, Q8Weight, BlockWeight
 
 log = logging.getLogger("agentserve.runner")
@@ -340,7 +339,7 @@ BLOCK_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4
 # more than this, so 16 on such CPUs. Where the CPU has native bf16 (AVX512-BF16
 # or AMX) the bf16 copy is several times faster; not measured here: 8 there,
 # the crossover the AVX512-VNNI Q8_0 kernel measured against packed bf16.
-BLOCK_MAX_ROWS = 8 if cpu_has_native_bf16() else 16
+BLOCK_MAX_ROWS = 8 if native.cpu_has_native_bf16() else 16
 
 
 def block_available(device: torch.device) -> bool:

@@ -54,6 +54,16 @@ _tried = False
 _why_not: str | None = None
 
 
+def cpu_has_native_bf16() -> bool:
+    """bfloat16 matmuls only pay off with AVX512-BF16 or AMX; elsewhere they are emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def cache_dir() -> Path:
     root = os.environ.get("AGENTSERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "agentserve")
