@@ -472,8 +472,10 @@ def test_identity_resolution_order_and_hints():
     hinted = resolve_identity(_req(), httpx.Headers({"X-Program-Id": "p", "X-Program-TTL": "2.5",
                                                      "X-Program-End": "yes", "X-Program-Release": "0"}))
     assert (hinted.ttl, hinted.end_program, hinted.release_after, hinted.is_last_turn) == (2.5, True, False, True)
+    # a retention hint on a request that names no program is ignored (no program to hold)
+    assert resolve_identity(_req(), httpx.Headers({"X-Program-TTL": "3"})).ttl is None
     for headers in ({"X-Program-Id": "p", "X-Program-TTL": "inf"}, {"X-Program-Id": "p", "X-Program-End": "maybe"},
-                    {"X-Program-TTL": "3"}, {"X-Program-Id": "p" * 300}):
+                    {"X-Program-Id": "p" * 300}):
         with pytest.raises(IdentityError):
             resolve_identity(_req(), httpx.Headers(headers))
 

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
-from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict, served, whole_number
+from agentserve.server.field_types import Id, NonEmptyId, Strict, ToolName, served, whole_number
 
 NO_VISION = "is refused: the model served here reads text only"
 
@@ -65,14 +65,14 @@ def _typed(*models: type[BaseModel], what: str, refused: dict[str, str] | None =
 # --- requests -----------------------------------------------------------------
 
 
-class CacheControl(_Strict):
+class CacheControl(Strict):
     """A prompt-cache breakpoint. agentserve caches every prefix anyway; `ttl` is a retention hint."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class _Block(_Strict):
+class _Block(Strict):
     cache_control: CacheControl | None = None
 
 
@@ -140,7 +140,7 @@ def _model_of(ref: str) -> str:
     return ref.rsplit("/", 1)[1].split("-")[0].split("__")[-1]
 
 
-class MessageParam(_Strict):
+class MessageParam(Strict):
     model_config = ConfigDict(json_schema_extra=_blocks_by_role)
 
     role: Literal["user", "assistant"]
@@ -151,7 +151,7 @@ _SERVER_TOOL = ("is refused: only client tools (name, description, input_schema)
                 "server tools run on Anthropic's servers")
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(Strict):
     """A client tool. A tool with another `type` (Anthropic's server tools) is refused by name."""
 
     type: Literal["custom"] | None = None
@@ -170,7 +170,7 @@ def _check_tool(v: Any) -> Any:
 ToolParam = Annotated[AnthropicTool, BeforeValidator(_check_tool)]
 
 
-class _ToolChoice(_Strict):
+class _ToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
@@ -187,25 +187,25 @@ class ToolChoiceTool(_ToolChoice):
     name: ToolName
 
 
-class ToolChoiceNone(_Strict):
+class ToolChoiceNone(Strict):
     type: Literal["none"]
 
 
 ToolChoiceParam = _typed(ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone, what="tool_choice")
 
 
-class MessagesMetadata(_Strict):
+class MessagesMetadata(Strict):
     user_id: str | None = None  # identity.py: a program id when no session header names one
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     effort: str | None = None  # accepted; nothing here trades effort for speed
     format: dict[str, Any] | None = Field(None, json_schema_extra=served(  # messages_endpoint.to_chat's rule
         {"type": "object", "required": ["type", "schema"],
          "properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}}}))
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """POST /v1/messages/count_tokens: what the prompt is made of."""
     model_config = ConfigDict(json_schema_extra={  # tool_choice any or tool needs tools (messages_endpoint.to_chat)
         "if": {"required": ["tool_choice"], "properties": {"tool_choice": {

@@ -24,44 +24,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from agentserve.server.field_types import Id, Int, NonEmptyId, Strict, ToolName, served, whole_number
 from agentserve.server.identity import MAX_ID_LENGTH, MAX_SALT_LENGTH
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-def _whole(v: Any) -> Any:
-    # JSON has one kind of number: 8.0 is the integer 8 (JSON Schema's `integer` says so too); 8.5 is not one
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-def whole_number(**bounds: Any) -> Any:
-    """An integer field within `bounds` (Field's ge, lt, ...): 8 or 8.0, never 8.5, "8" or true. (The
-    bounds come before the validator, or pydantic leaves them out of the JSON schema.)"""
-    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
-
-
-Int = whole_number()
-
-
-def served(*schemas: dict[str, Any], nullable: bool = True) -> Any:
-    """json_schema_extra for a field typed wider than what the server serves (so that the rest gets a 400
-    of its own, `n=2: only n=1 is supported`): the OpenAPI document gives `schemas` (or null) as the
-    field's values, so that a request valid by the document is one the server answers."""
-    def edit(schema: dict[str, Any]) -> None:
-        for k in [k for k in schema if k not in ("title", "description", "default")]:
-            del schema[k]
-        branches = [*schemas, *([{"type": "null"}] if nullable else [])]
-        schema.update(branches[0] if len(branches) == 1 else {"anyOf": branches})
-    return edit
-
-
-Id = Annotated[str, Field(max_length=MAX_ID_LENGTH)]
-NonEmptyId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
-ToolName = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 # --- requests -----------------------------------------------------------------
@@ -74,7 +40,7 @@ def _text_part_schema(schema: dict[str, Any]) -> None:
     schema["required"] = ["type", "text"]
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     """A content part. Only text parts reach the model; another type is refused
     by name when the messages are rendered (chat_template.py)."""
     model_config = ConfigDict(json_schema_extra=_text_part_schema)
@@ -92,18 +58,18 @@ class TextPart(_Strict):
 Content = Union[str, list[TextPart]]
 
 
-class FunctionCallIn(_Strict):
+class FunctionCallIn(Strict):
     name: ToolName
     arguments: str | dict[str, Any] = "{}"  # a JSON object as a string (OpenAI's format), or the object
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(Strict):
     id: NonEmptyId
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class _Message(_Strict):
+class _Message(Strict):
     name: str | None = Field(None, max_length=256)
 
 
@@ -143,32 +109,32 @@ ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessageIn, To
                         Field(discriminator="role")]
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: ToolName
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     """response_format's `json_schema` (OpenAI's shape); `schema` absent: any JSON object."""
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: str | None = None
@@ -176,7 +142,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     model_config = ConfigDict(json_schema_extra={  # as the validator below says
         "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
         "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
@@ -193,17 +159,17 @@ class ResponseFormat(_Strict):
 
 # The other engines' hints are typed here; their values (ids within MAX_ID_LENGTH,
 # finite TTLs >= 0) are checked where they are mapped, in identity.py, and stated in the document.
-class CacheControlHint(_Strict):
+class CacheControlHint(Strict):
     ttl: float | None = Field(None, json_schema_extra={"minimum": 0})  # seconds
 
 
-class AgentHint(_Strict):
+class AgentHint(Strict):
     """vLLM's agent-hint RFC (`agent_hint`); identity.py maps what is used."""
     session_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})
     cache_control: CacheControlHint | None = None
 
 
-class AgentHints(_Strict):
+class AgentHints(Strict):
     """SGLang's `agent_hints`; identity.py maps what is used."""
     workflow_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})
     agent_id: str | None = Field(None, json_schema_extra={"maxLength": MAX_ID_LENGTH})
@@ -215,7 +181,7 @@ TokenCount = whole_number(ge=1)
 _ZERO = {"type": "number", "const": 0}
 
 
-class _Common(_Strict):
+class _Common(Strict):
     """Fields both endpoints share: sampling, streaming, identity hints."""
 
     model: Id | None = None

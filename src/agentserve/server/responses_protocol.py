@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_ser
 from pydantic.json_schema import SkipJsonSchema
 
 from agentserve.server.identity import MAX_SALT_LENGTH
-from agentserve.server.protocol import Id, NonEmptyId, ToolName, _Strict, served, whole_number
+from agentserve.server.field_types import Id, NonEmptyId, Strict, ToolName, served, whole_number
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")  # the content parts whose text reaches the model
 
@@ -48,7 +48,7 @@ def _text_part_schema(schema: dict[str, Any]) -> None:
     schema["required"] = ["type", "text"]
 
 
-class ContentPart(_Strict):
+class ContentPart(Strict):
     """A content part; only text parts reach the model, another type is refused by name."""
     model_config = ConfigDict(json_schema_extra=_text_part_schema)
 
@@ -65,14 +65,14 @@ class ContentPart(_Strict):
 Content = Union[str, list[ContentPart]]
 
 
-class MessageItem(_Strict):
+class MessageItem(Strict):
     type: Literal["message"] = "message"  # optional on input, as the API allows
     role: Literal["user", "system", "developer", "assistant"]
     content: Content
     id: Id | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Strict):
     type: Literal["function_call"]
     call_id: NonEmptyId
     name: ToolName
@@ -81,14 +81,14 @@ class FunctionCallItem(_Strict):
     id: Id | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
     call_id: NonEmptyId
     output: Content
     id: Id | None = None
 
 
-class CustomToolCallItem(_Strict):
+class CustomToolCallItem(Strict):
     type: Literal["custom_tool_call"]
     call_id: NonEmptyId
     name: ToolName
@@ -97,7 +97,7 @@ class CustomToolCallItem(_Strict):
     id: Id | None = None
 
 
-class CustomToolCallOutputItem(_Strict):
+class CustomToolCallOutputItem(Strict):
     type: Literal["custom_tool_call_output"]
     call_id: NonEmptyId
     output: Content
@@ -116,7 +116,7 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_c
               "reasoning")
 
 
-class OtherItem(_Strict):
+class OtherItem(Strict):
     # refused by name (responses_translate.py); the document says it is none of the served types
     type: str = Field(json_schema_extra={"not": {"enum": list(ITEM_TYPES)}})
 
@@ -138,7 +138,7 @@ InputItem = Annotated[Union[
 # --- requests: tools ------------------------------------------------------------------
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     type: Literal["function"]
     name: ToolName
     description: str | None = None
@@ -146,17 +146,17 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class TextInputFormat(_Strict):
+class TextInputFormat(Strict):
     type: Literal["text"]
 
 
-class GrammarInputFormat(_Strict):
+class GrammarInputFormat(Strict):
     type: Literal["grammar"]
     syntax: Literal["lark", "regex"]
     definition: str = Field(max_length=64 * 1024)
 
 
-class CustomTool(_Strict):
+class CustomTool(Strict):
     """A freeform tool (Codex's apply_patch): its input is one string, optionally in a grammar."""
 
     type: Literal["custom"]
@@ -165,7 +165,7 @@ class CustomTool(_Strict):
     format: Annotated[Union[TextInputFormat, GrammarInputFormat], Field(discriminator="type")] | None = None
 
 
-class NamespaceTool(_Strict):
+class NamespaceTool(Strict):
     """A group of tools (Codex's MCP servers); its tools are offered as if declared one by one."""
 
     type: Literal["namespace"]
@@ -174,7 +174,7 @@ class NamespaceTool(_Strict):
     tools: list[Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type")]]
 
 
-class OtherTool(_Strict):
+class OtherTool(Strict):
     # a hosted tool (web_search, file_search, ...): refused by name
     type: str = Field(json_schema_extra={"not": {"enum": ["function", "custom", "namespace"]}})
 
@@ -187,12 +187,12 @@ Tool = Annotated[Union[
 ], Discriminator(_tag({"function": "Function", "custom": "Custom", "namespace": "Namespace"}))]
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function", "custom"]
     name: ToolName
 
 
-class OtherToolChoice(_Strict):
+class OtherToolChoice(Strict):
     # allowed_tools, a hosted tool, mcp...: refused by name
     type: str = Field(json_schema_extra={"not": {"enum": ["function", "custom"]}})
 
@@ -200,7 +200,7 @@ class OtherToolChoice(_Strict):
 # --- requests: the rest ---------------------------------------------------------------
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     model_config = ConfigDict(json_schema_extra={  # as the validator below says
         "if": {"properties": {"type": {"const": "json_schema"}}},
         "then": {"required": ["name", "schema"], "properties": {"name": {"type": "string"},
@@ -219,16 +219,16 @@ class TextFormat(_Strict):
         return self
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class PromptCacheOptions(_Strict):
+class PromptCacheOptions(Strict):
     prewarm: bool = False  # OpenAI's spelling of Codex's `generate: false`
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     # something to answer: input, or a stored conversation to continue, or at least instructions
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
         {"required": ["input"], "properties": {"input": {"anyOf": [{"type": "string"},
