@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from agentserve.runner.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
 from agentserve.runner.checkpoint import LoadedModel, check_weights
+from agentserve.runner.gguf_file import GGUFFile, GGUFTensor
 from agentserve.runner.quant import KEPT_TYPES, QuantWeight, from_blocks
 from agentserve.runner.tokenizer import Tokenizer
 
@@ -87,6 +89,9 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> LoadedModel:
     if arch not in _ARCHITECTURES:
         raise UnsupportedModel(f"{path}: GGUF architecture {arch!r} is not supported "
                                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}; Mistral files are `llama`)")
+    if reader.byte_order != "<":
+        # gguf's dequantize reads block scales and float tensors as little-endian: weights would be wrong
+        raise UnsupportedModel(f"{path}: big-endian GGUF files are not supported (convert it little-endian)")
     tensors = {t.name: t for t in reader.tensors}
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     try:
@@ -108,7 +113,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> LoadedModel:
                        chat_template=meta.get("tokenizer.chat_template"), source=str(path), tensor_types=types)
 
 
-def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted: bool,
+def load_weights(tensors: dict[str, GGUFTensor], config: ModelConfig, permuted: bool,
                  source: str, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantWeight]:
     """Every tensor dequantized (or with `keep_quantized`, Q4_0/Q4_1/Q8_0 kept as
     their codes), renamed, and (if `permuted`) q/k rows restored."""
@@ -132,23 +137,24 @@ def load_weights(tensors: dict[str, ReaderTensor], config: ModelConfig, permuted
     return weights
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header parsed (metadata and tensor index; the weights stay in the memory map)."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/IndexError/... on a foreign or truncated file
+        return GGUFFile(path)
+    except (ValueError, OSError, struct.error) as e:  # GGUFFormatError is a ValueError
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Every key/value as plain Python (str, int, float, bool, lists)."""
     meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):  # header bookkeeping the reader exposes as fields
+    for key, value in reader.fields.items():
+        if key.startswith("GGUF."):  # gguf-py's reader hid such keys behind its own header fields
             continue
-        value = field.contents()
-        if field.types == [GGUFValueType.FLOAT32]:
+        if reader.field_types[key] == GGUFValueType.FLOAT32:
             value = _shortest_float32(value)
         meta[key] = value
     return meta
@@ -160,7 +166,7 @@ def _shortest_float32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def config_from_metadata(meta: dict[str, Any], tensors: dict[str, ReaderTensor],
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, GGUFTensor],
                          tokenizer: Tokenizer) -> ModelConfig:
     arch = meta.get("general.architecture", "llama")
 
@@ -232,7 +238,7 @@ def _gemma3_metadata(get, layers: int, hidden: int, heads: int, head_dim: int) -
                 query_pre_attn_scalar=float(scalar))
 
 
-def _vocab_size(declared: int | None, meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> int:
+def _vocab_size(declared: int | None, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> int:
     """The embedding's row count is what the model really has (some files pad it
     past the token list); otherwise the declared size, otherwise the token count."""
     embed = tensors.get("token_embd.weight")
@@ -281,7 +287,7 @@ def hf_name(gguf_name: str, source: str = "GGUF", arch: str = "llama") -> str:
     raise ValueError(f"{source}: tensor {gguf_name!r} has no counterpart in the {arch} layout")
 
 
-def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
+def dequantize_tensor(t: GGUFTensor) -> torch.Tensor:
     """A GGUF reader tensor as float32 torch, shape [out, in] (ne reversed)."""
     qtype = GGMLQuantizationType(t.tensor_type)
     try:
@@ -296,7 +302,7 @@ def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape))
 
 
-def quant_tensor(t: ReaderTensor) -> QuantWeight:
+def quant_tensor(t: GGUFTensor) -> QuantWeight:
     """A Q4_0/Q4_1/Q8_0 reader tensor as codes and block scales, shape [out, in]."""
     shape = tuple(int(d) for d in reversed(t.shape))
     return from_blocks(t.data, GGMLQuantizationType(t.tensor_type).name, shape)  # type: ignore[arg-type]
