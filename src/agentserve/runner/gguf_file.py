@@ -26,6 +26,7 @@ flattens it into one list.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from pathlib import Path
@@ -229,7 +230,7 @@ class GGUFFile:
         if qtype is None:
             raise GGUFFormatError(f"tensor {name!r} has unknown ggml type {raw_type}")
         block, type_size = GGML_QUANT_SIZES[qtype]
-        n_elements = int(np.prod(dims, dtype=object)) if len(dims) else 1
+        n_elements = math.prod(dims.tolist())
         shape = tuple(int(d) for d in reversed(dims.tolist()))
         if qtype in _PLAIN_TENSORS:
             dtype = np.dtype(self.byte_order + _PLAIN_TENSORS[qtype])

@@ -19,6 +19,10 @@ Three translations happen here, each undoing a choice llama.cpp made:
   by the stored value); the loader subtracts the 1 again, as transformers'
   GGUF reader does, so the weights are the Hugging Face ones.
 
+The header (metadata and tensor index) is parsed by `gguf_file.GGUFFile`, not
+gguf-py's GGUFReader, which takes tens of seconds over a 262k-token vocabulary;
+the weights are views of the memory-mapped file either way.
+
 The config comes from `{general.architecture}.*` metadata and the tokenizer
 from `tokenizer.ggml.*` (see tokenizer.py). Gemma 3 files do not carry what
 llama.cpp hard-codes for the architecture: every sixth layer global, the
