@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentserve.bench.fuzz_rules import PromptBudget, register
+
 MODES = ("positive", "negative")
 
 # One valid streamed request per streaming operation (its model added): generated requests are
@@ -60,6 +62,8 @@ class FuzzReport:
     nonconforming: dict[str, Counter] = field(default_factory=dict)  # operation -> the checks an answer failed
     streams: Counter = field(default_factory=Counter)  # operation -> event streams answered (and checked)
     skipped: dict[str, str] = field(default_factory=dict)  # "operation mode" -> why none could be generated
+    # valid-mode bodies mended to keep the rules no schema states, and those left unsent (prompt too long)
+    generator: Counter = field(default_factory=Counter)
     alive_after: bool | None = None
     seconds: float = 0.0
 
@@ -79,6 +83,8 @@ class FuzzReport:
                 "refused": {op: dict(c.most_common()) for op, c in sorted(self.refused.items())},
                 "nonconforming": {op: dict(c.most_common()) for op, c in sorted(self.nonconforming.items())},
                 "event_streams": dict(sorted(self.streams.items())),
+                "valid_bodies_mended": self.generator["mended"],
+                "valid_bodies_unsent_prompt_too_long": self.generator["too long"],
                 "failures": [vars(f) for f in self.failures], "skipped": self.skipped}
 
     def table(self) -> str:
@@ -92,6 +98,8 @@ class FuzzReport:
         lines.append(f"{self.requests} requests in {self.seconds:.0f} s; {self.server_errors} with status >= 500; "
                      f"{bad} answers not as the document says; {len(self.failures)} failures; server alive after: "
                      f"{self.alive_after}")
+        lines.append(f"valid bodies mended to the rules no schema states: {self.generator['mended']}; left unsent "
+                     f"(prompt longer than the context): {self.generator['too long']}")
         return "\n".join(lines)
 
 
@@ -158,6 +166,8 @@ def fuzz(base_url: str, *, api_key: str | None = None, examples: int = 20, seed:
     t0 = time.monotonic()
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # valid-mode bodies keep the rules the document states in words (fuzz_rules.py)
+    report.generator = register(schema, prompt_budget(base_url, headers, timeout_s))
     settings = hypothesis.settings(max_examples=examples, deadline=None, database=None, derandomize=False,
                                    phases=[hypothesis.Phase.generate], print_blob=False,
                                    suppress_health_check=list(hypothesis.HealthCheck),
@@ -191,9 +201,25 @@ def fuzz(base_url: str, *, api_key: str | None = None, examples: int = 20, seed:
 
 
 def _served_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:
+    return _model_card(base_url, headers, timeout_s)["id"]
+
+
+def _model_card(base_url: str, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
     req = urllib.request.Request(base_url + "/v1/models", headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())["data"][0]["id"]
+        return json.loads(r.read())["data"][0]
+
+
+def prompt_budget(base_url: str, headers: dict[str, str], timeout_s: float) -> PromptBudget:
+    """The served model's context, and the tokens of its smallest prompt with a tool (count_tokens)."""
+    card = _model_card(base_url, headers, timeout_s)
+    body = {"model": card["id"], "messages": [{"role": "user", "content": ""}],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    req = urllib.request.Request(base_url + "/v1/messages/count_tokens", data=json.dumps(body).encode(),
+                                 headers={**headers, "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        fixed = json.loads(r.read())["input_tokens"]
+    return PromptBudget(card["max_model_len"], fixed)
 
 
 def all_checks() -> list:

@@ -135,7 +135,8 @@ async def openapi_endpoint(request: Request) -> Response:
     st = server_state(request)
     if st.openapi is None:
         st.openapi = openapi_document(st.config.served_model_names, auth=st.config.tenants.enabled,
-                                      vocab_size=st.llm.config.vocab_size)
+                                      vocab_size=st.llm.config.vocab_size, max_model_len=st.llm.max_model_len,
+                                      max_body_bytes=st.config.max_body_bytes)
     return JSONResponse(st.openapi)
 
 

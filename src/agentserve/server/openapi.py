@@ -36,7 +36,7 @@ _ERRORS = {
     "401": "a missing or wrong API key",
     "404": "an unknown model",
     "408": "the body stopped arriving: nothing of it for --request-body-timeout seconds (the connection is closed)",
-    "413": "a body over --max-body-bytes",
+    "413": "a body over --max-body-bytes (the request body's description says how many bytes)",
     "500": "the engine failed while computing the reply (the message says how)",
     "503": "the queue is full, the engine is not running, or too many connections are in progress "
            "(--max-connections, --max-connections-per-client); retry after Retry-After seconds",
@@ -124,8 +124,9 @@ def _anthropic_op(summary: str, request: type[BaseModel], reply: type[BaseModel]
     """An operation of Anthropic's Messages API: its errors are Anthropic's shape and status codes."""
     headers = [{"name": name, "in": "header", "required": False, "description": doc,
                 "schema": {"type": "string", **extra}} for name, doc, extra in _ANTHROPIC_HEADERS + _ID_HEADERS]
-    query = [{"name": "beta", "in": "query", "required": False, "description": "accepted (Anthropic's SDK sends it)",
-              "schema": {"type": "string", "enum": ["true"]}}]
+    query = [{"name": "beta", "in": "query", "required": False,
+              "description": "accepted, whatever its value, and ignored (Anthropic's SDK sends beta=true)",
+              "schema": {"type": "string"}}]
     ok: dict[str, Any] = {"description": "the reply", "content": _json(reply)}
     if stream:
         ok["description"] += ("; with `stream: true`, server-sent events (`event:` lines) message_start, "
@@ -198,11 +199,76 @@ def _program_op(summary: str, reply: type[BaseModel], auth: list) -> dict[str, A
         "responses": {"200": {"description": "done", "content": _json(reply)}, **_errors("400", "401")}}}
 
 
-def openapi_document(model_names: list[str], auth: bool, vocab_size: int | None = None) -> dict[str, Any]:
+def _context_rules(context: int | None) -> tuple[str, str]:
+    """The prompt's rule and the output cap's rule, in words, for a model of `context` tokens."""
+    ctx = f"the model's context ({context} tokens)" if context else "the model's context (max_model_len)"
+    return (f"The prompt the model's chat template renders from the request must be shorter than {ctx}; a longer "
+            "one is a 400 (context_length_exceeded): no JSON Schema can state a length in tokens.",
+            f"The prompt's tokens plus this cap must fit {ctx}; beyond, a 400 (context_length_exceeded).")
+
+
+_CHAT_MESSAGES = ("An assistant message with tool_calls (their ids unique within it) is followed by one tool message "
+                  "per call, in any order and with nothing in between, and every tool message answers one of the "
+                  "calls of the assistant message before it (its tool_call_id is that call's id); otherwise a 400. ")
+_UNIQUE_TOOLS = "Tool names are unique within the request (a 400 names the second). "
+_NAMED_TOOL = "A tool_choice that names a tool names one of `tools` (a 400 otherwise). "
+_ANTHROPIC_MESSAGES = (
+    "A user message answers each tool_use block of the assistant message right before it with a tool_result block "
+    "(tool_use_id: that block's id) and holds no other tool_result; tool_use ids are unique within a message; "
+    "otherwise a 400. A conversation that ends with an assistant message is a prefill: the reply continues that "
+    "message's text and holds only the new text; such a message may hold no tool_use, and a prefill cannot be "
+    "combined with output_config.format (a 400 each). ")
+_RESPONSES_INPUT = (
+    "Each function_call or custom_tool_call item (call_id unique in the conversation, previous_response_id's "
+    "included) is answered by a function_call_output or custom_tool_call_output item with its call_id before the "
+    "next message or group of calls, and every output item answers such a call; otherwise a 400. ")
+
+
+def _describe(prop: dict[str, Any], text: str) -> None:
+    prop["description"] = (prop.get("description", "") + " " + text).strip()
+
+
+def _state_rules(defs: dict[str, Any], context: int | None) -> None:
+    """The rules of a body that span its items or count tokens, in the descriptions of the fields they bind."""
+    prompt_rule, cap_rule = _context_rules(context)
+    chat, completion = defs["ChatCompletionRequest"]["properties"], defs["CompletionRequest"]["properties"]
+    _describe(chat["messages"], _CHAT_MESSAGES + prompt_rule)
+    _describe(chat["tools"], _UNIQUE_TOOLS)
+    _describe(chat["tool_choice"], _NAMED_TOOL)
+    _describe(chat["max_tokens"], cap_rule + " Ignored when max_completion_tokens is given.")
+    _describe(chat["max_completion_tokens"], cap_rule)
+    _describe(completion["prompt"], prompt_rule.replace("the model's chat template renders from the request",
+                                                        "tokenized"))
+    _describe(completion["max_tokens"], cap_rule)
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        props = defs[name]["properties"]
+        _describe(props["messages"], _ANTHROPIC_MESSAGES + prompt_rule)
+        _describe(props["tools"], _UNIQUE_TOOLS)
+        _describe(props["tool_choice"], "A tool_choice of type tool names one of `tools` (a 400 otherwise).")
+    max_tokens = defs["MessagesRequest"]["properties"]["max_tokens"]
+    _describe(max_tokens, "A cap beyond the room the prompt leaves in the context is cut to that room (a reply "
+                          "that reaches it ends with stop_reason model_context_window_exceeded).")
+    responses = defs["ResponsesRequest"]["properties"]
+    _describe(responses["input"], _RESPONSES_INPUT + prompt_rule + " With truncation 'auto' the oldest turns are "
+                                                                   "dropped until it fits.")
+    _describe(responses["tools"], "Tool names are unique within the request, a namespace's tools included (a 400 "
+                                  "names the second).")
+    _describe(responses["tool_choice"], "A tool_choice of type function or custom names a tool of `tools` declared "
+                                        "with that type (a 400 otherwise).")
+    _describe(responses["max_output_tokens"], cap_rule + " (Ignored with generate: false, which decodes nothing.)")
+    if context:  # the prompt is one token at least: a larger cap is never served (Responses' prewarm ignores it)
+        for prop in (chat["max_completion_tokens"], completion["max_tokens"]):
+            next(b for b in prop["anyOf"] if b.get("type") == "integer")["maximum"] = context - 1
+
+
+def openapi_document(model_names: list[str], auth: bool, vocab_size: int | None = None,
+                     max_model_len: int | None = None, max_body_bytes: int | None = None) -> dict[str, Any]:
     """The document for a server serving `model_names`; `auth`: whether it wants a Bearer key;
-    `vocab_size`: the model's, the bound of a token id (prompt, stop_token_ids)."""
+    `vocab_size`: the model's, the bound of a token id (prompt, stop_token_ids); `max_model_len`:
+    its context in tokens, and `max_body_bytes` the body limit, both stated where they bind."""
     _, defs = models_json_schema([(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _RESPONSES],
                                  ref_template=_REF)
+    _state_rules(defs["$defs"], max_model_len)
     for name in ("MessagesRequest", "CountTokensRequest"):  # Anthropic's `model` is required: one served here
         defs["$defs"][name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
     # /v1/completions takes one prompt, not empty (completions_endpoint.py refuses others with a 400)
@@ -245,6 +311,12 @@ def openapi_document(model_names: list[str], auth: bool, vocab_size: int | None 
             "200": {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}},
             **_errors()}}},
     }
+    if max_body_bytes is not None:  # no JSON Schema keyword bounds a body's bytes: said where the body is
+        for item in paths.values():
+            for op in item.values():
+                if "requestBody" in op:
+                    op["requestBody"]["description"] = (f"a JSON object of at most {max_body_bytes} bytes (a larger "
+                                                        "body is a 413)")
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "agentserve", "version": "v1",  # the API's version, as in its paths
