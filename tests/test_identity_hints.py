@@ -75,6 +75,17 @@ def test_hints_without_a_program_are_ignored():
         ident(agent_hints={"cache_ttl_ms": -1})
 
 
+def test_a_malformed_hint_header_is_refused_even_where_the_body_decides():
+    # the document gives each header its format; a value outside it is a 400 whatever else the request says
+    for headers, body in (({"X-Program-TTL": "abc"}, {"program_id": "p", "ttl": 5}),
+                          ({"X-Program-TTL": "1e3"}, {}),
+                          ({"X-Program-Release": "maybe"}, {"program_id": "p", "release_program": True}),
+                          ({"X-Program-End": "2"}, {"end_program": True})):
+        with pytest.raises(IdentityError) as e:
+            ident(headers, **body)
+        assert e.value.param == next(iter(headers)), headers
+
+
 def test_composite_ids_are_bounded_part_by_part():
     long = "w" * 256
     assert ident(agent_hints={"workflow_id": long, "agent_id": long}).program_id == f"{long}/{long}"

@@ -148,9 +148,11 @@ def resolve_identity(body: Any, headers: Mapping[str, str], scope: str | None = 
     if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
         raise IdentityError(f"{ttl_param} must be a finite number >= 0, got {raw_ttl!r}", ttl_param)
 
-    release = bool(getattr(body, "release_program", False)) or _flag(headers, "x-program-release", "X-Program-Release")
-    end = (bool(getattr(body, "end_program", False)) or _flag(headers, "x-program-end", "X-Program-End")
-           or bool(getattr(body, "is_last_step", False)))
+    # the headers are parsed whether or not the body decides, so a malformed one is always refused
+    release_header = _flag(headers, "x-program-release", "X-Program-Release")
+    end_header = _flag(headers, "x-program-end", "X-Program-End")
+    release = bool(getattr(body, "release_program", False)) or release_header
+    end = bool(getattr(body, "end_program", False)) or end_header or bool(getattr(body, "is_last_step", False))
     if pid is None:
         # A request that names no program is a program of one turn, ended with it: nothing to keep or
         # release, so its retention hints are moot. Accepted, not refused: the rule spans the body and the
@@ -214,13 +216,13 @@ def _check_part(value: str, name: str) -> None:
 
 def _ttl(body: Any, headers: Mapping[str, str], vllm_hint: Any, sgl_hints: Any) -> tuple[float | None, str, Any]:
     """The TTL hint in seconds (None: none), the name of the field it came from, and its value as sent."""
+    raw = headers.get("x-program-ttl")
+    if raw is not None and not _SECONDS.fullmatch(raw):  # a malformed header is refused even where unused
+        raise IdentityError(f"X-Program-TTL must be a number of seconds (digits, and a fraction after a "
+                            f"'.'), got {raw!r}", "X-Program-TTL")
     if getattr(body, "ttl", None) is not None:
         return body.ttl, "ttl", body.ttl
-    raw = headers.get("x-program-ttl")
     if raw is not None:
-        if not _SECONDS.fullmatch(raw):
-            raise IdentityError(f"X-Program-TTL must be a number of seconds (digits, and a fraction after a "
-                                f"'.'), got {raw!r}", "X-Program-TTL")
         return float(raw), "X-Program-TTL", raw
     cache_control = getattr(vllm_hint, "cache_control", None)
     if getattr(cache_control, "ttl", None) is not None:
