@@ -123,6 +123,11 @@ def test_prefix_keys_chain_so_a_longer_conversation_extends_them():
     assert len(text_prefix_keys("x" * CHUNK_CHARS * (MAX_KEYS + 5))) == MAX_KEYS
 
 
+def test_route_key_ignores_a_hint_without_a_program():
+    # as the server does: a request that names no program is a program of one turn, its hints moot
+    assert route_key(dict(CHAT, ttl=5), {}).program_id is None
+
+
 def test_route_key_of_completions_bodies():
     text = route_key({"prompt": "y" * 1000, "max_tokens": 10}, {})
     assert len(text.prefix_keys) == 3 and text.size_hint == 250 + 10
@@ -138,7 +143,6 @@ def test_route_key_of_completions_bodies():
     (dict(CHAT, program_id=5), "program_id"), (dict(CHAT, agent_hint={"session_id": 1}), "agent_hint.session_id"),
     (dict(CHAT, ttl="5"), "ttl"), (dict(CHAT, end_program="yes"), "end_program"),
     (dict(CHAT, max_tokens=-1), "max_tokens"), (dict(CHAT, program_id="x" * 300), "longer"),
-    (dict(CHAT, ttl=5), "program id"),  # a hint for a program nobody can come back to
 ])
 def test_route_key_rejects_bad_bodies_with_a_value_error(body, match):
     with pytest.raises(ValueError, match=match):
