@@ -1,6 +1,6 @@
 """GGUF K-quants (Q4_K, Q5_K, Q6_K) and Q5_0/Q5_1 kept as the file's blocks
 (quant.BlockWeight), and the block kernel (csrc/block_matmul.c via
-linear.BlockLinear) that also takes Q4_0/Q4_1/Q8_0: dequantization bit for bit
+gguf_linear.BlockLinear) that also takes Q4_0/Q4_1/Q8_0: dequantization bit for bit
 against gguf's, each type's product against float64 with the dequantized
 weight (no worse than the dense bf16 product), fused projections of mixed
 types, edge activations, the routing in codes_linear, a tiny model natively
@@ -20,11 +20,11 @@ from gguf.quants import dequantize, quantize
 from tiny_models import byte_tokenizer, teacher_forced_logits
 
 from agentserve.llm import LLM
-from agentserve.runner import linear, native
+from agentserve.runner import gguf_linear, linear, native
 from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.gguf_loader import unpermute_qk
-from agentserve.runner.linear import BLOCK_MAX_ROWS, BlockLinear, codes_linear
+from agentserve.runner.gguf_linear import BLOCK_MAX_ROWS, BlockLinear, codes_linear
 from agentserve.runner.quant import BLOCK_TYPES, BlockWeight, Q4Weight, Q8Weight, from_blocks, is_quantized
 
 CPU = torch.device("cpu")
@@ -229,7 +229,7 @@ def test_codes_linear_routes_by_kernel(monkeypatch, caplog):
     assert codes_linear([k4, torch.zeros(32, 256)], None, False, None, CPU) is None  # a dense part
     monkeypatch.setattr(native, "block_kernel", lambda: None)
     monkeypatch.setattr(native, "_lib_why_not", None)
-    monkeypatch.setattr(linear, "_LOGGED", set())
+    monkeypatch.setattr(gguf_linear, "_LOGGED", set())
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         assert codes_linear([k4], None, False, None, CPU) is None
         assert codes_linear([weight("Q4_K", 64, 256)], None, False, None, CPU) is None

@@ -20,7 +20,7 @@ from tiny_models import hf_llama, loaded, teacher_forced_logits
 
 from agentserve.llm import LLM
 from agentserve.runner import device as devices
-from agentserve.runner import linear, native
+from agentserve.runner import gguf_linear, linear, native
 from agentserve.runner.gguf_loader import load_gguf, unpermute_qk
 from agentserve.runner.linear import Q4Linear, Q8Linear
 from agentserve.runner.quant import Q4Weight, Q8Weight, from_blocks
@@ -168,7 +168,7 @@ def test_tiny_q4_model_native_against_bf16(tiny_q4):
     # 8 projections int4; the head (266 rows) is not a multiple of 16, which the int4
     # kernels need: the block kernel takes it where built, else it stays bf16
     assert (q4.model.int4_linears, q4.model.num_linears) == (8, 9)
-    head = linear.BlockLinear if linear.block_available(torch.device("cpu")) else linear.Linear
+    head = gguf_linear.BlockLinear if gguf_linear.block_available(torch.device("cpu")) else linear.Linear
     assert isinstance(q4.model.lm_head, head)
     assert q4.model.weight_bytes < bf16.model.weight_bytes
     ids = list(np.random.default_rng(0).integers(0, tiny_q4.vocab, 48))

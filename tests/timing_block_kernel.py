@@ -1,4 +1,4 @@
-"""Where the GGUF block kernel (linear.BlockLinear) stops beating the bf16 copy:
+"""Where the GGUF block kernel (gguf_linear.BlockLinear) stops beating the bf16 copy:
 the projections of the Gemma 3 270M Q4_K_M file, all 18 layers (so the weights
 stream from memory as in a step, not from cache), per row count, best of
 `--repeat` passes, ms for the layers' four projections and, separately, the
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from agentserve.runner.gguf_loader import quant_tensor
-from agentserve.runner.linear import BlockLinear, Q4Linear
+from agentserve.runner.gguf_linear import BlockLinear
+from agentserve.runner.linear import Q4Linear
 from agentserve.runner.quant import from_blocks
 
 ROWS = (1, 2, 4, 8, 12, 16, 24)

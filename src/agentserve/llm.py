@@ -24,7 +24,7 @@ from agentserve.runner import device as devices
 from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache
-from agentserve.runner.linear import BLOCK_MAX_ROWS
+from agentserve.runner.gguf_linear import BLOCK_MAX_ROWS
 from agentserve.runner.loader import load_model
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.profiling import tier_costs_for

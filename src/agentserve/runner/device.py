@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 CPU_DEFAULT_KV_TOKENS = 65536
 
 # --weights: native = GGUF Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and K-quant tensors stay as
-# stored where a kernel here takes them (see linear.codes_linear; bf16 compute);
+# stored where a kernel here takes them (see gguf_linear.codes_linear; bf16 compute);
 # bf16 / fp32 = everything dequantized to that dtype; auto = native where it works.
 WEIGHT_FORMATS = ("auto", "native", "bf16", "fp32")
 _FORMAT_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -107,7 +107,8 @@ def settle_weights(weights: str, native: bool, loaded) -> bool:
     logs one line why."""
     if not native:
         return False
-    from agentserve.runner.linear import block_available, q8_available
+    from agentserve.runner.gguf_linear import block_available
+    from agentserve.runner.linear import q8_available
     from agentserve.runner.quant import BLOCK_TYPES, Q4_TYPES, Q8_TYPES, BlockWeight, Q4Weight, Q8Weight
 
     cpu = torch.device("cpu")

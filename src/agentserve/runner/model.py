@@ -34,8 +34,8 @@ from agentserve.runner.attention import AttentionMetadata, attend_native, paged_
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
 from agentserve.runner.layer_ops import LayerOps
-from agentserve.runner.linear import (BlockLinear, Linear, Q4Linear, Q8Linear, codes_linear, int4_unavailable,
-                                      should_pack)
+from agentserve.runner.gguf_linear import BlockLinear, codes_linear
+from agentserve.runner.linear import Linear, Q4Linear, Q8Linear, int4_unavailable, should_pack
 from agentserve.runner.quant import QuantWeight, is_quantized
 from agentserve.runner.rope import RotaryTable, apply_rotary
 

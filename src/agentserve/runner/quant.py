@@ -2,7 +2,7 @@
 between the loader and the model, so `linear.Q4Linear` / `linear.Q8Linear` can
 compute with them without a dequantized copy of the file in between; the
 K-quants (Q4_K, Q5_K, Q6_K) and the 5-bit Q5_0/Q5_1 kept as the file's own
-blocks (`BlockWeight`), for `linear.BlockLinear`.
+blocks (`BlockWeight`), for `gguf_linear.BlockLinear`.
 
 A ggml Q4 block covers 32 consecutive weights of a row: an fp16 scale `d`
 (Q4_1 also an fp16 minimum `m`) and 16 bytes of nibbles, the low nibbles holding

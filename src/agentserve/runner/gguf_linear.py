@@ -1,0 +1,181 @@
+"""A projection on a GGUF file's quantized blocks, and the choice of kernel
+for a projection's codes.
+
+`BlockLinear` multiplies on the file's blocks as stored (csrc/block_matmul.c:
+any kept GGUF type, a fused projection of mixed types as one call per run of
+one type) for decode-sized steps, with a bf16 copy above. `codes_linear`
+picks, for the parts of one projection, the tiled AVX512-VNNI kernel, torch's
+int4 kernel or the block kernel (linear.py holds the first two), or None where
+no kernel takes them (the caller dequantizes, with one log line a reason)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from agentserve.runner import native
+from agentserve.runner.linear import (Linear, Q4Linear, Q8Linear, _size, _torch_int4_works, int4_shape_ok,
+                                     should_pack)
+from agentserve.runner.quant import BlockWeight, Q4Weight, Q8Weight
+
+log = logging.getLogger("agentserve.runner")
+
+# csrc/block_matmul.c's type numbers
+BLOCK_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+# Rows up to which BlockLinear multiplies on the file's blocks; above, the bf16
+# copy. Measured on this project's 2-core AVX2 machine (AMD EPYC, no AVX512, no
+# native bf16, so the bf16 copy is unpacked, emulated F.linear) over the 72
+# projections of the Gemma 3 270M Q4_K_M file's 18 layers (65 MiB of blocks,
+# 191 MiB in bf16: they stream from memory as in a step), 1 thread, best of 5
+# (ms; block kernel / bf16 copy; `python tests/timing_block_kernel.py
+# --threads 1 --repeat 5`, on shared cores, so +-30%): 1 row 33 / 49, 2 rows
+# 56 / 105, 4 rows 86 / 214, 8 rows 150 / 637, 12 rows 245 / 344, 16 rows
+# 178 / 488, 24 rows 286 / 779; its Q8_0 LM head (262144 x 640) at 2 threads:
+# 1 row 60 / 143, 8 rows 186 / 744, 16 rows 323 / 1656. Past 16 rows a step
+# is a prefill chunk, where the bf16 copy's oneDNN path and chunking matter
+# more than this, so 16 on such CPUs. Where the CPU has native bf16 (AVX512-BF16
+# or AMX) the bf16 copy is several times faster; not measured here: 8 there,
+# the crossover the AVX512-VNNI Q8_0 kernel measured against packed bf16.
+BLOCK_MAX_ROWS = 8 if native.cpu_has_native_bf16() else 16
+
+
+def block_available(device: torch.device) -> bool:
+    return device.type == "cpu" and native.block_kernel() is not None
+
+
+def _blocks_of(w) -> tuple[str, torch.Tensor]:
+    """(GGUF type, the file's blocks [out, row bytes]) of a kept weight."""
+    if isinstance(w, BlockWeight):
+        return w.qtype, w.blocks
+    return w.qtype, w.to_blocks()
+
+
+class BlockLinear:
+    """y = x @ W.T (+ bias) for a weight given as GGUF parts (the q, k, v or
+    gate, up of a fused projection, or one), each kept as the file's blocks:
+    csrc/block_matmul.c for at most `max_rows` rows of x, one call per run of
+    parts of one type writing its columns of y in place (a fused projection
+    may mix types: Gemma 3's Q4_K_M has q, k in Q5_0 and v in Q8_0); a bf16
+    copy of the dequantized weight (oneDNN-packed when `pack`) above."""
+
+    __slots__ = ("lib", "groups", "bias", "bias32", "dense", "max_rows", "shape")
+
+    def __init__(self, parts: list, bias: torch.Tensor | None = None, max_rows: int = BLOCK_MAX_ROWS,
+                 pack: bool | None = None, dense: Linear | None = None) -> None:
+        lib = native.block_kernel()
+        if lib is None:
+            raise RuntimeError(f"no GGUF block kernel: {native.block_unavailable_reason()}")
+        if not parts or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"parts of one projection must share their width, got "
+                             f"{[tuple(p.shape) for p in parts]}")
+        self.lib = lib
+        self.groups: list[tuple[int, int, int, torch.Tensor]] = []  # (kernel type, first column, n, blocks)
+        col = 0
+        for part in parts:
+            qtype, blocks = _blocks_of(part)
+            if qtype not in BLOCK_KERNEL_TYPES:
+                raise ValueError(f"{qtype} has no block kernel (it takes {', '.join(BLOCK_KERNEL_TYPES)})")
+            code = BLOCK_KERNEL_TYPES[qtype]
+            if self.groups and self.groups[-1][0] == code:  # one call for a run of one type
+                c, first, n, prev = self.groups.pop()
+                self.groups.append((c, first, n + blocks.shape[0], torch.cat([prev, blocks])))
+            else:
+                self.groups.append((code, col, blocks.shape[0], blocks.contiguous()))
+            col += blocks.shape[0]
+        self.shape = (col, int(parts[0].shape[1]))
+        self.bias = bias
+        self.bias32 = None if bias is None else bias.float().contiguous()
+        self.max_rows = max_rows
+        if dense is None:
+            if pack is None:
+                pack = should_pack(torch.bfloat16, torch.device("cpu"))
+            weight = torch.cat([p.dequantize().to(torch.bfloat16) for p in parts])
+            dense = Linear(weight, bias, pack)
+        self.dense = dense
+
+    @property
+    def kernel(self) -> str:
+        return "agentserve-block"
+
+    @property
+    def qtypes(self) -> list[str]:
+        names = {v: k for k, v in BLOCK_KERNEL_TYPES.items()}
+        return [names[g[0]] for g in self.groups]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: the file's blocks and the bias."""
+        return sum(g[3].numel() for g in self.groups) + _size(self.bias)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.nbytes + self.dense.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self.dense(x)
+        return self.blocks(x.contiguous())
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the blocks, whatever the row count."""
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"GGUF block projections take bfloat16 or float32 activations, got {x.dtype}")
+        rows = x.shape[0]
+        n, k = self.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x {tuple(x.shape)} does not match weight {self.shape}")
+        y = torch.empty(rows, n, dtype=x.dtype)
+        if rows == 0:
+            return y
+        bf16, threads, size = int(x.dtype is torch.bfloat16), torch.get_num_threads(), y.element_size()
+        for code, col, cols, blocks in self.groups:
+            bias = None if self.bias32 is None else self.bias32.data_ptr() + 4 * col
+            rc = self.lib.agentserve_block_matmul(code, bf16, x.data_ptr(), rows, k, blocks.data_ptr(), cols, bias,
+                                                  y.data_ptr() + size * col, n, threads)
+            if rc != 0:
+                raise RuntimeError(f"GGUF block kernel failed with code {rc} (x {tuple(x.shape)}, "
+                                   f"weight {self.shape})")
+        return y
+
+
+_LOGGED: set[str] = set()
+
+
+def _dequantized_because(why: str) -> None:
+    """One log line per reason, not one per projection."""
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        log.warning("weights native: %s; those projections use dequantized bfloat16 weights", why)
+
+
+def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Linear | None,
+                 device: torch.device) -> "Q4Linear | Q8Linear | BlockLinear | None":
+    """The projection over the row-concatenation of `parts` on a kernel for their
+    GGUF codes, or None where no kernel takes them (the caller dequantizes):
+    Q4_0/Q4_1 on the tiled AVX512-VNNI kernel where built, else the block
+    kernel on AVX2, else torch's int4; Q8_0 on the tiled kernel, else the block
+    kernel; the K-quants and Q5_0/Q5_1 on the block kernel; a fused projection
+    of mixed types on the block kernel."""
+    if device.type != "cpu":
+        _dequantized_because(f"the GGUF kernels are CPU ones, the device is {device.type}")
+        return None
+    tiled = native.gguf_kernel() is not None
+    for kind, layer in ((Q4Weight, Q4Linear), (Q8Weight, Q8Linear)):
+        if not all(isinstance(r, kind) for r in parts):
+            continue
+        q = parts[0] if len(parts) == 1 else kind.cat(parts)  # type: ignore[attr-defined]
+        if tiled and int4_shape_ok(q.shape):
+            return layer(q, bias, pack=pack, dense=dense)
+        # torch's int4 kernel where it takes the shape: as fast as the block kernel at 1-4 rows
+        # (SmolLM2's 120 Q4_0 projections, 1 thread, ms block / torch: 1 row 27 / 24, 4 rows 34 / 35,
+        # 8 rows 70 / 123; tests/timing_block_kernel.py), and what the model counts as int4 projections
+        if kind is Q4Weight and int4_shape_ok(q.shape) and _torch_int4_works():
+            return layer(q, bias, pack=pack, dense=dense)
+    if not all(isinstance(r, (Q4Weight, Q8Weight, BlockWeight)) for r in parts):
+        return None  # a dense part: the projection is dense
+    if not block_available(device):
+        types = sorted({_blocks_of(p)[0] if isinstance(p, BlockWeight) else p.qtype for p in parts})
+        _dequantized_because(f"no kernel for {', '.join(types)} here ({native.block_unavailable_reason()})")
+        return None
+    return BlockLinear(parts, bias, pack=pack, dense=dense)
