@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 from pathlib import Path
 
 from agentserve.cli_errors import CliError
 from agentserve.cli_model import add_model_options, build_llm
+from agentserve.server.learned_state import FILE_NAME as STATE_FILE_NAME
+from agentserve.server.learned_state import SAVE_INTERVAL_S
 from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
 from agentserve.server.responses_store import DEFAULT_MAX_BYTES as RESPONSES_STORE_BYTES
 from agentserve.server.responses_store import DEFAULT_MAX_RESPONSES as RESPONSES_STORE_MAX
@@ -155,6 +158,16 @@ def add_server_options(p) -> None:
                         "(KiB, MiB, GiB suffixes; the default if left out), least recently used dropped first; in "
                         "memory only, so a restart forgets them (a later previous_response_id of a dropped one is "
                         "a 404 previous_response_not_found)")
+    s = p.add_argument_group("learned state")
+    s.add_argument("--state-dir", default=None, metavar="PATH",
+                   help=f"keep what the server learned (each tool's durations, the TTL model's eta and queueing "
+                        f"delays, the step-time fit) in PATH/{STATE_FILE_NAME} (SQLite; `cluster`: one file per "
+                        "replica, replica-N.sqlite), written atomically every --state-save-interval seconds and at "
+                        "shutdown, and taken up at start, so a restart does not start cold. A file from another "
+                        "model or schema version, or one that cannot be read, is moved aside with a log line "
+                        "saying why (default: kept in memory only)")
+    s.add_argument("--state-save-interval", type=float, default=SAVE_INTERVAL_S, metavar="SECONDS",
+                   help="seconds between saves of the learned state (with --state-dir)")
     add_model_options(p)
     _add_tool_call_options(p)
 
@@ -242,6 +255,31 @@ def check_serve_args(args) -> None:
         raise CliError("--max-body-bytes must be at least 1")
     if not args.request_body_timeout >= 0:
         raise CliError(f"--request-body-timeout must be 0 or more seconds, got {args.request_body_timeout}")
+    if not args.state_save_interval > 0 or args.state_save_interval == float("inf"):
+        raise CliError(f"--state-save-interval must be a number of seconds > 0, got {args.state_save_interval}")
+    if args.state_dir is not None:
+        state_dir(args.state_dir)
+
+
+def state_dir(path: str) -> Path:
+    """--state-dir, made if missing and checked writable (a CliError if not)."""
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".agentserve-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CliError(f"--state-dir {path!r} is not a writable directory: {e.strerror or e}") from None
+    return d
+
+
+def state_file(args) -> str | None:
+    """The state file of this server (`state_name`: a cluster replica's own, set by the replica)."""
+    if args.state_dir is None:
+        return None
+    name = getattr(args, "state_name", None)
+    return str(state_dir(args.state_dir) / (f"{name}.sqlite" if name else STATE_FILE_NAME))
 
 
 def setup_logging(args) -> None:
@@ -272,7 +310,8 @@ def build_server(args, llm_factory=None):
                           render_cache=args.render_cache, response_cache=args.response_cache,
                           cached_tokens_report=args.cached_tokens_report, gc_policy=POLICIES[args.gc],
                           responses_store_max=args.responses_store_max[0],
-                          responses_store_bytes=args.responses_store_max[1])
+                          responses_store_bytes=args.responses_store_max[1],
+                          state_file=state_file(args), state_save_interval=args.state_save_interval)
     return create_app(llm, config, thread=thread), llm, config
 
 

@@ -125,6 +125,31 @@ class StepTimeModel:
         if self._updates % 16 == 0 and self.ready:
             self._drop_spikes()
 
+    # --- learned state (kept over a restart by server/learned_state.py) ---
+
+    def export_state(self) -> dict:
+        """The fit's samples as plain data: the steps with and without prefill, each its
+        features (as fitted: 1, P, A, D, K, R, RK, scaled) and seconds, oldest first, and the
+        recent ratios of time taken to time predicted that set the margin."""
+        return {"prefill": [[*x, y] for x, y in self._prefill], "decode": [[*x, y] for x, y in self._decode],
+                "ratios": list(self._ratios)}
+
+    def import_state(self, state: dict) -> None:
+        """Replace the samples by exported ones (the newest `window` of each kind) and refit.
+        ValueError (or TypeError, KeyError) on malformed data, changing nothing."""
+        prefill = [_sample(row) for row in state["prefill"]][-self.window:]
+        decode = [_sample(row) for row in state["decode"]][-self.window:]
+        ratios = [float(r) for r in state["ratios"]]
+        if not all(math.isfinite(r) and r > 0 for r in ratios):
+            raise ValueError("a step-time ratio must be a finite number > 0")
+        self._prefill = deque(prefill)
+        self._decode = deque(decode)
+        self._ratios = deque(ratios, maxlen=self.window)
+        self._margin = self._quantile_margin()
+        self._rebuild()
+        self._updates = len(prefill) + len(decode)
+        self._dirty = True
+
     def _quantile_margin(self) -> float:
         if len(self._ratios) < _MIN_RATIOS:
             return 1.0
@@ -257,6 +282,15 @@ class StepTimeModel:
         while n > 0 and self.chunk_time(start, n) > seconds:  # rounding at the boundary
             n -= 1
         return min(n, _MAX_CHUNK)
+
+
+def _sample(row) -> tuple[tuple[float, ...], float]:
+    """One exported step sample: `_NF` features (the first 1.0) and the seconds it took."""
+    values = [float(v) for v in row]
+    if len(values) != _NF + 1 or values[0] != 1.0 or not all(math.isfinite(v) and v >= 0 for v in values) \
+            or not values[-1] > 0:
+        raise ValueError(f"a step-time sample must be {_NF} features >= 0 (the first 1) and seconds > 0, got {row!r}")
+    return tuple(values[:-1]), values[-1]
 
 
 def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:

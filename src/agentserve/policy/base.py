@@ -150,6 +150,19 @@ class Policy(abc.ABC):
     def on_program_end(self, program: ProgramState) -> None:
         self.tool_stats.forget_program(program.program_id)
 
+    # --- learned state (kept over a restart by server/learned_state.py) ---
+
+    def export_state(self) -> dict:
+        """What the policy learned, as plain data: the tool-duration windows (and, in policies
+        with a TTL model, what else it learned)."""
+        return {"tool_stats": self.tool_stats.export_state()}
+
+    def import_state(self, state: dict) -> None:
+        """Take up what `export_state` gave (a part it does not name is left as it is).
+        ValueError, TypeError or KeyError on malformed data."""
+        if "tool_stats" in state:
+            self.tool_stats.import_state(state["tool_stats"])
+
     # --- decisions ---
 
     @abc.abstractmethod

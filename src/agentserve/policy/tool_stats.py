@@ -191,6 +191,40 @@ class ToolDurationStats:
         self.record(tool, duration)
         return tool, duration
 
+    # ------------------------------------------------------------------ learned state
+
+    def export_state(self) -> dict:
+        """The windows as plain data, for a restart (server/learned_state.py keeps it): each
+        tool's samples oldest first, tools least recently updated first, and the global window
+        with each sample's tool. Pending departures stay out: they are measured on this
+        process's clock and name programs, which a restart does not keep."""
+        return {"tools": [[tool, list(win.values())] for tool, win in self._tools.items()],
+                "global": [[x, tool] for x, tool in self._global.samples],
+                "shifts": self.shifts}
+
+    def import_state(self, state: dict) -> None:
+        """Replace the windows by exported ones (where a window here is smaller, its newest
+        samples are kept; past ``max_tools``, the most recently updated tools). Pending
+        departures are left as they are. Raises ValueError on malformed data, changing nothing."""
+        try:
+            tools = [(_tool_name(t), [_duration(x) for x in xs]) for t, xs in state["tools"]]
+            global_ = [(_duration(x), _tool_name(t)) for x, t in state["global"]]
+            shifts = int(state.get("shifts", 0))
+        except (TypeError, KeyError) as e:
+            raise ValueError(f"malformed tool statistics: {e!r}") from None
+        self._tools.clear()
+        self._global = _Window(self.max_global_samples)
+        for tool, xs in tools[-self.max_tools:]:
+            win = _Window(self.max_samples_per_tool)
+            for x in xs:
+                self._tick += 1
+                win.add(x, tool, self._tick)
+            self._tools[tool] = win
+        for x, tool in global_:
+            self._tick += 1
+            self._global.add(x, tool, self._tick)
+        self.shifts = shifts
+
     def forget_program(self, program_id: str) -> None:
         """Drop the pending departure of a program that ended."""
         self._pending.pop(program_id, None)
@@ -302,3 +336,15 @@ class ToolDurationStats:
 
     def pending_count(self) -> int:
         return len(self._pending)
+
+
+def _duration(x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"a tool duration must be a finite number >= 0, got {x!r}")
+    return float(x)
+
+
+def _tool_name(t) -> str:
+    if not isinstance(t, str) or not t:
+        raise ValueError(f"a tool name must be a non-empty string, got {t!r}")
+    return t

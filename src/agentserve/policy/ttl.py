@@ -146,6 +146,19 @@ class EtaEstimator:
     def __len__(self) -> int:
         return len(self._programs)
 
+    def export_state(self) -> list[int]:
+        """The window's programs' turn counts, oldest first (for a restart)."""
+        return list(self._programs)
+
+    def import_state(self, turns: list[int]) -> None:
+        """Replace the window by exported turn counts (the newest `window` kept). ValueError on
+        a count that is not an integer >= 1, changing nothing."""
+        counts = [_count(n) for n in turns]
+        self._programs.clear()
+        self._n = self._sx = self._sxx = self._sxy = 0
+        for n in counts:
+            self.add_program(n)
+
     def num_pairs(self) -> int:
         return self._n
 
@@ -194,8 +207,34 @@ class QueueDelayWindow:
         n = len(self._values)
         return max(0.0, self._total / n) if n else 0.0
 
+    def export_state(self) -> list[float]:
+        """The window's delays, oldest first (for a restart)."""
+        return list(self._values)
+
+    def import_state(self, delays: list[float]) -> None:
+        """Replace the window by exported delays. ValueError on one that is not a finite number
+        >= 0, changing nothing."""
+        values = [_seconds(x) for x in delays]
+        self._values.clear()
+        self._total = 0.0
+        self._adds = 0
+        for x in values:
+            self.add(x)
+
     def __len__(self) -> int:
         return len(self._values)
+
+
+def _count(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a program's turn count must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _seconds(x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"a delay must be a finite number of seconds >= 0, got {x!r}")
+    return float(x)
 
 
 class TTLModel:

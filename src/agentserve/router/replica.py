@@ -14,6 +14,7 @@ ingress's fan-out to every replica."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,11 +28,25 @@ log = logging.getLogger("agentserve.router")
 REPLICA_HEADER = "x-agentserve-replica"
 
 
+def state_name(context: Any) -> str:
+    """The name of a replica's learned-state file: by its rank, which a replica that takes a
+    dead one's place inherits (so it takes up what that one learned); by its id where Ray gives
+    no rank."""
+    rank = getattr(getattr(context, "rank", None), "rank", getattr(context, "rank", None))
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        return f"replica-{rank}"
+    return f"replica-{context.replica_id.unique_id}"
+
+
 class EngineReplica:
     """A Ray Serve deployment class; `cluster_app.py` sets its options (replicas, CPUs, router)."""
 
     async def __init__(self, args: Any, build: Any, llm_factory: Any = None) -> None:
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        if getattr(args, "state_dir", None):  # each replica learns on its own: its own state file
+            args = copy.copy(args)
+            args.state_name = state_name(context)
         app, self.llm, self.config = build(args, llm_factory)
         self.bridge = AsgiBridge(app)
         await self.bridge.start()  # starts the engine loop on this replica's event loop

@@ -49,6 +49,7 @@ from agentserve.server.engine_listeners import Listeners
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.http_limits import HttpLimits
 from agentserve.server.input_checks import InputError, check_path_id
+from agentserve.server.learned_state import LearnedState, model_identity
 from agentserve.server.messages_endpoint import count_tokens, messages
 from agentserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from agentserve.server.openapi import openapi_document
@@ -88,6 +89,9 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
     if config.response_cache > 0:
         state.response_cache = engine.response_cache = ResponseCache(config.response_cache)
     state.responses_store = ResponsesStore(config.responses_store_max, config.responses_store_bytes)
+    if config.state_file is not None:  # what an earlier run learned, taken up before the engine starts
+        engine.learned_state = LearnedState(config.state_file, model_identity(llm), config.state_save_interval)
+        engine.learned_state.load(llm.scheduler)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

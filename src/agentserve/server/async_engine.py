@@ -29,6 +29,11 @@ Each time the engine runs out of work, the thread checks the block accounting
 once (server/idle_integrity.py); a failure is logged and counted, and serving
 goes on.
 
+With a state file (`learned_state`, set by the app: `serve --state-dir`) the
+thread exports what the policy and the step-time model learned at its
+interval, for a writer thread to save, and `stop` saves it once more after the
+thread has ended.
+
 With a collector policy (`gc_policy`, engine/gc_policy.py; `agentserve serve`
 gives the `--gc` one), `start` applies it (the model is loaded and the KV pool
 built by then: the start-up heap is frozen), the thread runs the full
@@ -109,6 +114,8 @@ class AsyncEngine:
         self.response_cache: Any = None
         self.gc_policy = gc_policy
         self.gc: GCController | None = None  # the applied policy, from start to stop
+        # the learned state's file (learned_state.py), set by the app: saved at intervals and at stop (None: off)
+        self.learned_state: Any = None
 
     @property
     def integrity_checks(self) -> int:
@@ -142,6 +149,11 @@ class AsyncEngine:
                 log.error("the engine thread did not stop within %.0f s", timeout)
             if self._owns_home and self._home is not None:
                 self._home.close()
+        if self.learned_state is not None:
+            if running is None or running.done():
+                self.learned_state.close(self.scheduler)
+            else:
+                log.error("the learned state is not saved at shutdown: the engine thread is still running")
         if self.gc is not None:
             restore_gc()
             self.gc = None
@@ -389,6 +401,8 @@ class AsyncEngine:
             self.scheduler.expire_programs()  # on an idle server too: abandoned programs end, without a JCT
         if self.stats_log is not None:
             self.stats_log.tick(now, self._snapshot)
+        if self.learned_state is not None:
+            self.learned_state.tick(now, self.scheduler)
 
     def _snapshot(self) -> EngineSnapshot:
         copier = self.llm.executor.copier

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from agentserve.engine.gc_policy import GCPolicy
 from agentserve.server.async_engine import AsyncEngine
 from agentserve.server.dashboard_view import DashboardSource
+from agentserve.server.learned_state import SAVE_INTERVAL_S
 from agentserve.server.metrics import ServerMetrics
 from agentserve.server.protocol import now_s
 from agentserve.server.render_cache import DEFAULT_ENTRIES as RENDER_CACHE_ENTRIES
@@ -44,6 +45,9 @@ class ServerConfig:
     # the Responses API's stored responses, in memory only (responses_store.py): at most this many, and bytes
     responses_store_max: int = RESPONSES_STORE_MAX
     responses_store_bytes: int = RESPONSES_STORE_BYTES
+    # the file that keeps what the server learned over a restart (learned_state.py; None: kept in memory only)
+    state_file: str | None = None
+    state_save_interval: float = SAVE_INTERVAL_S  # seconds between its saves (and one at shutdown)
     tenants: Tenants = field(init=False)  # api_key and api_keys, checked
 
     def __post_init__(self) -> None:

@@ -47,6 +47,19 @@ class Continuum(Policy):
         if not program.anonymous:  # one-shot requests would fill eta's window with 1-turn programs
             self.eta.add_program(program.turns_finished)
 
+    def export_state(self) -> dict:
+        return {**super().export_state(), "eta": self.eta.export_state(),
+                "queue_delays": self.queue_delays.export_state()}
+
+    def import_state(self, state: dict) -> None:
+        # checked before any part is taken, so that malformed data changes nothing
+        eta, delays = EtaEstimator(self.eta.window), QueueDelayWindow(self.queue_delays.window)
+        eta.import_state(state.get("eta", self.eta.export_state()))
+        delays.import_state(state.get("queue_delays", self.queue_delays.export_state()))
+        super().import_state(state)
+        self.eta.import_state(eta.export_state())
+        self.queue_delays.import_state(delays.export_state())
+
     def retention(self, req, program, now):
         if req.ttl_hint is not None:  # the client knows better than the statistics
             ttl = min(max(req.ttl_hint, 0.0), self.max_ttl)
