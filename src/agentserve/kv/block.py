@@ -10,7 +10,7 @@ from __future__ import annotations
 class Block:
     __slots__ = (
         "block_id", "ref_cnt", "key", "tokens", "parent", "num_children",
-        "hits", "last_access", "prev", "next", "strategy_data", "node",
+        "hits", "last_access", "prev", "next", "strategy_data", "node", "wpart", "wrefs",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -27,6 +27,10 @@ class Block:
         self.next: Block | None = None
         self.strategy_data: object = None
         self.node: object = None  # the prefix-index node this block holds KV for (None = not cached)
+        # the hybrid cache (kv/window_parts.py): the blocks holding this block's
+        # tokens for the sliding-window layers, and how many holders read them
+        self.wpart: list[Block] | None = None
+        self.wrefs = 0
 
     @property
     def is_cached(self) -> bool:

@@ -21,6 +21,7 @@ from agentserve.kv.block import Block
 from agentserve.kv.eviction import EvictionStrategy, LinkedList
 from agentserve.kv.prefix_index import Node, PrefixIndex
 from agentserve.kv.protected_zone import ProtectedZone
+from agentserve.kv.window_parts import WindowParts
 
 
 class BlockPool:
@@ -40,12 +41,19 @@ class BlockPool:
         self.zone = ProtectedZone(protected_blocks)  # evicted last
         self.num_evictions = 0
         self.num_demoted = 0
+        self.parts: WindowParts | None = None  # the hybrid cache's window parts (`enable_window_parts`)
         # the strategy's on_hit does something (lfu, arc): lru and leaf-lru keep the base's no-op
         self._strategy_sees_hits = type(strategy).on_hit is not EvictionStrategy.on_hit
 
+    def enable_window_parts(self, window: int, pages: int, block_size: int) -> WindowParts:
+        """Blocks also hold window parts (kv/window_parts.py) drawn from this pool."""
+        self.parts = WindowParts(self, window, pages, block_size)
+        return self.parts
+
     @property
     def num_free(self) -> int:
-        return len(self._empty) + len(self._cold) + len(self.strategy) + len(self.zone)
+        n = len(self._empty) + len(self._cold) + len(self.strategy) + len(self.zone)
+        return n if self.parts is None else n + self.parts.num_free_pages
 
     @property
     def num_cached_free(self) -> int:
@@ -56,7 +64,10 @@ class BlockPool:
         if n > self.num_free:
             return None
         out = []
+        parts = self.parts
         for _ in range(n):
+            while parts is not None and not self._empty and parts.num_free_pages:
+                parts.evict_one()  # unheld window parts go before any cached block
             if self._empty:
                 b = self._empty.pop()
             else:
@@ -133,6 +144,8 @@ class BlockPool:
             if b.ref_cnt == 0:
                 b.last_access = now
                 if b.node is None:
+                    if b.wpart is not None:
+                        self.parts.drop(b, now)
                     self._empty.append(b)
                 elif zone is None or not zone.admit(b, protect):
                     self.strategy.add(b, now)
@@ -200,6 +213,8 @@ class BlockPool:
         block.node = block.key = block.tokens = block.parent = None
         block.num_children = 0
         block.hits = 0
+        if block.wpart is not None:
+            self.parts.drop(block, block.last_access)
         self.index.prune(node)
 
     def check_integrity(self, holders: dict[int, int]) -> None:
@@ -226,4 +241,5 @@ class BlockPool:
                 assert b.num_children == nc, f"{b} num_children {b.num_children} != {nc}"
         assert sum(1 for _ in self._cold) == len(self._cold)
         self.zone.check_integrity()
-        assert len(self.strategy) + len(self._cold) + len(self.zone) + len(self._empty) == self.num_free
+        free = len(self.strategy) + len(self._cold) + len(self.zone) + len(self._empty)
+        assert free == self.num_free - (self.parts.num_free_pages if self.parts is not None else 0)

@@ -25,6 +25,12 @@ class BlockTable:
     released: bool = False  # freed, swapped out or pinned: the blocks are no longer this table's
     salt: Hashable = None  # the prefix cache's salt its blocks are indexed under (prefix_index.py)
     loads: list[Block] = field(default_factory=list)  # blocks admitted by reload, until the reloads land
+    # the hybrid cache (kv/window_parts.py): the blocks whose window parts this
+    # table holds, by position; the tokens whose KV is computed; the prompt's
+    # length, whose window is kept for the next turn's hit
+    window: dict[int, Block] = field(default_factory=dict)
+    computed: int = 0
+    checkpoint: int = 0
 
     @property
     def block_ids(self) -> list[int]:

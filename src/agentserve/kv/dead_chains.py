@@ -15,6 +15,7 @@ from agentserve.kv.block_pool import BlockPool
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.pins import PinTable
 from agentserve.kv.prefix_index import ChainHint, PrefixIndex, common_blocks
+from agentserve.kv.window_parts import WindowParts
 
 
 class DeadChains:
@@ -23,6 +24,7 @@ class DeadChains:
     index: PrefixIndex
     host: HostTier
     pins: PinTable
+    parts: WindowParts | None
 
     def supersede(self, program_id: str, old_tokens: Sequence[int], new_tokens: Sequence[int], now: float,
                   salt: Hashable = None) -> int:
@@ -47,6 +49,11 @@ class DeadChains:
                 dropped = [b for b in pin.blocks if b.node is None or b.node in dead]
                 pin.blocks = keep
                 pin.num_tokens = min(pin.num_tokens, common * bs)
+                if pin.window:  # the window parts it held of them go first (hybrid cache)
+                    out = {id(b) for b in dropped}
+                    for b in [b for b in pin.window if id(b) in out]:
+                        self.parts.release(b, now)
+                    pin.window = [b for b in pin.window if id(b) not in out]
                 self.pool.release(dropped, now)
         return self._demote(gone)
 

@@ -32,7 +32,11 @@ from agentserve.kv.prefix_match import PrefixMatch
 class KVCacheManager(DeadChains):
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
                  host_blocks: int = 0, disk_blocks: int = 0,
-                 key_fn: Callable[[tuple[int, ...]], Hashable] | None = None, protected_blocks: int = 0) -> None:
+                 key_fn: Callable[[tuple[int, ...]], Hashable] | None = None, protected_blocks: int = 0,
+                 window: int | None = None, window_pages: int = 0) -> None:
+        """`window`, `window_pages`: the hybrid cache (kv/window_parts.py) for a
+        model with sliding-window layers of `window` positions, whose KV of a
+        block takes `window_pages` more blocks; None: every block holds every layer."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
@@ -50,6 +54,12 @@ class KVCacheManager(DeadChains):
         self.disk_copies = DiskCopies(self.pool, self.disk)
         if self.disk.enabled:
             self.host.on_evict = self.disk_copies.spill
+        self.parts = None
+        if window is not None:
+            if host_blocks or disk_blocks:
+                raise ValueError("the hybrid KV cache (sliding-window layers) has no host or disk tier: "
+                                 "use the full cache to have one")
+            self.parts = self.pool.enable_window_parts(window, window_pages, block_size)
 
     # --- sizes ---
 
@@ -74,6 +84,15 @@ class KVCacheManager(DeadChains):
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def pages_for(self, num_tokens: int) -> int:
+        """Pool blocks one sequence of `num_tokens` takes at most: its blocks,
+        and under the hybrid cache the window parts of two windows (its current
+        one and its prompt's) and the block it writes."""
+        n = self.blocks_for(num_tokens)
+        if self.parts is None:
+            return n
+        return n + self.parts.pages * min(n, 2 * self.parts.window_blocks() + 1)
+
     # --- prefix match and admission ---
 
     def match(self, token_ids: Sequence[int], salt: Hashable = None, hint: ChainHint | None = None) -> PrefixMatch:
@@ -82,6 +101,11 @@ class KVCacheManager(DeadChains):
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         path = self.index.walk(token_ids, max_blocks, salt, hint)
+        if self.parts is not None:  # no tier under the hybrid cache: the hit ends at the first block gone
+            blocks = [n.block for n in path]
+            if None in blocks:
+                blocks = blocks[:blocks.index(None)]
+            return PrefixMatch(path[:self.parts.valid_hit(blocks)], self.block_size, salt)
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         if not loading and not dloading and None not in [node.block for node in path]:
             return PrefixMatch(path, self.block_size, salt)  # all on the device, none reloading: the common case
@@ -108,23 +132,36 @@ class KVCacheManager(DeadChains):
         total = self.blocks_for(match.num_tokens + num_new_tokens)
         new = total - len(match.nodes) + match.num_host_blocks
         revived = sum(1 for n in match.nodes if n.block is not None and n.block.ref_cnt == 0)
+        if self.parts is not None:
+            lo = self.parts.first_needed(match.num_tokens)
+            new += self.parts.pages * (total - len(match.nodes))
+            revived += self.parts.revive_cost([n.block for n in match.nodes[lo:]])
         return new + revived
 
-    def admit(self, match: PrefixMatch, num_new_tokens: int, now: float) -> BlockTable | None:
+    def admit(self, match: PrefixMatch, num_new_tokens: int, now: float, checkpoint: int = 0) -> BlockTable | None:
         """A block table for a waiting request: its matched blocks plus room
-        for `num_new_tokens` more. None, with nothing changed, if it does not fit."""
+        for `num_new_tokens` more. None, with nothing changed, if it does not fit.
+        `checkpoint`: the prompt's length (the hybrid cache keeps its window)."""
         if self.admit_need(match, num_new_tokens) > self.pool.num_free:
             return None
-        st = BlockTable(salt=match.salt)
+        st = BlockTable(salt=match.salt, computed=match.num_tokens, checkpoint=checkpoint)
         held = [n.block for n in match.nodes]
         if None not in held:  # every matched block is on the device (no reload): the common case
             self.pool.hit(held, now)
+            if self.parts is not None:
+                if self.parts.valid_hit(held) != len(held):
+                    raise RuntimeError("a prefix match lost a window part before its admission")
+                st.blocks = held
+                self._sync_window(st, len(held), now)  # the matched window first: allocation evicts unheld parts
             fresh = self.pool.allocate(self.blocks_for(match.num_tokens + num_new_tokens) - len(held))
             assert fresh is not None  # checked above
             held.extend(fresh)
             st.blocks = held
             st.num_indexed = len(match.nodes)
             st.last_node = match.nodes[-1] if match.nodes else self.index.root
+            if self.parts is not None:
+                ok = self._sync_window(st, len(held), now)
+                assert ok  # checked above
             return st
         self.pool.hit([b for b in held if b is not None], now)
         loads = [n for n in match.nodes if n.block is None]
@@ -164,11 +201,42 @@ class KVCacheManager(DeadChains):
         need = self.blocks_for(num_tokens_total) - len(st.blocks)
         if need <= 0:
             return True
+        if self.parts is not None and need + self.parts.pages * need > self.pool.num_free:
+            return False  # the new blocks and their window parts (allocate_slots never revives a part)
         fresh = self.pool.allocate(need)
         if fresh is None:
             return False
         st.blocks.extend(fresh)
+        if self.parts is not None:
+            ok = self._sync_window(st, len(st.blocks), 0.0)
+            assert ok  # checked above
         return True
+
+    # --- the hybrid cache's window parts ---
+
+    def _sync_window(self, st: BlockTable, upto: int, now: float) -> bool:
+        """Hold the window parts of `st`'s first `upto` blocks that a token from
+        `st.computed` on can read, and of its checkpoint's window; release the
+        rest. False if a part could not be allocated (the ones before it are held)."""
+        parts, bs, held = self.parts, self.block_size, st.window
+        lo = parts.first_needed(st.computed)
+        want = range(lo, upto)
+        kc = min(st.checkpoint // bs, upto)
+        keep = range(parts.first_needed(kc * bs), kc) if st.checkpoint else range(0)
+        for i in [i for i in held if i not in want and i not in keep]:
+            parts.release(held.pop(i), now)
+        for r in (keep, want):
+            for i in r:
+                if i not in held:
+                    b = st.blocks[i]
+                    if not parts.acquire(b):
+                        return False
+                    held[i] = b
+        return True
+
+    def _release_window(self, st_window: Iterable[Block], now: float) -> None:
+        for b in st_window:
+            self.parts.release(b, now)
 
     def trim_slots(self, st: BlockTable, num_tokens_total: int, now: float = 0.0) -> int:
         """Shrink a running request's table to `num_tokens_total` tokens (a
@@ -176,6 +244,9 @@ class KVCacheManager(DeadChains):
         keep = max(self.blocks_for(num_tokens_total), st.num_indexed)
         extra = st.blocks[keep:]
         if extra:
+            if st.window:
+                self._release_window([st.window.pop(i) for i in range(keep, keep + len(extra)) if i in st.window],
+                                     now)
             del st.blocks[keep:]
             self.pool.release(extra, now)
         return len(extra)
@@ -186,6 +257,9 @@ class KVCacheManager(DeadChains):
         Generated tokens are indexed like prompt tokens."""
         bs = self.block_size
         full = min(num_computed_tokens // bs, len(st.blocks))
+        if self.parts is not None and not st.released:
+            st.computed = num_computed_tokens
+            self._sync_window(st, len(st.blocks), 0.0)  # only releases: the blocks' parts are held
         if full <= st.num_indexed or st.index_stopped or st.released:
             return
         node = st.last_node
@@ -226,6 +300,9 @@ class KVCacheManager(DeadChains):
         (kv/protected_zone.py)."""
         if not st.released:
             st.released = True
+            if st.window:
+                self._release_window(st.window.values(), now)
+                st.window = {}
             self.pool.release(st.blocks, now, protect)
 
     def swap_out(self, st: BlockTable, now: float, onward: bool = False, protect: str | None = None) -> int:
@@ -255,7 +332,9 @@ class KVCacheManager(DeadChains):
         if st.released:
             raise RuntimeError("pinning a block table that was already released")
         st.released = True
-        self.pins.add(program_id, st.blocks, expiry, program_arrival, st.num_indexed * self.block_size)
+        self.pins.add(program_id, st.blocks, expiry, program_arrival, st.num_indexed * self.block_size,
+                      list(st.window.values()))
+        st.window = {}
 
     def unpin(self, program_id: str, now: float, protect: bool = False) -> int:
         """Release a program's pin; returns the number of blocks it held.
@@ -264,6 +343,8 @@ class KVCacheManager(DeadChains):
         p = self.pins.pop(program_id)
         if p is None:
             return 0
+        if p.window:
+            self._release_window(p.window, now)
         self.pool.release(p.blocks, now, program_id if protect else None)
         return len(p.blocks)
 
@@ -342,6 +423,8 @@ class KVCacheManager(DeadChains):
         else:
             return None
         tail = st.blocks[i + 1:]
+        if st.window:
+            self._release_window([st.window.pop(j) for j in range(i + 1, i + 1 + len(tail)) if j in st.window], now)
         del st.blocks[i + 1:]
         self.pool.release(tail, now)
         st.num_indexed = min(st.num_indexed, i)
@@ -355,6 +438,7 @@ class KVCacheManager(DeadChains):
         """Every block's reference count equals its holders: `tables`, the block
         tables of every request that holds KV (a table missing here shows up as
         leaked blocks), and the pins."""
+        tables = list(tables)
         holders: Counter[int] = Counter()
         for st in tables:
             assert not st.released, "a released block table is still in use"
@@ -364,6 +448,18 @@ class KVCacheManager(DeadChains):
             holders.update(b.block_id for b in p.blocks)
         holders.update(self.copies.held_blocks())  # reloads hold their device blocks until they land
         holders.update(self.disk_copies.held_blocks())
+        if self.parts is not None:
+            wholders: Counter[int] = Counter()
+            for st in tables:
+                for i, b in st.window.items():
+                    assert st.blocks[i] is b, f"window part held for block {i} of a table that holds another"
+                    wholders[b.block_id] += 1
+            for p in self.pins.values():
+                wholders.update(b.block_id for b in p.window)
+            for b in self.pool.blocks:
+                if b.wpart is not None:
+                    holders.update(p.block_id for p in b.wpart)  # a part's pages: held by their block
+            self.parts.check_integrity(wholders)
         self.pool.check_integrity(holders)
         n = 0
         for node in self.index.iter_nodes():

@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agentserve.kv.block import Block
 
@@ -23,6 +23,7 @@ class Pin:
     expiry: float
     program_arrival: float
     num_tokens: int
+    window: list[Block] = field(default_factory=list)  # blocks whose window parts it holds (hybrid cache)
 
 
 class PinTable(Mapping[str, Pin]):
@@ -42,19 +43,22 @@ class PinTable(Mapping[str, Pin]):
         return len(self._pins)
 
     def add(self, program_id: str, blocks: list[Block], expiry: float, program_arrival: float,
-            num_tokens: int) -> None:
-        """Pin `blocks` for the program; a program already pinned (a second finished
-        request of it) gets them added to its one pin, which lasts the longer."""
+            num_tokens: int, window: list[Block] | None = None) -> None:
+        """Pin `blocks` (and the window parts of `window`) for the program; a
+        program already pinned (a second finished request of it) gets them added
+        to its one pin, which lasts the longer."""
         old = self._pins.get(program_id)
         if old is not None:
             old.blocks.extend(blocks)
+            old.window.extend(window or ())
             old.num_tokens = max(old.num_tokens, num_tokens)
             if expiry <= old.expiry:
                 return
             old.expiry = expiry
             pin = old
         else:
-            pin = self._pins[program_id] = Pin(program_id, blocks, expiry, program_arrival, num_tokens)
+            pin = self._pins[program_id] = Pin(program_id, blocks, expiry, program_arrival, num_tokens,
+                                               list(window or ()))
         heapq.heappush(self._expiries, (expiry, next(self._numbers), pin))
 
     def pop(self, program_id: str) -> Pin | None:
@@ -95,4 +99,8 @@ class PinTable(Mapping[str, Pin]):
         if p is None:
             return 0
         c = Counter(b.block_id for b in p.blocks)
-        return sum(1 for bid, n in c.items() if blocks[bid].ref_cnt == n)
+        n = sum(1 for bid, k in c.items() if blocks[bid].ref_cnt == k)
+        if p.window:
+            w = Counter(b.block_id for b in p.window)
+            n += sum(len(blocks[bid].wpart) for bid, k in w.items() if blocks[bid].wrefs == k)
+        return n

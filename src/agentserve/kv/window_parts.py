@@ -1,0 +1,142 @@
+"""The sliding-window layers' share of the KV (the hybrid cache).
+
+In a model whose layers are of two kinds (Gemma 3: a few global layers, most
+with a sliding window of W positions), a token's KV in a window layer is read
+only by the W - 1 tokens after it. Keeping it for a whole conversation, as for
+the global layers, spends most of the cache on KV no token will read again.
+
+So a block of the pool holds one block of tokens for the global layers, and a
+block's *window part* (`Block.wpart`: `pages` more blocks of the same pool,
+each the same bytes) holds its tokens for the window layers. A block table
+(or a pin) holds the parts it may still read (`Block.wrefs` counts them): the
+blocks of its current window, the blocks its next chunk writes, and the window
+before its prompt's end (the *checkpoint*: a program's next turn often
+re-renders the last reply differently and so matches only up to there). When
+no holder is left, the part of an indexed block stays, free and evictable
+(it serves a prefix hit whose window ends there), and is evicted before any
+global block: a part serves a hit only at a few positions, a global block at
+every one after it. The part of a block that is not indexed is freed at once.
+
+A prefix hit of k blocks needs the global blocks of all k and the window
+parts of the blocks its first new token can see (`first_needed`): the match
+stops where both are present (`valid_hit`), never answering from KV that is
+gone."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from agentserve.kv.block import Block
+
+
+class WindowParts:
+    def __init__(self, pool, window: int, pages: int, block_size: int) -> None:
+        # pool: the BlockPool the parts' pages come from (which holds this object)
+        if window < 1 or pages < 1:
+            raise ValueError(f"a window part needs a window >= 1 and pages >= 1, got {window}, {pages}")
+        self.pool = pool
+        self.window = window
+        self.pages = pages
+        self.block_size = block_size
+        self._free: OrderedDict[int, Block] = OrderedDict()  # owner id -> owner: unheld parts, oldest first
+        self.num_parts = 0
+        self.num_evicted = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages of unheld parts: free for the pool to take back."""
+        return len(self._free) * self.pages
+
+    def first_needed(self, position: int) -> int:
+        """The first block a token at `position` attends to in a window layer."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def window_blocks(self) -> int:
+        """Blocks one position's window spans at most."""
+        return -(-(self.window - 1) // self.block_size) + 1
+
+    # --- holding parts ---
+
+    def acquire(self, owner: Block) -> bool:
+        """Hold `owner`'s part, allocating it if it has none. False (nothing
+        changed) if the pool lacks the pages."""
+        if owner.wpart is None:
+            pages = self.pool.allocate(self.pages)
+            if pages is None:
+                return False
+            owner.wpart = pages
+            self.num_parts += 1
+        elif owner.wrefs == 0:
+            del self._free[owner.block_id]
+        owner.wrefs += 1
+        return True
+
+    def release(self, owner: Block, now: float) -> None:
+        owner.wrefs -= 1
+        if owner.wrefs < 0:
+            raise RuntimeError(f"{owner}: window part released more often than held")
+        if owner.wrefs == 0:
+            if owner.node is None:
+                self._free_part(owner, now)  # not indexed: no hit will ever want it
+            else:
+                self._free[owner.block_id] = owner
+
+    def drop(self, owner: Block, now: float = 0.0) -> None:
+        """`owner` loses its content (evicted) or became an empty block: its unheld part goes too."""
+        if owner.wpart is not None and owner.wrefs == 0:
+            self._free.pop(owner.block_id, None)
+            self._free_part(owner, now)
+
+    def evict_one(self) -> None:
+        """Free the oldest unheld part (the pool needs its pages)."""
+        _, owner = self._free.popitem(last=False)
+        self.num_evicted += 1
+        self._free_part(owner, owner.last_access)
+
+    def _free_part(self, owner: Block, now: float) -> None:
+        pages, owner.wpart = owner.wpart, None
+        self.num_parts -= 1
+        self.pool.release(pages, now)
+
+    # --- what a hit or a step needs ---
+
+    def valid_hit(self, blocks: Sequence[Block | None]) -> int:
+        """The longest prefix of `blocks` (a match's blocks in order, None where
+        not on the device) whose window is all present: k such that the blocks
+        [first_needed(k * block_size), k) have their parts."""
+        k = len(blocks)
+        bs = self.block_size
+        while k > 0:
+            lo = self.first_needed(k * bs)
+            missing = next((i for i in range(k - 1, lo - 1, -1)
+                            if blocks[i] is None or blocks[i].wpart is None), None)
+            if missing is None:
+                return k
+            k = missing  # any hit reaching past `missing` would see it
+        return 0
+
+    def revive_cost(self, blocks: Sequence[Block]) -> int:
+        """Pages that holding these blocks' parts takes from the free count."""
+        return sum(self.pages for b in blocks if b.wpart is not None and b.wrefs == 0)
+
+    def check_integrity(self, holders: dict[int, int]) -> None:
+        """`holders`: owner block id -> holds the manager knows of."""
+        parts = 0
+        for b in self.pool.blocks:
+            want = holders.get(b.block_id, 0)
+            assert b.wrefs == want, f"{b}: window holds {b.wrefs}, holders {want}"
+            if b.wpart is None:
+                assert b.wrefs == 0, f"{b} held for a window part it lacks"
+                assert b.block_id not in self._free
+                continue
+            parts += 1
+            assert len(b.wpart) == self.pages
+            for p in b.wpart:
+                assert p.ref_cnt == 1 and p.node is None and p.wpart is None, f"{p} of {b}'s part is shared"
+            if b.wrefs == 0:
+                assert self._free.get(b.block_id) is b, f"{b}'s unheld part is not evictable"
+                assert b.node is not None, f"{b}'s unheld part outlived its index entry"
+            else:
+                assert b.block_id not in self._free
+        assert parts == self.num_parts, f"{self.num_parts} parts counted, {parts} found"

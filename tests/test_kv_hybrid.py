@@ -1,0 +1,313 @@
+"""The hybrid KV cache (kv/window_parts.py): a block's window-layer KV lives in
+a window part that is kept only while a token can still read it. Hand-made
+cases, the memory a long conversation holds each way, and the hypothesis
+state machine of test_kv_manager.py driven with window parts, whose fake
+executor checks that every step reads the window KV it needs, written by the
+tokens it stands for."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
+
+from agentserve.kv.manager import KVCacheManager
+from test_kv_manager import ALL_STRATEGIES, BS, PREFIXES, PROGRAMS, KVMachine, KVModel, Named, collide
+
+W = 6  # window positions: a token reads the 5 before it; with blocks of 4, up to 3 blocks
+PAGES = 2  # a window part takes two more blocks
+
+
+def mk(num_blocks: int = 64, **kw) -> Named:
+    return Named(KVCacheManager(num_blocks, BS, window=W, window_pages=PAGES, **kw))
+
+
+def run(kv: Named, rid: str, tokens, chunk: int = 8, checkpoint: int = 0):
+    """Admit `tokens` and compute them chunk by chunk, committing after each."""
+    m = kv.match(tokens)
+    first = min(chunk, len(tokens) - m.num_tokens)
+    table = kv.kv.admit(m, first, 0.0, checkpoint=checkpoint)
+    assert table is not None
+    kv.tables[rid] = table
+    done = m.num_tokens
+    while done < len(tokens):
+        end = min(done + chunk, len(tokens))
+        assert kv.allocate_slots(rid, end)
+        kv.commit(rid, tokens, end)
+        done = end
+        kv.check_integrity()
+    return m
+
+
+def held_pages(kv: Named) -> int:
+    return kv.num_blocks - kv.num_free_blocks
+
+
+def test_a_long_sequence_holds_its_window_not_its_history():
+    kv = mk(200)
+    toks = list(range(1000, 1160))  # 40 blocks
+    run(kv, "a", toks)
+    table = kv.tables["a"]
+    lo = kv.parts.first_needed(len(toks))
+    assert sorted(table.window) == list(range(lo, 40))
+    # held: the 40 blocks and the parts of the window's blocks; the parts left behind are free (evictable)
+    assert held_pages(kv) == 40 + PAGES * (40 - lo)
+    kv.free("a", 1.0)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_memory_of_a_pinned_program_full_against_hybrid():
+    toks = list(range(5000, 5000 + 4 * 100))  # 100 blocks
+    full = Named(KVCacheManager(400, BS))
+    hyb = mk(400)
+    for kv in (full, hyb):
+        run(kv, "a", toks, checkpoint=len(toks) - 10)
+        kv.pin("p", "a", 10.0, 0.0, 1.0)
+        kv.check_integrity()
+    # full: one block per block of tokens, in a cache 1 + PAGES times smaller per block
+    assert held_pages(full) * (1 + PAGES) == 300
+    # hybrid: the blocks, plus the parts of the last window and the prompt's (they overlap here)
+    assert held_pages(hyb) - 100 <= PAGES * 2 * kv.parts.window_blocks()
+    assert kv.reclaimable_blocks("p") == held_pages(hyb)
+
+
+def test_next_turn_hits_the_whole_pinned_history():
+    kv = mk(200)
+    t1 = list(range(100, 150))
+    run(kv, "t1", t1, checkpoint=40)
+    kv.pin("p", "t1", 10.0, 0.0, 1.0)
+    t2 = t1 + [7, 7, 7, 7, 7]
+    m = kv.match(t2)
+    assert m.num_tokens == 48  # every full block of t1
+    run(kv, "t2", t2)
+    kv.free("t2", 2.0)
+    kv.check_integrity()
+
+
+def test_hit_stops_where_the_window_is_gone_and_falls_back_to_the_checkpoint():
+    kv = mk(200)
+    t1 = list(range(100, 180))  # 20 blocks
+    run(kv, "t1", t1, checkpoint=40)  # the prompt ended at 40 tokens (10 blocks)
+    kv.pin("p", "t1", 10.0, 0.0, 1.0)
+    # every unheld part goes (pressure): what remains are the pin's
+    while kv.parts.num_free_pages:
+        kv.parts.evict_one()
+    kv.check_integrity()
+    # a next turn that re-renders the reply: it shares t1 up to token 60 (block 15)
+    t2 = t1[:60] + [9] * 12
+    m = kv.match(t2)
+    # block 15's window (blocks 13-14) was dropped: the hit falls back to the prompt's end
+    assert m.num_tokens == 40
+    run(kv, "t2", t2)
+    kv.free("t2", 2.0)
+    kv.unpin("p", 3.0)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_an_unheld_part_serves_a_hit_until_evicted():
+    kv = mk(200)
+    t1 = list(range(100, 180))
+    run(kv, "t1", t1)
+    kv.free("t1", 1.0)
+    assert kv.match(t1[:60] + [1]).num_tokens == 60  # block 15's window is unheld but still there
+    kv.parts.evict_one()  # the oldest part: block 0's
+    assert kv.match(t1[:60] + [1]).num_tokens == 60
+    while kv.parts.num_free_pages:
+        kv.parts.evict_one()
+    assert kv.match(t1[:60] + [1]).num_tokens == 0
+    kv.check_integrity()
+
+
+def test_allocation_evicts_unheld_parts_before_cached_blocks():
+    kv = mk(60)
+    t1 = list(range(100, 180))  # 20 blocks, with parts for the last window
+    run(kv, "t1", t1)
+    kv.free("t1", 1.0)
+    cached = sum(1 for b in kv.pool.blocks if b.node is not None)
+    assert cached == 20
+    # a fresh request needing every free block but the cached ones' count
+    need = kv.num_free_blocks - 20
+    fresh = [7] * (need // (1 + PAGES) * BS)
+    m = kv.match(fresh)
+    table = kv.kv.admit(m, len(fresh), 2.0)
+    assert table is not None
+    assert sum(1 for b in kv.pool.blocks if b.node is not None) == 20  # no cached block evicted
+    kv.kv.free(table, 3.0)
+    kv.check_integrity()
+
+
+def test_admit_that_does_not_fit_changes_nothing():
+    kv = mk(20)
+    toks = list(range(100, 120))  # 5 blocks: 15 pages with their parts
+    run(kv, "a", toks)
+    free, parts = kv.num_free_blocks, kv.parts.num_parts
+    other = list(range(500, 520))
+    m = kv.match(other)
+    assert kv.kv.admit(m, len(other), 1.0) is None
+    assert (kv.num_free_blocks, kv.parts.num_parts) == (free, parts)
+    kv.check_integrity()
+
+
+def test_speculative_trim_releases_the_parts_of_the_blocks_it_drops():
+    kv = mk(100)
+    toks = list(range(100, 130))
+    run(kv, "a", toks)
+    assert kv.allocate_slots("a", len(toks) + 12)
+    kv.trim_slots("a", len(toks) + 1, 1.0)
+    kv.check_integrity()
+    kv.free("a", 2.0)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_supersede_releases_the_pins_parts_of_the_dead_chain():
+    kv = mk(200)
+    t1 = list(range(100, 180))
+    run(kv, "t1", t1, checkpoint=30)
+    kv.pin("p", "t1", 10.0, 0.0, 1.0)
+    kv.supersede("p", t1, t1[:20] + [5] * 20, 2.0)
+    kv.check_integrity()
+    kv.unpin("p", 3.0)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_pages_for_counts_two_windows_of_parts():
+    kv = mk(10)
+    wb = kv.parts.window_blocks()
+    assert kv.pages_for(4) == 1 + PAGES
+    assert kv.pages_for(4000) == 1000 + PAGES * (2 * wb + 1)
+
+
+def test_tiers_are_refused_under_the_hybrid_cache():
+    with pytest.raises(ValueError, match="no host or disk tier"):
+        KVCacheManager(16, BS, host_blocks=4, window=W, window_pages=PAGES)
+
+
+# ---------------------------------------------------------------- the state machine, with window parts
+
+
+class HybridModel(KVModel):
+    """KVModel on the hybrid cache. The fake executor writes window KV into the
+    pages of each block's part (`wdev`), and every step checks that the window
+    positions it reads are there, in the parts its table holds."""
+
+    def __init__(self, eviction: str, collisions: bool, num_blocks: int = 48, zone: int = 0) -> None:
+        super().__init__(eviction, 0, collisions, num_blocks=num_blocks, zone=zone)
+        self.kv = Named(KVCacheManager(num_blocks, BS, eviction=eviction, key_fn=collide if collisions else None,
+                                       protected_blocks=zone, window=W, window_pages=PAGES))
+        self.wdev: dict[int, list] = {}
+
+    def allocate(self, toks, program):
+        super().allocate(toks, program)
+        rid = f"r{self.n - 1}"
+        if rid in self.reqs:
+            st = self.kv.tables[rid]
+            st.checkpoint = len(self.reqs[rid]["tokens"])
+
+    def pressure(self, nblocks):
+        n = min(nblocks, self.kv.num_free_blocks // (1 + PAGES))
+        if n:
+            super().pressure(n)
+
+    def compute(self, rid, frac, gen):
+        r = self.reqs.get(rid)
+        if r is None:
+            return
+        toks = r["tokens"]
+        start = r["computed"]
+        n = max(1, round((len(toks) - start) * frac)) if len(toks) > start else 0
+        end = start + n
+        if not self.kv.allocate_slots(rid, end):
+            return
+        st = self.kv.tables[rid]
+        for pos in range(max(0, start - W + 1), start):  # what the window layers read
+            b = st.blocks[pos // BS]
+            assert b.wpart is not None and st.window.get(pos // BS) is b, (rid, pos, "window part not held")
+            for page in b.wpart:
+                assert self.wdev[page.block_id][pos % BS] == toks[pos], (rid, pos)
+        for pos in range(start, end):
+            b = st.blocks[pos // BS]
+            assert b.wpart is not None and st.window.get(pos // BS) is b, (rid, pos, "no part to write to")
+            for page in b.wpart:
+                self.wdev.setdefault(page.block_id, [None] * BS)[pos % BS] = toks[pos]
+        super().compute(rid, 0.0 if n == 0 else n / max(1, len(toks) - start), gen)
+
+    def check(self):
+        kv = self.kv
+        kv.check_integrity()
+        holders: Counter[int] = Counter()
+        for rid in self.reqs:
+            holders.update(kv.block_ids(rid))
+        for p in kv.pins.values():
+            holders.update(set(b.block_id for b in p.blocks))
+        held_parts = sum(1 for b in kv.pool.blocks if b.wpart is not None and b.wrefs > 0)
+        assert kv.num_free_blocks + len(holders) + PAGES * held_parts == kv.num_blocks
+        # a hit never needs a window part that is gone
+        for toks in PREFIXES:
+            m = kv.match(toks + [0])
+            lo = kv.parts.first_needed(m.num_tokens)
+            assert all(n.block.wpart is not None for n in m.nodes[lo:])
+
+
+class HybridMachine(KVMachine):
+    @initialize(eviction=st.sampled_from(ALL_STRATEGIES), collisions=st.booleans(), zone=st.sampled_from([0, 6]))
+    def setup(self, eviction, collisions, zone):
+        self.m = HybridModel(eviction, collisions, zone=zone)
+
+
+HybridMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=80, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestHybridMachine = HybridMachine.TestCase
+
+
+@pytest.mark.parametrize("eviction", ALL_STRATEGIES)
+@pytest.mark.parametrize("zone", [0, 6])
+def test_long_randomized_sequences_hybrid(eviction, zone):
+    rng = random.Random(f"hybrid-{eviction}-{zone}")
+    m = HybridModel(eviction, collisions=False, num_blocks=40, zone=zone)
+    for step in range(2500):
+        ops = ["allocate", "expire", "pressure"]
+        if m.reqs:
+            ops += ["allocate_like", "grow", "compute", "compute", "compute", "compute", "free", "pin"]
+        if m.kv.pins:
+            ops.append("unpin")
+        if m.history:
+            ops.append("supersede")
+        op = rng.choice(ops)
+        rid = rng.choice(sorted(m.reqs)) if m.reqs else None
+        if op == "allocate":
+            m.allocate(rng.choice(PREFIXES) + [rng.randrange(4) for _ in range(rng.randrange(15))],
+                       rng.choice(PROGRAMS))
+        elif op == "allocate_like":
+            toks = m.reqs[rid]["tokens"]
+            m.allocate(toks[:rng.randrange(len(toks) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(6))],
+                       rng.choice(PROGRAMS))
+        elif op == "pressure":
+            m.pressure(rng.randrange(1, 12))
+        elif op == "grow":
+            m.grow(rid, rng.randrange(1, 13))
+        elif op == "compute":
+            m.compute(rid, rng.random(), rng.randrange(4))
+        elif op == "free":
+            m.free(rid)
+        elif op == "pin":
+            m.pin(rid, rng.uniform(0, 3))
+        elif op == "unpin":
+            m.unpin(rng.choice(sorted(m.kv.pins)))
+        elif op == "expire":
+            m.expire(rng.uniform(0, 2))
+        else:
+            m.supersede(rng.choice(sorted(m.history)), rng.random(), [rng.randrange(4) for _ in range(rng.randrange(6))])
+        m.check()
+        if step % 500 == 499:
+            m.drain()
+    m.drain()
