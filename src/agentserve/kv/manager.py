@@ -34,9 +34,8 @@ class KVCacheManager(DeadChains):
                  host_blocks: int = 0, disk_blocks: int = 0,
                  key_fn: Callable[[tuple[int, ...]], Hashable] | None = None, protected_blocks: int = 0,
                  window: int | None = None, window_pages: int = 0) -> None:
-        """`window`, `window_pages`: the hybrid cache (kv/window_parts.py) for a
-        model with sliding-window layers of `window` positions, whose KV of a
-        block takes `window_pages` more blocks; None: every block holds every layer."""
+        """`window`: the hybrid cache's (kv/window_parts.py) sliding window, whose
+        layers' KV of a block takes `window_pages` more blocks (None: none)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
@@ -54,12 +53,10 @@ class KVCacheManager(DeadChains):
         self.disk_copies = DiskCopies(self.pool, self.disk)
         if self.disk.enabled:
             self.host.on_evict = self.disk_copies.spill
-        self.parts = None
-        if window is not None:
-            if host_blocks or disk_blocks:
-                raise ValueError("the hybrid KV cache (sliding-window layers) has no host or disk tier: "
-                                 "use the full cache to have one")
-            self.parts = self.pool.enable_window_parts(window, window_pages, block_size)
+        if window is not None and (host_blocks or disk_blocks):
+            raise ValueError("the hybrid KV cache (sliding-window layers) has no host or disk tier: "
+                             "use the full cache to have one")
+        self.parts = None if window is None else self.pool.enable_window_parts(window, window_pages, block_size)
 
     # --- sizes ---
 
@@ -85,13 +82,9 @@ class KVCacheManager(DeadChains):
         return -(-num_tokens // self.block_size)
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pool blocks one sequence of `num_tokens` takes at most: its blocks,
-        and under the hybrid cache the window parts of two windows (its current
-        one and its prompt's) and the block it writes."""
+        """Pool blocks one sequence of `num_tokens` takes at most (with the hybrid cache's parts)."""
         n = self.blocks_for(num_tokens)
-        if self.parts is None:
-            return n
-        return n + self.parts.pages * min(n, 2 * self.parts.window_blocks() + 1)
+        return n if self.parts is None else n + self.parts.most_pages(n)
 
     # --- prefix match and admission ---
 
@@ -102,10 +95,7 @@ class KVCacheManager(DeadChains):
         max_blocks = (len(token_ids) - 1) // self.block_size
         path = self.index.walk(token_ids, max_blocks, salt, hint)
         if self.parts is not None:  # no tier under the hybrid cache: the hit ends at the first block gone
-            blocks = [n.block for n in path]
-            if None in blocks:
-                blocks = blocks[:blocks.index(None)]
-            return PrefixMatch(path[:self.parts.valid_hit(blocks)], self.block_size, salt)
+            return PrefixMatch(path[:self.parts.valid_hit([n.block for n in path])], self.block_size, salt)
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         if not loading and not dloading and None not in [node.block for node in path]:
             return PrefixMatch(path, self.block_size, salt)  # all on the device, none reloading: the common case
@@ -133,9 +123,7 @@ class KVCacheManager(DeadChains):
         new = total - len(match.nodes) + match.num_host_blocks
         revived = sum(1 for n in match.nodes if n.block is not None and n.block.ref_cnt == 0)
         if self.parts is not None:
-            lo = self.parts.first_needed(match.num_tokens)
-            new += self.parts.pages * (total - len(match.nodes))
-            revived += self.parts.revive_cost([n.block for n in match.nodes[lo:]])
+            new += self.parts.admit_need(match, total - len(match.nodes))
         return new + revived
 
     def admit(self, match: PrefixMatch, num_new_tokens: int, now: float, checkpoint: int = 0) -> BlockTable | None:
@@ -149,10 +137,8 @@ class KVCacheManager(DeadChains):
         if None not in held:  # every matched block is on the device (no reload): the common case
             self.pool.hit(held, now)
             if self.parts is not None:
-                if self.parts.valid_hit(held) != len(held):
-                    raise RuntimeError("a prefix match lost a window part before its admission")
                 st.blocks = held
-                self._sync_window(st, len(held), now)  # the matched window first: allocation evicts unheld parts
+                self.parts.hold_match(st, now)  # before allocating, which evicts unheld parts
             fresh = self.pool.allocate(self.blocks_for(match.num_tokens + num_new_tokens) - len(held))
             assert fresh is not None  # checked above
             held.extend(fresh)
@@ -160,8 +146,7 @@ class KVCacheManager(DeadChains):
             st.num_indexed = len(match.nodes)
             st.last_node = match.nodes[-1] if match.nodes else self.index.root
             if self.parts is not None:
-                ok = self._sync_window(st, len(held), now)
-                assert ok  # checked above
+                self.parts.sync(st, len(held), now)
             return st
         self.pool.hit([b for b in held if b is not None], now)
         loads = [n for n in match.nodes if n.block is None]
@@ -201,42 +186,15 @@ class KVCacheManager(DeadChains):
         need = self.blocks_for(num_tokens_total) - len(st.blocks)
         if need <= 0:
             return True
-        if self.parts is not None and need + self.parts.pages * need > self.pool.num_free:
-            return False  # the new blocks and their window parts (allocate_slots never revives a part)
+        if self.parts is not None and need * (1 + self.parts.pages) > self.pool.num_free:
+            return False  # the new blocks with their parts (growing never revives a part)
         fresh = self.pool.allocate(need)
         if fresh is None:
             return False
         st.blocks.extend(fresh)
         if self.parts is not None:
-            ok = self._sync_window(st, len(st.blocks), 0.0)
-            assert ok  # checked above
+            self.parts.sync(st, len(st.blocks), 0.0)
         return True
-
-    # --- the hybrid cache's window parts ---
-
-    def _sync_window(self, st: BlockTable, upto: int, now: float) -> bool:
-        """Hold the window parts of `st`'s first `upto` blocks that a token from
-        `st.computed` on can read, and of its checkpoint's window; release the
-        rest. False if a part could not be allocated (the ones before it are held)."""
-        parts, bs, held = self.parts, self.block_size, st.window
-        lo = parts.first_needed(st.computed)
-        want = range(lo, upto)
-        kc = min(st.checkpoint // bs, upto)
-        keep = range(parts.first_needed(kc * bs), kc) if st.checkpoint else range(0)
-        for i in [i for i in held if i not in want and i not in keep]:
-            parts.release(held.pop(i), now)
-        for r in (keep, want):
-            for i in r:
-                if i not in held:
-                    b = st.blocks[i]
-                    if not parts.acquire(b):
-                        return False
-                    held[i] = b
-        return True
-
-    def _release_window(self, st_window: Iterable[Block], now: float) -> None:
-        for b in st_window:
-            self.parts.release(b, now)
 
     def trim_slots(self, st: BlockTable, num_tokens_total: int, now: float = 0.0) -> int:
         """Shrink a running request's table to `num_tokens_total` tokens (a
@@ -245,8 +203,7 @@ class KVCacheManager(DeadChains):
         extra = st.blocks[keep:]
         if extra:
             if st.window:
-                self._release_window([st.window.pop(i) for i in range(keep, keep + len(extra)) if i in st.window],
-                                     now)
+                self.parts.release_from(st, keep, now)
             del st.blocks[keep:]
             self.pool.release(extra, now)
         return len(extra)
@@ -259,7 +216,7 @@ class KVCacheManager(DeadChains):
         full = min(num_computed_tokens // bs, len(st.blocks))
         if self.parts is not None and not st.released:
             st.computed = num_computed_tokens
-            self._sync_window(st, len(st.blocks), 0.0)  # only releases: the blocks' parts are held
+            self.parts.sync(st, len(st.blocks), 0.0)  # only releases: the blocks' parts are held
         if full <= st.num_indexed or st.index_stopped or st.released:
             return
         node = st.last_node
@@ -301,8 +258,7 @@ class KVCacheManager(DeadChains):
         if not st.released:
             st.released = True
             if st.window:
-                self._release_window(st.window.values(), now)
-                st.window = {}
+                self.parts.release_from(st, 0, now)
             self.pool.release(st.blocks, now, protect)
 
     def swap_out(self, st: BlockTable, now: float, onward: bool = False, protect: str | None = None) -> int:
@@ -334,7 +290,6 @@ class KVCacheManager(DeadChains):
         st.released = True
         self.pins.add(program_id, st.blocks, expiry, program_arrival, st.num_indexed * self.block_size,
                       list(st.window.values()))
-        st.window = {}
 
     def unpin(self, program_id: str, now: float, protect: bool = False) -> int:
         """Release a program's pin; returns the number of blocks it held.
@@ -344,7 +299,7 @@ class KVCacheManager(DeadChains):
         if p is None:
             return 0
         if p.window:
-            self._release_window(p.window, now)
+            self.parts.release_all(p.window, now)
         self.pool.release(p.blocks, now, program_id if protect else None)
         return len(p.blocks)
 
@@ -424,7 +379,7 @@ class KVCacheManager(DeadChains):
             return None
         tail = st.blocks[i + 1:]
         if st.window:
-            self._release_window([st.window.pop(j) for j in range(i + 1, i + 1 + len(tail)) if j in st.window], now)
+            self.parts.release_from(st, i + 1, now)
         del st.blocks[i + 1:]
         self.pool.release(tail, now)
         st.num_indexed = min(st.num_indexed, i)
@@ -449,17 +404,7 @@ class KVCacheManager(DeadChains):
         holders.update(self.copies.held_blocks())  # reloads hold their device blocks until they land
         holders.update(self.disk_copies.held_blocks())
         if self.parts is not None:
-            wholders: Counter[int] = Counter()
-            for st in tables:
-                for i, b in st.window.items():
-                    assert st.blocks[i] is b, f"window part held for block {i} of a table that holds another"
-                    wholders[b.block_id] += 1
-            for p in self.pins.values():
-                wholders.update(b.block_id for b in p.window)
-            for b in self.pool.blocks:
-                if b.wpart is not None:
-                    holders.update(p.block_id for p in b.wpart)  # a part's pages: held by their block
-            self.parts.check_integrity(wholders)
+            holders.update(self.parts.check_integrity(tables, self.pins.values()))
         self.pool.check_integrity(holders)
         n = 0
         for node in self.index.iter_nodes():

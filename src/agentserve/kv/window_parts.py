@@ -24,10 +24,11 @@ gone."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 
 from agentserve.kv.block import Block
+from agentserve.kv.block_table import BlockTable
 
 
 class WindowParts:
@@ -99,13 +100,45 @@ class WindowParts:
         self.num_parts -= 1
         self.pool.release(pages, now)
 
+    def hold_match(self, st: BlockTable, now: float) -> None:
+        """Hold the parts a table of matched blocks reads (all present: `valid_hit`)."""
+        if self.valid_hit(st.blocks) != len(st.blocks):
+            raise RuntimeError("a prefix match lost a window part before its admission")
+        self.sync(st, len(st.blocks), now)
+
+    def sync(self, st: BlockTable, upto: int, now: float) -> None:
+        """Hold the parts of `st`'s first `upto` blocks that a token from
+        `st.computed` on can read, and of its checkpoint's window; release the
+        rest. The caller made sure the pool has the pages for the new ones."""
+        bs, held = self.block_size, st.window
+        want = range(self.first_needed(st.computed), upto)
+        kc = min(st.checkpoint // bs, upto)
+        keep = range(self.first_needed(kc * bs), kc) if st.checkpoint else range(0)
+        for i in [i for i in held if i not in want and i not in keep]:
+            self.release(held.pop(i), now)
+        for r in (keep, want):
+            for i in r:
+                if i not in held:
+                    b = st.blocks[i]
+                    if not self.acquire(b):
+                        raise RuntimeError(f"no pages for the window part of block {i} of a table")
+                    held[i] = b
+
+    def release_all(self, owners: Iterable[Block], now: float) -> None:
+        for b in owners:
+            self.release(b, now)
+
+    def release_from(self, st: BlockTable, start: int, now: float) -> None:
+        """`st` gives up its blocks from `start` on: first the parts it holds of them."""
+        self.release_all([st.window.pop(i) for i in sorted(st.window) if i >= start], now)
+
     # --- what a hit or a step needs ---
 
     def valid_hit(self, blocks: Sequence[Block | None]) -> int:
         """The longest prefix of `blocks` (a match's blocks in order, None where
-        not on the device) whose window is all present: k such that the blocks
-        [first_needed(k * block_size), k) have their parts."""
-        k = len(blocks)
+        not on the device) on the device whose window is all present: k such
+        that the blocks [first_needed(k * block_size), k) have their parts."""
+        k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
         bs = self.block_size
         while k > 0:
             lo = self.first_needed(k * bs)
@@ -116,12 +149,30 @@ class WindowParts:
             k = missing  # any hit reaching past `missing` would see it
         return 0
 
-    def revive_cost(self, blocks: Sequence[Block]) -> int:
-        """Pages that holding these blocks' parts takes from the free count."""
-        return sum(self.pages for b in blocks if b.wpart is not None and b.wrefs == 0)
+    def admit_need(self, match, num_new_blocks: int) -> int:
+        """Pages admitting `match` (a PrefixMatch) with `num_new_blocks` more
+        takes for parts: the new blocks', and the matched window's unheld ones
+        (holding them takes them from the free count)."""
+        lo = self.first_needed(match.num_tokens)
+        revived = sum(1 for n in match.nodes[lo:] if n.block.wpart is not None and n.block.wrefs == 0)
+        return self.pages * (num_new_blocks + revived)
 
-    def check_integrity(self, holders: dict[int, int]) -> None:
-        """`holders`: owner block id -> holds the manager knows of."""
+    def most_pages(self, num_blocks: int) -> int:
+        """Pages of parts a sequence of `num_blocks` holds at most: two windows'
+        (its current one and its prompt's) and the block it writes."""
+        return self.pages * min(num_blocks, 2 * self.window_blocks() + 1)
+
+    def check_integrity(self, tables: Iterable[BlockTable], pins: Iterable) -> Counter[int]:
+        """Every part's holds equal its holders (`tables`, the live block tables;
+        `pins`, the pins). Returns the references the parts' pages account for."""
+        holders: Counter[int] = Counter()
+        for st in tables:
+            for i, b in st.window.items():
+                assert st.blocks[i] is b, f"window part held for block {i} of a table that holds another"
+                holders[b.block_id] += 1
+        for p in pins:
+            holders.update(b.block_id for b in p.window)
+        pages: Counter[int] = Counter()
         parts = 0
         for b in self.pool.blocks:
             want = holders.get(b.block_id, 0)
@@ -131,6 +182,7 @@ class WindowParts:
                 assert b.block_id not in self._free
                 continue
             parts += 1
+            pages.update(p.block_id for p in b.wpart)
             assert len(b.wpart) == self.pages
             for p in b.wpart:
                 assert p.ref_cnt == 1 and p.node is None and p.wpart is None, f"{p} of {b}'s part is shared"
@@ -140,3 +192,4 @@ class WindowParts:
             else:
                 assert b.block_id not in self._free
         assert parts == self.num_parts, f"{self.num_parts} parts counted, {parts} found"
+        return pages
