@@ -572,3 +572,41 @@ def test_cli_run_over_another_api(server, tmp_path, capsys):
     rc = rp.main(["run", "--url", server.url, "--workload", str(trace), "--api", "responses-chain",
                   "--tool-role", "tool", "--no-progress"])
     assert rc == 2 and "--tool-role user" in capsys.readouterr().err
+
+
+def test_a_restart_in_the_middle_holds_the_turns_and_splits_the_programs(server):
+    """ReplayConfig.restart_at / restart (`bench compare --restart-at`): no turn is sent while the
+    restart runs, the programs arriving from then on are summed up apart, and a run that is not
+    restarted gets the same split."""
+    import threading
+    import time
+
+    calls = []
+
+    def restart() -> float:
+        assert threading.current_thread() is not threading.main_thread()  # off the event loop
+        calls.append(time.perf_counter())
+        time.sleep(0.4)
+        return 0.4
+
+    progs = [program("before", 0.0, 4, sleep=0.15), program("after", 0.35, 2), program("later", 0.5, 2)]
+    cfg = rcl.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0, progress=False,
+                           request_timeout=30, retry_failed_turns=2, restart_at=0.2, restart=restart)
+    res = rcl.replay(progs, cfg)
+    assert res["completed"] == 3 and len(calls) == 1
+    at = res["after_restart"]["restarted"]["at"]
+    assert at == pytest.approx(0.2, abs=0.1) and res["after_restart"]["restarted"]["down_s"] == 0.4
+    assert not [t for t in res["turns"] if at < t["t_send"] < at + 0.4]  # held while down
+    after = res["after_restart"]
+    assert (after["since_s"], after["programs"], after["completed"]) == (0.2, 2, 2)
+    jcts = {p["program_id"]: p["jct"] for p in res["program_results"]}
+    assert after["mean_jct"] == pytest.approx((jcts["after"] + jcts["later"]) / 2)
+    # no restart: the same split, nothing held
+    res = rcl.replay(progs, rcl.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0,
+                                             progress=False, request_timeout=30, restart_at=0.2))
+    assert res["after_restart"]["programs"] == 2 and res["after_restart"]["restarted"] is None
+    # every program over before its time: the restart never runs
+    calls.clear()
+    res = rcl.replay(progs[:1], rcl.ReplayConfig(server.url, model="tiny", api_key=KEY, tokens_per_word=6.0,
+                                                 progress=False, request_timeout=30, restart_at=60.0, restart=restart))
+    assert res["completed"] == 1 and not calls and res["after_restart"]["programs"] == 0

@@ -27,5 +27,5 @@ def test_help_ends_with_its_examples(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "compare", "--help"])
     out = capsys.readouterr().out
-    assert out.rstrip().endswith(EXAMPLES["bench compare"][0][-40:])
+    assert out.rstrip().endswith(EXAMPLES["bench compare"][-1][-40:])
     assert "examples:\n  agentserve bench compare --servers" in out

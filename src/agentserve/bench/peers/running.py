@@ -127,6 +127,21 @@ class RunningServer:
                 self._log_file.close()
         return self.process.returncode
 
+    def restart(self, grace_s: float = 30.0) -> float:
+        """Stop the server as `stop` does (SIGTERM: it drains and saves what it keeps) and start it
+        again with the same command, its output appended to the same log; the seconds it was down
+        (until it answers again). PeerServerError, with the log's tail, if it does not come back."""
+        t0 = time.monotonic()
+        self.stop(grace_s)
+        log = open(self.spec.log_path, "ab")
+        log.write(f"# restarted: {self.spec.shell_command()}\n".encode())
+        log.flush()
+        self._log_file = log
+        self.started_at = time.monotonic()
+        self.process = _spawn(self.spec, log)
+        self.wait_ready()
+        return time.monotonic() - t0
+
     def chat(self, prompt: str, max_tokens: int = 32, timeout_s: float = 120.0) -> dict:
         """One non-streaming, greedy chat completion (a smoke check)."""
         return http_json(self.api_base + "/chat/completions",
@@ -148,6 +163,12 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _spawn(spec: ServerSpec, log) -> subprocess.Popen:
+    """The server's process, in its own session (its group is stopped as one), output to `log`."""
+    return subprocess.Popen(spec.argv, env=spec.child_env(), stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None = None) -> RunningServer:
     """Start `spec` (its output goes to spec.log_path, overwritten) and, with
     wait, return once it answers. Raises PeerServerError when it is not
@@ -164,8 +185,7 @@ def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None
     log.write(f"# {spec.shell_command()}\n".encode())
     log.flush()
     started = time.monotonic()
-    proc = subprocess.Popen(spec.argv, env=spec.child_env(), stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _spawn(spec, log)
     server = RunningServer(spec, proc, log, started)
     if wait:
         try:
