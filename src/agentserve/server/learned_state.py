@@ -76,7 +76,8 @@ def model_identity(llm: Any) -> dict[str, str]:
     shape = (f"{getattr(cfg, 'arch', 'llama')} layers={cfg.num_layers} hidden={cfg.hidden_size} "
              f"heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size}")
     model = getattr(llm, "model", None)
-    runner = f"{getattr(llm, 'device', '?')} {getattr(llm, 'dtype', '?')} {getattr(model, 'weight_format', '?')}"
+    dtype = str(getattr(llm, "dtype", "?")).removeprefix("torch.")
+    runner = f"{getattr(llm, 'device', '?')} {dtype} {getattr(model, 'weight_format', '?')}"
     return {"model": f"{name} ({shape})", "runner": runner}
 
 
