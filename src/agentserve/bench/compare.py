@@ -22,8 +22,12 @@ import sys
 
 from agentserve.bench.peers.running import each_server, http_text
 from agentserve.bench.peers.specs import (
+    DEFAULT_MODEL,
     HOST_KV_FACTOR,
+    LLAMASERVER_SLOTS,
+    MODELS,
     SERVER_NAMES,
+    PeerServerError,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
     reserved_cpus_arg,
@@ -79,7 +83,14 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(SERVER_NAMES)} (an agentserve name is its policy; +host: "
                         f"with a host KV tier of {HOST_KV_FACTOR}x --kv-tokens; peers need benchmarks/peers/install_*.sh; "
                         f"default: {','.join(DEFAULT_SERVERS)})")
-    p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity in tokens given to every server")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS,
+                   help="the model every server serves, from one GGUF file (vLLM: the folder converted from it, "
+                        "install_vllm.sh --model NAME) (default: %(default)s)")
+    p.add_argument("--kv-tokens", type=int, default=16384,
+                   help="KV capacity given to every server, in tokens of every layer's KV: the same bytes for each "
+                        "(llama-server's window-sized caches included, see the servers' kv_setting in --json)")
+    p.add_argument("--llama-server-slots", type=int, default=LLAMASERVER_SLOTS, metavar="N",
+                   help="llama-server's --parallel slots (default: %(default)s)")
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                    help=VLLM_RESERVED_CPUS_HELP)
     p.add_argument("--workload", default="swebench")
@@ -130,9 +141,10 @@ def cmd_compare(a) -> int:
 
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
-        specs = server_specs(names, a.kv_tokens, vllm_reserved_cpus=a.vllm_reserved_cpus)
+        specs = server_specs(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
+                             vllm_reserved_cpus=a.vllm_reserved_cpus)
         programs = load_workload(a.workload, a.programs, a.rate, a.seed)
-    except ValueError as e:
+    except (ValueError, PeerServerError) as e:
         raise CliError(str(e)) from None
     text_seed = f"compare-{a.seed}"  # the same message text for every server
     restarted = [s.name for s in specs if s.restart]

