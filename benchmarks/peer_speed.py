@@ -1,10 +1,13 @@
 """The shapes of `runner_speed --sweep` measured through a server's OpenAI API
-(vLLM's CPU build, llama.cpp, or agentserve's own server; agentserve.bench.peers).
+(vLLM's CPU build, llama.cpp's llama-server or llama-cpp-python's server, or
+agentserve's own server; agentserve.bench.peers), each serving the same model.
 
 * decode at batch B and context C: B concurrent streaming POST /v1/completions,
   each with a prompt of C random token ids (a list of ids, so no tokenizer is
-  involved and the length is exact), max_tokens N, greedy, ignore_eos (llama.cpp,
-  which does not know it, gets a -100 logit bias on the end tokens instead).
+  involved and the length is exact), max_tokens N, greedy, ignore_eos (llama-cpp-
+  python, which does not know it, gets a -100 logit bias on the model's end
+  tokens instead). llama-server runs batch B on B of its --parallel slots (a
+  batch larger than its slots is skipped).
   llama-cpp-python's server takes text prompts only: it gets seeded filler
   words, lengthened or shortened until its own /extras/tokenize/count says C
   (or the closest below C), one sequence at a time (batch 1 only).
@@ -12,11 +15,12 @@
   their first token (from the latest first token to the earliest last one),
   over that window: the batch decoding together, not the prefills that came
   before it. At batch 1 that is (N - 1) / (last token - first token).
-* prefill of a P-token prompt: one request with max_tokens 1; P / TTFT.
+* prefill of each P-token prompt: one request with max_tokens 1; P / TTFT.
 
 A prompt with C + N tokens must fit in the longest sequence (the model's
-8192, for every peer: llama.cpp's own limit is its whole KV cache), so a
-prompt is cut to max_model_len - N (for 8192 and the default N, 8064 tokens);
+context, 8192 for SmolLM2, for every peer: llama-cpp-python's own limit is its
+whole KV cache), so a prompt is cut to max_model_len - N (for 8192 and the
+default N, 8064 tokens);
 rows report the prompt length actually sent. Every prompt is fresh random
 ids (seeded by a per-run nonce), so neither an earlier run nor another
 measurement in this one hits a prefix cache.
@@ -35,22 +39,23 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from agentserve.bench.peers.running import each_server
-from agentserve.bench.peers.specs import MODEL_MAX_LEN, SERVER_NAMES, ServerSpec
+from agentserve.bench.peers.specs import SERVER_NAMES, ServerSpec
 from agentserve.bench.replay_stream import ReplayError, StreamAccumulator
 from agentserve.bench.replay_text import filler_text
 
 # --peers accepts these short names too.
 PEER_ALIASES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp",
-                "agentserve": "agentserve-continuum"}
+                "llamaserver": "llama-server", "agentserve": "agentserve-continuum"}
 # llama-cpp-python's server runs one sequence at a time: batch 1 only.
 MAX_BATCH = {"llama.cpp": 1}
 # Servers whose /v1/completions takes text only (llama-cpp-python's `prompt: str | list[str]`):
 # their prompts are filler text of the wanted length, counted by the server's /extras/tokenize/count.
 TEXT_PROMPT = {"llama.cpp"}
-# Prompt ids: ordinary tokens of SmolLM2's 49,152 (its 17 special tokens come first).
+# Prompt ids: ordinary tokens of SmolLM2's 49,152 (its 17 special tokens come first) and of
+# Gemma 3's 262,144 (its specials and unused tokens below 1000 too).
 PROMPT_TOKEN_RANGE = (1000, 48000)
 # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: kept from being sampled where
-# the server has no ignore_eos.
+# the server has no ignore_eos (the default; a model's own: ModelShape.end_token_ids).
 END_TOKEN_IDS = (0, 1, 2)
 REQUEST_TIMEOUT_S = 900.0
 
@@ -76,7 +81,10 @@ def peer_names(text: str | Sequence[str]) -> list[str]:
     return out
 
 
-def max_batch(server: str) -> int | None:
+def max_batch(server: str, argv: Sequence[str] = ()) -> int | None:
+    """The most sequences `server` runs at once (llama-server: its --parallel in argv); None: no limit."""
+    if server.startswith("llama-server") and "--parallel" in argv:
+        return int(argv[list(argv).index("--parallel") + 1])
     return MAX_BATCH.get(server)
 
 
@@ -139,25 +147,26 @@ def decode_rate(streams: Sequence[StreamTimes]) -> DecodeRate:
     return DecodeRate(tokens / (hi - lo), hi - lo, tokens, mean_itl)
 
 
-def request_body(server: str, model: str, prompt: list[int] | str, max_tokens: int) -> dict:
+def request_body(server: str, model: str, prompt: list[int] | str, max_tokens: int,
+                 end_ids: Sequence[int] = END_TOKEN_IDS) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if server == "llama.cpp":  # no ignore_eos there
-        body["logit_bias"] = {str(t): -100.0 for t in END_TOKEN_IDS}
+        body["logit_bias"] = {str(t): -100.0 for t in end_ids}
     else:
         body["ignore_eos"] = True
     return body
 
 
 async def stream_completion(client, server: str, model: str, prompt: list[int] | str, max_tokens: int,
-                            timeout_s: float = REQUEST_TIMEOUT_S) -> StreamTimes:
+                            timeout_s: float = REQUEST_TIMEOUT_S, end_ids: Sequence[int] = END_TOKEN_IDS) -> StreamTimes:
     """One streaming POST /v1/completions; its times and counts."""
     import httpx
 
     async def run() -> StreamAccumulator:
         acc = StreamAccumulator(time.perf_counter())
         async with client.stream("POST", "/v1/completions",
-                                 json=request_body(server, model, prompt, max_tokens)) as r:
+                                 json=request_body(server, model, prompt, max_tokens, end_ids)) as r:
             if r.status_code >= 400:
                 detail = (await r.aread()).decode("utf-8", "replace")
                 raise PeerSpeedError(f"HTTP {r.status_code}: {detail[:300]}")
@@ -181,7 +190,7 @@ class PeerSweep:
     """What to measure on a peer (the agentserve sweep's shapes)."""
     contexts: Sequence[int]
     batches: Sequence[int]
-    prefill_tokens: int
+    prefill_tokens: int | Sequence[int]  # each prompt's tokens
     new_tokens: int = 128
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # fresh prompts every run
     token_range: tuple[int, int] = PROMPT_TOKEN_RANGE
@@ -210,13 +219,15 @@ async def text_prompt(count: Callable[[str], Awaitable[int]], n: int, seed: str,
 
 
 async def measure_running(server: str, api_base: str, model: str, max_model_len: int, sweep: PeerSweep,
-                          progress: Callable[[str], None] = lambda s: None) -> dict:
-    """The sweep against a server that is already answering at api_base."""
+                          progress: Callable[[str], None] = lambda s: None, limit: int | None = None,
+                          end_ids: Sequence[int] = END_TOKEN_IDS) -> dict:
+    """The sweep against a server that is already answering at api_base (limit: the
+    most sequences it runs at once, default max_batch(server); end_ids: the model's end tokens)."""
     import httpx
 
     base = api_base[:-3] if api_base.endswith("/v1") else api_base
-    out: dict = {"decode": [], "prefill": None}
-    limit = max_batch(server)
+    out: dict = {"decode": [], "prefill": None, "prefills": []}
+    limit = limit if limit is not None else max_batch(server)
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(REQUEST_TIMEOUT_S),
                                  limits=httpx.Limits(max_connections=64)) as client:
         async def count(text: str) -> int:
@@ -233,7 +244,8 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
             return [(random_prompt(n, sd, sweep.token_range), n) for sd in seeds]
 
         async def send_all(ps: list[tuple[list[int] | str, int]], max_tokens: int) -> list[StreamTimes]:
-            return await asyncio.gather(*(stream_completion(client, server, model, p, max_tokens) for p, _ in ps))
+            return await asyncio.gather(*(stream_completion(client, server, model, p, max_tokens, end_ids=end_ids)
+                                          for p, _ in ps))
 
         # warm-up: a short request and a short batch, so no measurement pays first-call costs
         await send_all(await prompts(256, "warm", 1), 8)
@@ -270,18 +282,21 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
                 out["decode"].append(row)
                 progress(f"{server}: decode b{b} @{c} (prompt {n_prompt}): "
                          + (f"{rate.tok_s:.1f} tok/s" if rate.tok_s else row.get("note", "no rate")))
-        n_prompt = prompt_length(sweep.prefill_tokens, 1, max_model_len)
-        try:
-            ((p, sent),) = await prompts(n_prompt, "prefill", 1)
-            s = (await send_all([(p, sent)], 1))[0]
-        except PeerSpeedError as e:
-            out["prefill"] = {"prompt_tokens": n_prompt, "tok_s": None, "error": str(e)}
-            progress(f"{server}: prefill {n_prompt} failed: {e}")
-            return out
-        ttft = s.ttft
-        out["prefill"] = {"prompt_tokens": sent, "reported_prompt_tokens": s.prompt_tokens, "ttft_s": ttft,
-                          "tok_s": sent / ttft if ttft else None}
-        progress(f"{server}: prefill {sent}: " + (f"{sent / ttft:.0f} tok/s" if ttft else "no token"))
+        targets = [sweep.prefill_tokens] if isinstance(sweep.prefill_tokens, int) else list(sweep.prefill_tokens)
+        for target in targets:
+            n_prompt = prompt_length(target, 1, max_model_len)
+            try:
+                ((p, sent),) = await prompts(n_prompt, f"prefill-{target}", 1)
+                s = (await send_all([(p, sent)], 1))[0]
+            except PeerSpeedError as e:
+                out["prefills"].append({"target": target, "prompt_tokens": n_prompt, "tok_s": None, "error": str(e)})
+                progress(f"{server}: prefill {n_prompt} failed: {e}")
+                continue
+            ttft = s.ttft
+            out["prefills"].append({"target": target, "prompt_tokens": sent, "reported_prompt_tokens": s.prompt_tokens,
+                                    "ttft_s": ttft, "tok_s": sent / ttft if ttft else None})
+            progress(f"{server}: prefill {sent}: " + (f"{sent / ttft:.0f} tok/s" if ttft else "no token"))
+        out["prefill"] = out["prefills"][0] if out["prefills"] else None  # the first prompt's
     return out
 
 
@@ -289,11 +304,14 @@ def measure_peers(specs: Sequence[ServerSpec], sweep: PeerSweep,
                   progress: Callable[[str], None] = lambda s: None) -> dict[str, dict]:
     """Each server in turn: started, the sweep run through its API, stopped. name -> its row
     with the server's setup; an `error` instead of figures where it could not run."""
+    from agentserve.bench.peers.specs import model_shape
+
     def run(spec: ServerSpec, srv) -> dict:
         # llama.cpp's longest sequence is its whole KV cache: every peer gets the model's own limit
-        max_len = min(spec.max_model_len, MODEL_MAX_LEN)
+        max_len = min(spec.max_model_len, spec.model_context)
         return {"ready_s": srv.ready_s} | asyncio.run(
-            measure_running(spec.name, srv.api_base, spec.model_name, max_len, sweep, progress))
+            measure_running(spec.name, srv.api_base, spec.model_name, max_len, sweep, progress,
+                            limit=max_batch(spec.name, spec.argv), end_ids=model_shape(spec.model).end_token_ids))
 
     return {spec.name: {"server": spec.name, "setup": spec.describe()} | (row if row is not None else {"error": why})
             for spec, row, why in each_server(specs, run, (PeerSpeedError,), progress)}

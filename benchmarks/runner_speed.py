@@ -8,6 +8,8 @@ and writes JSON.
     python -m benchmarks runner-speed --ab-packing     # packed vs plain bf16 weights, side by side
     python -m benchmarks runner-speed --ab-weights     # --weights native vs bf16, side by side
     python -m benchmarks runner-speed --sweep --peers vllm,llamacpp --json sweep.json
+    python -m benchmarks runner-speed --sweep --model gemma3-270m --contexts 512,4096,16384 \
+        --prefill-tokens 4096,16384 --peers llama-server --json gemma_sweep.json
 
 --sweep: against context length, one dtype (bfloat16 by default):
   * decode tokens/s at batch 1 and 8 with contexts 512, 2048, 4096, 8192
@@ -16,13 +18,15 @@ and writes JSON.
     step must read (the weights + rows x C x layers x 2 x kv_heads x head_dim x
     KV element size) over the measured read bandwidth, and the fraction of it
     achieved;
-  * prefill tokens/s of one 8192-token prompt in --max-num-batched-tokens
-    chunks, each later chunk attending to the earlier ones through the cache
-    (total tokens / total time);
+  * prefill tokens/s of an 8192-token prompt (--prefill-tokens: one or more
+    lengths) in --max-num-batched-tokens chunks, each later chunk attending to
+    the earlier ones through the cache (total tokens / total time);
   * one mixed step: 8 decodes at context 4096 plus a 2048-token prefill chunk
     after a 2048-token prefix (--mixed), its time;
   * with --peers, the same decode and prefill shapes through each peer's
-    OpenAI API (benchmarks/peer_speed.py), every server given the same KV tokens.
+    OpenAI API (benchmarks/peer_speed.py), every server given the same KV
+    bytes and serving --model's GGUF (llama-server: llama.cpp's own server
+    with --parallel slots, install_llamaserver.sh).
 
 The torch work lives in `agentserve.runner.profiling`; this script only
 orchestrates and reports. The sweep is runner_sweep.py, the A/B comparisons
@@ -106,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks runner-speed", description=__doc__.split("\n\n")[0],
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None,
+                    help="a short name (smollm2, gemma3-270m), a .gguf file or HF folder (default: SmolLM2-135M-"
+                         "Instruct); with --peers a short name, whose GGUF every peer serves")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; with --sweep one dtype, default bfloat16)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
@@ -123,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode contexts (default: %(default)s)")
     sw.add_argument("--batches", type=csv_list(int), default=",".join(map(str, SWEEP_BATCHES)),
                     help="decode batch sizes (default: %(default)s)")
-    sw.add_argument("--prefill-tokens", type=int, default=SWEEP_PREFILL,
-                    help="the long prompt prefilled in chunks (default: %(default)s)")
+    sw.add_argument("--prefill-tokens", type=csv_list(int), default=str(SWEEP_PREFILL),
+                    help="the long prompts prefilled in chunks, comma-separated (default: %(default)s)")
     sw.add_argument("--max-num-batched-tokens", type=int, default=SWEEP_CHUNK,
                     help="the prefill chunk, the engine's per-step token budget (default: %(default)s; "
                          "`agentserve serve` defaults to 512)")
@@ -141,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--peer-new-tokens", type=int, default=PEER_NEW_TOKENS,
                     help="tokens each peer request generates (default: %(default)s); decode is timed while the "
                          "whole batch decodes, so this must outlast the batch's staggered prefills")
+    sw.add_argument("--llama-server-slots", type=int, default=8, metavar="N",
+                    help="llama-server's --parallel slots (default: %(default)s)")
     sw.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                     help=VLLM_RESERVED_CPUS_HELP)
     return ap

