@@ -122,6 +122,74 @@ def test_plan_clamps_to_max_context():
         rpl.plan_program(p, tm, max_context=40)
 
 
+def test_plan_truncates_at_real_lengths():
+    tm = rt.TextModel(1.0, 4.0)
+    # turn prompts ~460, 860, 1260, 1665, ...: at a 2000-token context (1940 with the margin) the first four fit
+    p = program("long", 0.0, turns=8, shared=50, task=400, out=100, obs=300)
+    free = rpl.plan_program(p, tm)
+    pl = rpl.plan_program(p, tm, max_context=2000, clamp="truncate")
+    assert pl.clamp == 1.0 and pl.first_cut == 1.0 and len(pl.turns) == 4 and pl.dropped_turns == 4
+    assert all(t.planned_prompt_tokens + t.max_tokens <= 2000 - 60 for t in pl.turns)
+    # the kept turns are the real ones: same lengths as without a limit, the last one without its tool time
+    for a, b in zip(pl.turns, free.turns):
+        assert (a.planned_prompt_tokens, a.max_tokens) == (b.planned_prompt_tokens, b.max_tokens)
+    assert pl.turns[1].sleep_s == free.turns[1].sleep_s > 0 and pl.turns[-1].sleep_s == 0.0
+    # a first prompt longer than the context (the tool definitions and system prompt) is cut to half of it
+    huge = program("huge", 0.0, turns=4, shared=0, task=5000, out=50, obs=100)
+    pl = rpl.plan_program(huge, tm, max_context=2000, clamp="truncate")
+    first = pl.turns[0]
+    assert pl.first_cut < 1.0 and first.planned_prompt_tokens + first.max_tokens <= (2000 - 60) // 2 + 1
+    assert len(pl.turns) == 4  # the later turns, at their real lengths, still fit
+    assert pl.turns[1].planned_prompt_tokens - first.planned_prompt_tokens - first.max_tokens == pytest.approx(104, abs=1)
+    with pytest.raises(rs.ReplayError, match="max-context"):
+        rpl.plan_program(program("s", 0.0, 2, shared=1950, task=10), tm, max_context=2000, clamp="truncate")
+
+
+def test_plan_bounds_outputs_and_drops_subagents_cut_off_with_their_parent():
+    tm = rt.TextModel(1.0, 4.0)
+    parent = program("p", 0.0, turns=8, shared=50, task=400, out=100, obs=300)
+    early = Program("p:a1", program("p:a1", 0.1, 2).calls, parent_id="p", parent_turn=1)
+    late = Program("p:a2", program("p:a2", 0.3, 3).calls, parent_id="p", parent_turn=5)
+    progs = [parent, early, late]
+    plans = rpl.plan_workload(progs, tm, max_context=2000, clamp="truncate", max_output_tokens=64)
+    assert [pl.program_id for pl in plans] == ["p", "p:a1"]  # p's turn 5 is cut off: its subagent too
+    assert all(t.max_tokens <= 64 for pl in plans for t in pl.turns)
+    c = rpl.clamp_summary(progs, plans, 2000, "truncate", 64)
+    assert (c["truncated_programs"], c["dropped_subagents"], c["dropped_subagent_turns"]) == (1, 1, 3)
+    assert c["capped_outputs"] == 8 and c["turns"] == 13 and c["turns_sent"] == sum(len(pl.turns) for pl in plans)
+    line = rpl.format_clamp(c)
+    assert line.startswith("clamped to a 2000-token context (truncate): 1 of 3 programs cut")
+    assert "1 subagents (3 turns) not replayed" in line and "outputs bounded at 64 tokens (8 turns)" in line
+    scaled = rpl.plan_workload(progs, tm, max_context=2000, clamp="scale")
+    line = rpl.format_clamp(rpl.clamp_summary(progs, scaled, 2000, "scale", None))
+    assert len(scaled) == 3 and "1 of 3 programs scaled down to fit" in line and "outputs unbounded" in line
+    assert rpl.resolve_clamp("auto", "claude-code") == "truncate" and rpl.resolve_clamp("auto", "swebench") == "scale"
+    assert rpl.resolve_clamp("scale", "claude-code") == "scale"
+    with pytest.raises(ValueError):
+        rpl.resolve_clamp("cut", "swebench")
+    with pytest.raises(ValueError, match="max_output_tokens"):
+        rpl.plan_workload(progs, tm, max_output_tokens=0)
+
+
+def test_claude_code_traces_at_real_length_fit_a_32k_context():
+    """The shared Claude Code traces at --token-scale 1.0 against Gemma 3's 32k: every turn sent fits, at its
+    real length, tool definitions and system prompt included."""
+    from agentserve.workload.load import load_workload
+
+    try:
+        progs = load_workload("claude-code", 6, 0.1, 0)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tm = rt.TextModel(1.3, 5.0)
+    plans = rpl.plan_workload(progs, tm, max_context=32768, clamp=rpl.resolve_clamp("auto", "claude-code"),
+                              max_output_tokens=1024)
+    assert plans and all(t.planned_prompt_tokens + t.max_tokens <= 32768 for pl in plans for t in pl.turns)
+    by_id = {p.program_id: p for p in progs}
+    for pl in plans:
+        if pl.first_cut == 1.0:  # a first prompt that fits is sent whole
+            assert pl.turns[0].planned_prompt_tokens >= by_id[pl.program_id].calls[0].prompt_tokens
+
+
 def test_plan_compaction_restarts_the_conversation():
     tm = rt.TextModel(1.0, 4.0)
     calls = [TraceCall("c", 0, 0.0, 500, 500, 10, "tool", 0.1, shared_prefix_tokens=100),
@@ -324,6 +392,8 @@ def test_cli_run_and_report(server, tmp_path, capsys):
     assert (tmp_path / "p_jct_cdf.png").stat().st_size > 0 and (tmp_path / "p_timeline.png").stat().st_size > 0
     text = md.read_text()
     assert "## Summary" in text and "p_jct_cdf.png" in text
+    assert res["config"]["clamp"]["mode"] == "scale" and res["config"]["max_output_tokens"] is None
+    assert "outputs unbounded (--max-output-tokens not set)" in text
     # comparing two results: both in the table and the CDF
     res2 = dict(res, server="other")
     other = tmp_path / "other.json"

@@ -18,7 +18,9 @@ EXAMPLES: dict[str, list[str]] = {
     "bench": ["agentserve bench run --url http://127.0.0.1:8000 --workload swebench --programs 16 --rate 0.5"],
     "bench run": ["agentserve bench run --url http://127.0.0.1:8000 --workload swebench --programs 16 --rate 0.5 "
                   "--token-scale 1.0 --json run.json --report run.md",
-                  "agentserve bench run --url http://127.0.0.1:8000 --api messages --programs 6 --rate 0.3"],
+                  "agentserve bench run --url http://127.0.0.1:8000 --api messages --programs 6 --rate 0.3",
+                  "agentserve bench run --url http://127.0.0.1:8000 --workload claude-code --programs 6 --rate 0.05 "
+                  "--token-scale 1.0 --max-output-tokens 1024 --report claude-code.md"],
     "bench report": ["agentserve bench report agentserve.json vllm.json --report compare.md --plot compare"],
     "bench compare": ["agentserve bench compare --servers agentserve-agentserve,vllm-cpu --workload swebench "
                       "--programs 12 --rate 0.3 --token-scale 1.0 --kv-tokens 16384 --json compare.json",

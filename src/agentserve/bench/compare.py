@@ -99,6 +99,9 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-scale", type=float, default=0.1)
     p.add_argument("--time-scale", type=float, default=1.0)
+    from agentserve.bench.replay import add_clamp_args
+
+    add_clamp_args(p)
     p.add_argument("--restart-at", type=float, default=None, metavar="SECONDS",
                    help="restart the servers named with +restart this many seconds into their replay (SIGTERM, "
                         "then the same command; turns wait while it is down, a turn it cut is sent again) and add "
@@ -139,6 +142,9 @@ def cmd_compare(a) -> int:
     from agentserve.cli_errors import CliError
     from agentserve.workload.load import load_workload
 
+    from agentserve.bench.replay import check_clamp_args
+
+    check_clamp_args(a)
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
         specs = server_specs(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
@@ -160,6 +166,7 @@ def cmd_compare(a) -> int:
         cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate, seed=a.seed,
                            text_seed=text_seed, token_scale=a.token_scale, time_scale=a.time_scale,
                            max_context=spec.max_model_len, label=spec.name, progress=a.progress,
+                           clamp=a.clamp, max_output_tokens=a.max_output_tokens,
                            restart_at=a.restart_at, restart=srv.restart if spec.restart else None,
                            retry_failed_turns=2 if spec.restart else 0)
         result = replay(programs, cfg)

@@ -47,10 +47,16 @@ prompt_tokens is close to, not equal to, the scaled trace.
 
 `--max-context` (default: the server's `max_model_len` from /v1/models, if it
 reports one): a program whose scaled prompt + output would not fit (with a 3%
-margin) has its own tokens (task, outputs, tool results; not the shared system
-prompt) multiplied by one more factor < 1 so it fits, keeping its turn count and
-prefix structure (`clamp` in its result); at run time max_tokens is also capped
-to the room left.
+margin) is clamped to it (`--clamp`, replay_plan.py): `scale` multiplies its own
+tokens (task, outputs, tool results; not the shared system prompt) by one more
+factor < 1 so it fits, keeping its turn count and prefix structure (`clamp` in
+its result); `truncate` keeps the turns at their real lengths and ends the
+program after the last that fits, a first prompt too long by itself (the Claude
+Code traces' tool definitions and system prompt) cut to half the context, and a
+subagent launched after the cut left out; `auto` (the default) truncates the
+Claude Code traces and scales the rest. One line on stderr and the report count
+what was clamped. `--max-output-tokens N` bounds every turn's output first (the
+report says so). At run time max_tokens is also capped to the room left.
 
 Per program: JCT = first request sent -> last response received (tool time
 included). Per turn: TTFT, latency, prompt/cached/completion tokens. A request
@@ -99,6 +105,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every tool duration")
     p.add_argument("--max-context", type=int, default=None,
                    help="clamp each program to this many tokens (default: the server's max_model_len if reported)")
+    add_clamp_args(p)
     p.add_argument("--tokens-per-word", type=float, default=None,
                    help="tokens per filler word (default: calibrate with three probe requests)")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -127,6 +134,25 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def add_clamp_args(p: argparse.ArgumentParser) -> None:
+    """--clamp and --max-output-tokens (bench run and bench compare)."""
+    from agentserve.bench.replay_plan import CLAMPS
+
+    p.add_argument("--clamp", choices=CLAMPS, default="auto",
+                   help="how a program longer than the context is fitted: scale its tokens down, or truncate it "
+                        "after its last turn that fits, at real lengths (auto: truncate for claude-code, scale "
+                        "for the rest)")
+    p.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
+                   help="bound every turn's output at N tokens (printed in the report; default: the trace's)")
+
+
+def check_clamp_args(a) -> None:
+    from agentserve.cli_errors import CliError
+
+    if a.max_output_tokens is not None and a.max_output_tokens < 1:
+        raise CliError("--max-output-tokens must be at least 1")
+
+
 def _check_args(a) -> None:
     from agentserve.cli_errors import CliError
 
@@ -138,6 +164,7 @@ def _check_args(a) -> None:
         raise CliError("--token-scale must be > 0 and --time-scale >= 0")
     if a.max_context is not None and a.max_context < 16:
         raise CliError("--max-context must be at least 16")
+    check_clamp_args(a)
     if a.tokens_per_word is not None and not a.tokens_per_word > 0:
         raise CliError("--tokens-per-word must be positive")
     if not a.request_timeout > 0:
@@ -170,7 +197,8 @@ def cmd_run(a) -> int:
                        text_seed=a.text_seed, token_scale=a.token_scale, time_scale=a.time_scale, max_context=a.max_context,
                        tokens_per_word=a.tokens_per_word, request_timeout=a.request_timeout,
                        ignore_eos=a.ignore_eos, tool_role=a.tool_role, label=a.label, progress=a.progress,
-                       retry_failed_turns=a.retry_failed_turns, api=a.api)
+                       retry_failed_turns=a.retry_failed_turns, api=a.api, clamp=a.clamp,
+                       max_output_tokens=a.max_output_tokens)
     print(f"replaying {len(programs)} programs ({sum(p.num_turns for p in programs)} turns) of {a.workload} "
           f"at {a.rate:g} jobs/s against {base_url(a.url)} over the {a.api} API...", file=sys.stderr)
     try:

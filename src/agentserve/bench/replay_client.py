@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentserve.bench.replay_apis import wire
-from agentserve.bench.replay_plan import ProgramPlan, plan_workload, sanitize_tool
+from agentserve.bench.replay_plan import (ProgramPlan, clamp_summary, format_clamp, plan_workload, resolve_clamp,
+                                          sanitize_tool)
 from agentserve.bench.replay_results import summarize, summarize_since
 from agentserve.bench.replay_stream import (ReplayError, StreamAccumulator, base_url, http_error, server_info,
                                             stream_post)
@@ -37,6 +38,8 @@ class ReplayConfig:
     token_scale: float = 1.0
     time_scale: float = 1.0
     max_context: int | None = None  # None: the server's max_model_len, if reported
+    clamp: str = "auto"  # how a program is fitted to max_context (replay_plan.CLAMPS)
+    max_output_tokens: int | None = None  # every turn's output bounded at this (None: the trace's)
     tokens_per_word: float | None = None  # None: calibrate
     request_timeout: float = 600.0
     ignore_eos: bool = True
@@ -299,8 +302,12 @@ async def replay_async(programs: list[Program], cfg: ReplayConfig) -> dict:
             tm = await calibrate(rep.count_prompt, max_context)
         t_cal = time.perf_counter() - t_cal
         rep.overhead = tm.message_overhead
+        clamp = resolve_clamp(cfg.clamp, cfg.workload)
         plans = plan_workload(programs, tm, token_scale=cfg.token_scale, time_scale=cfg.time_scale,
-                              max_context=max_context, seed=text_seed, tool_role=cfg.tool_role)
+                              max_context=max_context, seed=text_seed, tool_role=cfg.tool_role, clamp=clamp,
+                              max_output_tokens=cfg.max_output_tokens)
+        clamped = clamp_summary(programs, plans, max_context, clamp, cfg.max_output_tokens)
+        print(f"{cfg.label or base_url(cfg.url)}: {format_clamp(clamped)}", file=sys.stderr, flush=True)
         t_run = time.perf_counter()
         await rep.run(plans)
         wall = time.perf_counter() - t_run
@@ -313,7 +320,7 @@ async def replay_async(programs: list[Program], cfg: ReplayConfig) -> dict:
                    "max_context": max_context, "tokens_per_word": tm.tokens_per_word,
                    "message_overhead": tm.message_overhead, "calibrated": cfg.tokens_per_word is None,
                    "request_timeout": cfg.request_timeout, "ignore_eos": cfg.ignore_eos,
-                   "tool_role": cfg.tool_role},
+                   "tool_role": cfg.tool_role, "max_output_tokens": cfg.max_output_tokens, "clamp": clamped},
     }
     out = summarize(rep.turns, rep.results, meta)
     if cfg.restart_at is not None:

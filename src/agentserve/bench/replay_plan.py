@@ -1,8 +1,24 @@
 """What each turn of a replayed program sends: its messages (filler text of
 the scaled trace's lengths, or a SWE-smith trajectory's own text), its planned
 prompt and max_tokens, the tool time after it; a program that would not fit
-the server's context scaled down by one more factor (see replay.py's module
-doc for the whole protocol)."""
+the server's context clamped to it (see replay.py's module doc for the whole
+protocol), in one of two ways (`CLAMPS`):
+
+* scale: every token of the program but the shared system prompt times one
+  more factor < 1, so that its longest turn fits; the turn count stays.
+* truncate: the turns keep their real lengths and the program ends after its
+  last turn that fits (it has no tool time after it); a first prompt that does
+  not fit by itself (tool definitions and system prompt included: the Claude
+  Code traces' are up to 24k tokens) is cut to half the room, so that later
+  turns still fit at their real lengths. A subagent whose spawning turn was
+  cut off is not replayed. auto: truncate for the Claude Code traces (whose
+  sessions outgrow any context here; scaled to fit, their first turns would
+  shrink far below their real length), scale for the rest.
+
+`max_output_tokens` bounds every turn's output before the program is fitted
+(the traces' outputs, thinking included, run to thousands of tokens, which a
+CPU decodes in minutes); `clamp_summary` counts what was clamped, for the log
+and the report."""
 
 from __future__ import annotations
 
@@ -36,6 +52,12 @@ class ProgramPlan:
     parent_id: str | None = None
     parent_turn: int | None = None
     clamp: float = 1.0  # extra token factor applied to fit --max-context (1: none)
+    dropped_turns: int = 0  # truncate: the trace's turns after the last that fits
+    first_cut: float = 1.0  # truncate: the factor the first prompt was cut by to fit (1: none)
+    capped_outputs: int = 0  # turns whose output max_output_tokens bounded
+
+
+CLAMPS = ("auto", "scale", "truncate")
 
 
 @dataclass
@@ -46,7 +68,7 @@ class _Targets:
     steps: list[tuple[str, float]]  # per turn k >= 1: ("append", tool tokens) or ("reset", prompt - system)
 
 
-def _targets(p: Program, scale: float) -> _Targets:
+def _targets(p: Program, scale: float, max_output_tokens: int | None = None) -> _Targets:
     calls = p.calls
     shared = min(calls[0].shared_prefix_tokens, calls[0].prompt_tokens)
     steps: list[tuple[str, float]] = []
@@ -56,8 +78,10 @@ def _targets(p: Program, scale: float) -> _Targets:
             steps.append(("append", delta * scale))
         else:
             steps.append(("reset", max(0, c.prompt_tokens - shared) * scale))
-    return _Targets(round(shared * scale), (calls[0].prompt_tokens - shared) * scale,
-                    [c.output_tokens * scale for c in calls], steps)
+    outputs = [c.output_tokens * scale for c in calls]
+    if max_output_tokens is not None:
+        outputs = [min(o, max_output_tokens) for o in outputs]
+    return _Targets(round(shared * scale), (calls[0].prompt_tokens - shared) * scale, outputs, steps)
 
 
 def _contexts(t: _Targets, f: float, overhead: float) -> list[tuple[int, int]]:
@@ -89,7 +113,7 @@ def fit_factor(t: _Targets, max_context: int | None, overhead: float) -> float:
     the shared system prompt plus one-token messages do not fit."""
     if max_context is None:
         return 1.0
-    room = max_context - max(8, math.ceil(0.03 * max_context))
+    room = _room(max_context)
     f = 1.0
     for _ in range(400):
         if max(p + o for p, o in _contexts(t, f, overhead)) <= room:
@@ -97,6 +121,34 @@ def fit_factor(t: _Targets, max_context: int | None, overhead: float) -> float:
         f *= 0.97
     raise ReplayError(f"a program cannot fit --max-context {max_context}: the shared system prompt alone takes "
                       f"{t.system} tokens; lower --token-scale")
+
+
+def _room(max_context: int) -> int:
+    return max_context - max(8, math.ceil(0.03 * max_context))
+
+
+def truncate_targets(t: _Targets, max_context: int, overhead: float) -> tuple[_Targets, int, float]:
+    """(targets of the turns kept, how many, the first prompt's cut factor): the
+    leading turns whose prompt + output fit max_context minus the margin, at their
+    real lengths; a first turn that does not fit has its task (the first prompt but
+    the shared system prompt) cut to take half the room. Raises ReplayError when
+    the shared system prompt alone leaves no room."""
+    room = _room(max_context)
+    cut = 1.0
+    first = _contexts(_Targets(t.system, t.task, t.outputs[:1], []), 1.0, overhead)[0]
+    if sum(first) > room:
+        # the first turn's prompt without its task, and its output
+        fixed = _contexts(_Targets(t.system, 0.0, t.outputs[:1], []), 1.0, overhead)[0]
+        free = room // 2 - sum(fixed)
+        if free < 1:
+            raise ReplayError(f"a program cannot fit --max-context {max_context}: the shared system prompt and "
+                              f"the first output take {sum(fixed)} tokens; lower --token-scale or --max-output-tokens")
+        cut = free / t.task
+        t = _Targets(t.system, free, t.outputs, t.steps)
+    sizes = _contexts(t, 1.0, overhead)
+    keep = next((k for k, (p, o) in enumerate(sizes) if p + o > room), len(sizes))
+    keep = max(1, keep)
+    return _Targets(t.system, t.task, t.outputs[:keep], t.steps[:keep - 1]), keep, cut
 
 
 def sanitize_tool(name: str | None) -> str:
@@ -115,18 +167,27 @@ def _real_text_turns(p: Program) -> bool:
 
 def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_scale: float = 1.0,
                  max_context: int | None = None, seed: int | str = 0, tool_role: str = "user",
-                 arrival: float | None = None) -> ProgramPlan:
-    """The messages and lengths program `p` sends (see the module doc)."""
-    t = _targets(p, token_scale)
-    f = fit_factor(t, max_context, tm.message_overhead)
+                 arrival: float | None = None, clamp: str = "scale",
+                 max_output_tokens: int | None = None) -> ProgramPlan:
+    """The messages and lengths program `p` sends (see the module doc); clamp:
+    scale or truncate (auto is resolved by plan_workload)."""
+    t = _targets(p, token_scale, max_output_tokens)
+    capped = sum(1 for c in p.calls if max_output_tokens is not None and c.output_tokens * token_scale > max_output_tokens)
+    real = _real_text_turns(p)
+    keep, cut = len(p.calls), 1.0
+    if clamp == "truncate" and max_context is not None and not real:  # real text is cut by the scale only
+        t, keep, cut = truncate_targets(t, max_context, tm.message_overhead)
+        f = 1.0
+    else:
+        f = fit_factor(t, max_context, tm.message_overhead)
     sizes = _contexts(t, f, tm.message_overhead)
+    calls = p.calls[:keep]
     system_msg = ({"role": "system", "content": tm.text(t.system, f"{seed}:system")} if t.system else None)
     pid = p.program_id
-    real = _real_text_turns(p)
     turns: list[TurnPlan] = []
     prev_ids: list[str] = []
-    for k, c in enumerate(p.calls):
-        last = k == len(p.calls) - 1
+    for k, c in enumerate(calls):
+        last = k == len(calls) - 1
         ids: list[str] = []
         if real:
             lo = 0 if k == 0 else p.calls[k - 1].message_index + 1
@@ -169,7 +230,8 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
             tool_name=c.tool_name, tool_call_ids=ids,
         ))
         prev_ids = ids
-    return ProgramPlan(pid, p.arrival if arrival is None else arrival, turns, p.parent_id, p.parent_turn, f)
+    return ProgramPlan(pid, p.arrival if arrival is None else arrival, turns, p.parent_id, p.parent_turn, f,
+                       dropped_turns=len(p.calls) - keep, first_cut=cut, capped_outputs=capped)
 
 
 def _tool_message(text: str, call_ids: list[str], i: int, tool_role: str) -> dict:
@@ -178,12 +240,69 @@ def _tool_message(text: str, call_ids: list[str], i: int, tool_role: str) -> dic
     return {"role": "user", "content": text}
 
 
+def resolve_clamp(clamp: str, workload: str) -> str:
+    """auto -> truncate for the Claude Code traces, scale for the rest."""
+    if clamp not in CLAMPS:
+        raise ValueError(f"clamp must be one of {', '.join(CLAMPS)}, got {clamp!r}")
+    if clamp != "auto":
+        return clamp
+    return "truncate" if workload.strip().lower().replace("_", "-") in ("claude-code", "claudecode") else "scale"
+
+
 def plan_workload(programs: list[Program], tm: TextModel, *, token_scale: float = 1.0, time_scale: float = 1.0,
                   max_context: int | None = None, seed: int | str = 0,
-                  tool_role: str = "user") -> list[ProgramPlan]:
-    """Plans for every program; arrivals shifted so the first program starts at 0."""
+                  tool_role: str = "user", clamp: str = "scale",
+                  max_output_tokens: int | None = None) -> list[ProgramPlan]:
+    """Plans for every program; arrivals shifted so the first program starts at 0.
+    A subagent whose parent's spawning turn was truncated away is left out
+    (clamp_summary counts it)."""
     if not programs:
         return []
+    if max_output_tokens is not None and max_output_tokens < 1:
+        raise ValueError(f"max_output_tokens must be >= 1, got {max_output_tokens}")
     t0 = min(p.arrival for p in programs)
-    return [plan_program(p, tm, token_scale=token_scale, time_scale=time_scale, max_context=max_context,
-                         seed=seed, tool_role=tool_role, arrival=p.arrival - t0) for p in programs]
+    plans = [plan_program(p, tm, token_scale=token_scale, time_scale=time_scale, max_context=max_context,
+                          seed=seed, tool_role=tool_role, arrival=p.arrival - t0, clamp=clamp,
+                          max_output_tokens=max_output_tokens) for p in programs]
+    kept = {pl.program_id: len(pl.turns) for pl in plans}
+    out: list[ProgramPlan] = []
+    for pl in plans:  # parents come before their subagents only by arrival: check against all
+        parent = kept.get(pl.parent_id) if pl.parent_id is not None else None
+        if parent is not None and pl.parent_turn is not None and pl.parent_turn >= parent:
+            continue
+        out.append(pl)
+    return out
+
+
+def clamp_summary(programs: list[Program], plans: list[ProgramPlan], max_context: int | None, clamp: str,
+                  max_output_tokens: int | None) -> dict:
+    """What fitting the programs to the context did, counted (for the log line and the report)."""
+    planned = {pl.program_id for pl in plans}
+    return {"mode": clamp, "max_context": max_context, "max_output_tokens": max_output_tokens,
+            "programs": len(programs), "turns": sum(p.num_turns for p in programs),
+            "scaled_programs": sum(1 for pl in plans if pl.clamp < 1.0),
+            "truncated_programs": sum(1 for pl in plans if pl.dropped_turns),
+            "dropped_turns": sum(pl.dropped_turns for pl in plans),
+            "first_prompts_cut": sum(1 for pl in plans if pl.first_cut < 1.0),
+            "dropped_subagents": sum(1 for p in programs if p.program_id not in planned),
+            "dropped_subagent_turns": sum(p.num_turns for p in programs if p.program_id not in planned),
+            "capped_outputs": sum(pl.capped_outputs for pl in plans),
+            "turns_sent": sum(len(pl.turns) for pl in plans)}
+
+
+def format_clamp(c: dict) -> str:
+    """One line: what clamping to the context did."""
+    head = (f"clamped to a {c['max_context']}-token context ({c['mode']}): " if c.get("max_context") is not None
+            else "no context limit known (nothing clamped by length): ")
+    parts = []
+    if c["mode"] == "truncate":
+        parts.append(f"{c['truncated_programs']} of {c['programs']} programs cut after their last turn that fits "
+                     f"({c['dropped_turns']} turns dropped), {c['first_prompts_cut']} first prompts (tool "
+                     f"definitions and system prompt) cut to half the context, {c['dropped_subagents']} subagents "
+                     f"({c['dropped_subagent_turns']} turns) not replayed")
+    else:
+        parts.append(f"{c['scaled_programs']} of {c['programs']} programs scaled down to fit")
+    cap = c.get("max_output_tokens")
+    parts.append(f"outputs bounded at {cap} tokens ({c['capped_outputs']} turns)" if cap is not None
+                 else "outputs unbounded (--max-output-tokens not set)")
+    return head + "; ".join(parts) + f"; {c['turns_sent']} of {c['turns']} turns sent"

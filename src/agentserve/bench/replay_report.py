@@ -17,6 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from agentserve.bench.replay_plan import format_clamp
 from agentserve.workload.trace import percentile
 
 
@@ -249,6 +250,8 @@ def write_markdown(results: list[dict], path: str, plots: dict[str, str] | None 
                  f"{_num(r.get('rate')):g} jobs/s (Poisson), seed {cfg.get('seed', '?')}")
     lines.append(f"- token scale {cfg.get('token_scale', '?')}, tool-time scale {cfg.get('time_scale', '?')}, "
                  f"max context {cfg.get('max_context')}, programs clamped to fit: {r.get('clamped_programs', 0)}")
+    if cfg.get("clamp"):
+        lines.append(f"- {format_clamp(cfg['clamp'])}")
     tpw = cfg.get("tokens_per_word")
     lines.append(f"- filler text: {_f(tpw, 3)} tokens/word, {_f(cfg.get('message_overhead'), 1)} template "
                  f"tokens/message ({'calibrated' if cfg.get('calibrated') else 'given'}); tool results as "
