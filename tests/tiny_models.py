@@ -64,11 +64,16 @@ def teacher_forced_logits(llm, ids: list[int], chunk: int) -> torch.Tensor:
     """float32 logits of every position of `ids`, fed `chunk` tokens a forward
     through the paged cache (blocks 0.. in order)."""
     n, bs = len(ids), llm.kv_cache.block_size
-    table = list(range(-(-n // bs)))
+    nb = -(-n // bs)
+    layout = llm.kv_cache.layout  # the hybrid cache: each layer group its own blocks
+    tables = [list(range(g * nb, (g + 1) * nb)) for g in range(1 if layout is None else 1 + layout.pages)]
     out = []
     for start in range(0, n, chunk):
         k = min(chunk, n - start)
-        meta = build_metadata([], [], [(table, start, k)], bs, llm.device, dtype=llm.model.dtype)
+        metas = [build_metadata([], [], [(t, start, k)], bs, llm.device, dtype=llm.model.dtype) for t in tables]
+        meta = metas[0]
+        if layout is not None:
+            meta.groups = metas
         dev = llm.device
         out.append(llm.model.forward(torch.tensor(ids[start:start + k], device=dev),
                                      torch.arange(start, start + k, device=dev), meta, llm.kv_cache,

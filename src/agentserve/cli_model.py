@@ -44,6 +44,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-kv-tokens", type=int, default=0,
                    help="host-memory KV tier in tokens: evicted prefixes are written there and reloaded "
                         "instead of recomputed (0: off)")
+    g.add_argument("--kv-layout", default="auto", choices=["auto", "hybrid", "full"],
+                   help="KV cache layout for models with sliding-window layers (Gemma 3): hybrid keeps a window "
+                        "layer's KV only while a token can still read it (about 5x more conversations in the "
+                        "same memory at 32k tokens); full keeps every layer's KV of every token. auto: hybrid "
+                        "where the model has both kinds of layers and no host or disk tier is set")
     g.add_argument("--disk-kv-bytes", type=int, default=0,
                    help="disk KV tier below the host tier, in bytes: blocks the host tier evicts are written "
                         "to files under --disk-kv-dir and reloaded from there (0: off; needs --host-kv-tokens)")
@@ -114,7 +119,8 @@ def build_llm(args):
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
                    policy=policy, policy_options=options, profile=args.profile, threads=args.threads,
                    weights=args.weights, speculate=args.speculate,
-                   group_prefill=args.group_prefill, protected_kv_share=args.protected_kv_share)
+                   group_prefill=args.group_prefill, protected_kv_share=args.protected_kv_share,
+                   kv_layout=args.kv_layout)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
 

@@ -23,7 +23,7 @@ from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
 from agentserve.runner import device as devices
 from agentserve.runner.checkpoint import LoadedModel
 from agentserve.runner.executor import ModelExecutor
-from agentserve.runner.kv_cache import PagedKVCache
+from agentserve.runner.kv_cache import PagedKVCache, kv_layout_for
 from agentserve.runner.gguf_linear import BLOCK_MAX_ROWS
 from agentserve.runner.loader import load_model
 from agentserve.runner.model import LlamaModel
@@ -51,7 +51,7 @@ class LLM:
                  policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
                  speculate: int = 8, group_prefill: bool = True, overlap_copies: bool = True,
-                 protected_kv_share: float = 0.0) -> None:
+                 protected_kv_share: float = 0.0, kv_layout: str = "auto") -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
         is native where the model and machine allow it, else `dtype` decides.
@@ -61,7 +61,10 @@ class LLM:
         `overlap_copies`: the KV tiers' copies run on a copy engine beside the
         forward pass (runner/copy_engine.py) instead of inside the step.
         `protected_kv_share`: the share of device blocks kept for multi-turn
-        programs between turns (kv/protected_zone.py; 0: none)."""
+        programs between turns (kv/protected_zone.py; 0: none). `kv_layout`:
+        "hybrid" keeps a sliding-window layer's KV only while a token can read
+        it (kv/window_parts.py), "full" every layer's, "auto" hybrid where the
+        model has window and global layers and no tier is asked for."""
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
@@ -83,19 +86,29 @@ class LLM:
         per_token = cfg.kv_bytes_per_token(self.model.embed.element_size())
         if kv_cache_tokens is None:
             kv_cache_tokens = devices.auto_kv_tokens(self.device, per_token, self.model.weight_bytes)
-        num_blocks = kv_cache_tokens // block_size
-        if num_blocks * block_size < min(self.max_model_len, 2048) and kv_cache_tokens < self.max_model_len:
-            log.warning("KV cache of %d tokens is smaller than max_model_len %d: long requests will be refused",
-                        kv_cache_tokens, self.max_model_len)
+        layout = kv_layout_for(kv_layout, self.model.windows, tiers=host_kv_tokens > 0 or disk_kv_bytes > 0)
+        slots = cfg.num_layers if layout is None else layout.slots  # layers a block holds: fewer, more blocks
+        num_blocks = kv_cache_tokens * cfg.num_layers // (slots * block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} gives no block of {block_size} tokens")
         host_blocks = host_kv_tokens // block_size
-        self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.dtype, self.device)
+        self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.dtype, self.device, layout)
         disk_blocks = self._disk_tier(disk_kv_bytes, disk_kv_dir)
         if not 0.0 <= protected_kv_share <= 0.9:
             raise ValueError(f"protected_kv_share must be in [0, 0.9], got {protected_kv_share}")
         self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
-                                 protected_blocks=int(protected_kv_share * num_blocks))
+                                 protected_blocks=int(protected_kv_share * num_blocks),
+                                 window=layout and layout.window, window_pages=layout.pages if layout else 0)
+        longest = self.kv.pages_for(self.max_model_len)
+        if longest > num_blocks:
+            log.warning("KV cache of %d tokens holds less than one request of max_model_len %d, which needs "
+                        "--kv-cache-tokens %d: longer requests will be refused", kv_cache_tokens,
+                        self.max_model_len, -(-longest * slots * block_size // cfg.num_layers))
+        if layout is not None:
+            log.info("hybrid KV cache: %d global and %d window layers (window %d): %d blocks of %d layers; a "
+                     "block of tokens takes 1 block, its window part %d more while a token can read it",
+                     layout.group.count(0), cfg.num_layers - layout.group.count(0), layout.window, num_blocks,
+                     layout.slots, layout.pages)
         self.clock = WallClock()
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,

@@ -44,7 +44,7 @@ class Admission:
                 self._kv_blocked = True  # it would not fit in the free KV either
             return False
         own_pin_released = False
-        while not self._has_headroom(req, match, held) or (table := self.kv.admit(match, n, now)) is None:
+        while not self._has_headroom(req, match, held) or (table := self.kv.admit(match, n, now, req.num_prompt_tokens)) is None:
             nothing_runs = not self.running
             if self._reclaim_pin(req, any_program=nothing_runs or self.policy.late(req, now), now=now):
                 continue

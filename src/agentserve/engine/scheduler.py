@@ -105,7 +105,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         limit = self.config.max_model_len
         if limit is not None and req.num_prompt_tokens >= limit:
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit max_model_len {limit}")
-        need = self.kv.blocks_for(req.num_prompt_tokens + req.max_tokens)
+        need = self.kv.pages_for(req.num_prompt_tokens + req.max_tokens)
         if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt {req.num_prompt_tokens} + max_tokens "
                              f"{req.max_tokens}), the cache has {self.kv.num_blocks}")

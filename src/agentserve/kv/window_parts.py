@@ -108,21 +108,24 @@ class WindowParts:
 
     def sync(self, st: BlockTable, upto: int, now: float) -> None:
         """Hold the parts of `st`'s first `upto` blocks that a token from
-        `st.computed` on can read, and of its checkpoint's window; release the
-        rest. The caller made sure the pool has the pages for the new ones."""
+        `st.computed` on can read (allocating those of blocks not computed
+        yet); keep holding those of its checkpoint's window; release the rest.
+        The caller made sure the pool has the pages for the new ones."""
         bs, held = self.block_size, st.window
         want = range(self.first_needed(st.computed), upto)
         kc = min(st.checkpoint // bs, upto)
         keep = range(self.first_needed(kc * bs), kc) if st.checkpoint else range(0)
         for i in [i for i in held if i not in want and i not in keep]:
             self.release(held.pop(i), now)
-        for r in (keep, want):
-            for i in r:
-                if i not in held:
-                    b = st.blocks[i]
-                    if not self.acquire(b):
-                        raise RuntimeError(f"no pages for the window part of block {i} of a table")
-                    held[i] = b
+        for i in want:
+            if i not in held:
+                b = st.blocks[i]
+                if b.wpart is None and i * bs < st.computed:
+                    # computed KV whose part is gone: a part allocated now would hold no KV
+                    raise RuntimeError(f"the window KV of block {i} of a table is gone")
+                if not self.acquire(b):
+                    raise RuntimeError(f"no pages for the window part of block {i} of a table")
+                held[i] = b
 
     def release_all(self, owners: Iterable[Block], now: float) -> None:
         for b in owners:

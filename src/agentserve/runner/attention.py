@@ -124,6 +124,7 @@ class AttentionMetadata:
     max_context: int = 0  # the longest context of any row: a window at least this long changes nothing
     source: tuple = ()  # build_metadata's inputs, to lay the step out for a window
     by_window: dict = field(default_factory=dict)  # the layouts for_window built, by window
+    groups: list = field(default_factory=list)  # hybrid cache: the step laid out per layer group ([0] is self)
 
     def for_window(self, window: int | None) -> "AttentionMetadata":
         """This step laid out for attention with a sliding window (None: self).

@@ -73,11 +73,16 @@ class ModelExecutor(Executor):
             pos.extend(range(c.start, c.start + c.num_tokens))
         bs = self.kv.block_size
         need = lambda c: -(-(c.start + c.num_tokens) // bs)  # noqa: E731
-        meta = build_metadata(
-            [c.request.block_table.block_ids[:need(c)] for c in decodes],
+        layout = self.kv.layout
+        groups = 1 if layout is None else 1 + layout.pages
+        metas = [build_metadata(
+            [group_table(c.request.block_table, g, need(c)) for c in decodes],
             [c.start + 1 for c in decodes],
-            [(c.request.block_table.block_ids[:need(c)], c.start, c.num_tokens) for c in prefills],
-            bs, self.device, dtype=self.model.dtype)
+            [(group_table(c.request.block_table, g, need(c)), c.start, c.num_tokens) for c in prefills],
+            bs, self.device, dtype=self.model.dtype) for g in range(groups)]
+        meta = metas[0]
+        if layout is not None:
+            meta.groups = metas
         # rows to sample: the last of each chunk that reaches its request's end, and
         # every row of a draft (each verifies the draft token before it)
         rows: list[int] = []
@@ -102,3 +107,15 @@ class ModelExecutor(Executor):
             for rid, tok in zip(rids, self.sampler.sample(logits, params, rids, steps, verifies)):
                 sampled.setdefault(rid, []).append(tok)
         return sampled
+
+
+def group_table(table, group: int, n: int) -> list[int]:
+    """The blocks layer group `group` (runner/kv_cache.py's HybridLayout) reads
+    for a table's first `n` blocks: group 0 the blocks, group j page j - 1 of
+    each block's window part. A block whose part is gone is outside every
+    window the step reads (kv/window_parts.py): its own id stands in, a block
+    the kernels skip."""
+    if group == 0:
+        return table.block_ids[:n]
+    j = group - 1
+    return [b.block_id if b.wpart is None else b.wpart[j].block_id for b in table.blocks[:n]]

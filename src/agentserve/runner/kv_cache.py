@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -35,10 +36,85 @@ from agentserve.runner.disk_store import DiskBlockError, DiskStore, fingerprint
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HybridLayout:
+    """Where each layer's KV lives in the hybrid cache (kv/window_parts.py).
+
+    A block of the pool holds `slots` layers' KV (as many as the model has
+    global layers). The global layers are group 0: a sequence's blocks. The
+    window layers, `slots` to a group, are groups 1..pages: group j reads page
+    j - 1 of each block's window part. Layer i's KV is slot `slot[i]` of
+    whichever block its group's table names, so the pages of all groups share
+    one pool and one tensor per slot."""
+    window: int
+    slots: int  # layers a block holds (the global layers' count)
+    pages: int  # blocks a window part takes
+    slot: tuple[int, ...]  # by layer
+    group: tuple[int, ...]  # by layer: 0 global, j >= 1 the window part's page j - 1
+
+    @classmethod
+    def of(cls, windows: Sequence[int | None]) -> "HybridLayout | None":
+        """The layout for layers with these sliding windows (None: global), or
+        None where a hybrid cache does not apply: no window layers, no global
+        layers (every layer windowed: the full cache serves it), or two windows."""
+        sizes = {w for w in windows if w is not None}
+        n_global = sum(1 for w in windows if w is None)
+        if len(sizes) != 1 or n_global == 0:
+            return None
+        slot, group = [], []
+        g = k = 0
+        for w in windows:
+            if w is None:
+                slot.append(g)
+                group.append(0)
+                g += 1
+            else:
+                slot.append(k % n_global)
+                group.append(1 + k // n_global)
+                k += 1
+        return cls(sizes.pop(), n_global, -(-k // n_global), tuple(slot), tuple(group))
+
+    @property
+    def layers_per_full_block(self) -> int:
+        """Slots a block of every layer takes: the full cache's block in this layout's blocks."""
+        return self.slots * (1 + self.pages)
+
+
+def kv_layout_for(choice: str, windows, tiers: bool) -> HybridLayout | None:
+    """The layout `--kv-layout` asks for (auto, hybrid, full) for layers with
+    these sliding windows; `tiers`: a host or disk tier is asked for, which the
+    hybrid cache has not (auto then takes the full cache, saying so)."""
+    if choice not in ("auto", "hybrid", "full"):
+        raise ValueError(f"kv layout must be auto, hybrid or full, not {choice!r}")
+    layout = None if choice == "full" else HybridLayout.of(windows)
+    if choice == "hybrid" and layout is None:
+        raise ValueError("--kv-layout hybrid needs a model with both sliding-window and global layers "
+                         "(one window size); this one has " + _kinds(windows))
+    if layout is not None and tiers:
+        if choice == "hybrid":
+            raise ValueError("--kv-layout hybrid has no host or disk KV tier: drop the tier or use --kv-layout full")
+        log.info("KV cache: full layout (every layer's KV of every token), since a host or disk tier is set; "
+                 "without a tier this model would use the hybrid layout")
+        return None
+    return layout
+
+
+def _kinds(windows) -> str:
+    n_window = sum(1 for w in windows if w is not None)
+    sizes = sorted({w for w in windows if w is not None})
+    return f"{len(windows) - n_window} global and {n_window} window layers" + (f" (windows {sizes})" if sizes else "")
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_host_blocks: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (2, cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+                 dtype: torch.dtype, device: torch.device, layout: HybridLayout | None = None) -> None:
+        """`layout`: the hybrid cache's (then `num_blocks` blocks of `layout.slots`
+        layers each, and no host tier); None: blocks of every layer."""
+        if layout is not None and num_host_blocks:
+            raise ValueError("the hybrid KV cache has no host tier")
+        self.layout = layout
+        n_slots = cfg.num_layers if layout is None else layout.slots
+        shape = (2, n_slots, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
@@ -50,12 +126,13 @@ class PagedKVCache:
             # pinned host memory makes the device<->host copies asynchronous DMA on CUDA
             pin = self.device.type == "cuda"
             self.host_kv = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
-        self.block_shape = (2, cfg.num_layers, cfg.num_kv_heads, block_size, cfg.head_dim)
+        self.block_shape = (2, n_slots, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.block_bytes = self.device_kv[:, :, :, 0].numel() * self.device_kv.element_size()
         self.fingerprint = fingerprint(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, str(dtype))
         self.disk: DiskStore | None = None  # the disk tier's files (`attach_disk`)
-        self._k = [self.device_kv[0, i] for i in range(cfg.num_layers)]
-        self._v = [self.device_kv[1, i] for i in range(cfg.num_layers)]
+        slot = range(cfg.num_layers) if layout is None else layout.slot
+        self._k = [self.device_kv[0, slot[i]] for i in range(cfg.num_layers)]
+        self._v = [self.device_kv[1, slot[i]] for i in range(cfg.num_layers)]
 
     @property
     def bytes(self) -> int:

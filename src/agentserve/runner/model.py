@@ -232,7 +232,8 @@ class LlamaModel:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, q_size + kv_size:].view(T, KVH, D)
             k_cache, v_cache = kv.layer(i)
-            attn = L.o(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=L.window))
+            m = meta.groups[kv.layout.group[i]] if meta.groups else meta
+            attn = L.o(paged_attention(q, k, v, k_cache, v_cache, m, self.scale, window=L.window))
             if L.attn_out_norm is not None:
                 attn = rms_norm(attn, L.attn_out_norm, eps)
             h = h + attn
@@ -259,7 +260,7 @@ class LlamaModel:
         if positions.numel() and int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
                              f"({self.rope.max_positions} positions)")
-        slots = meta.slot_mapping
+        groups = [meta.groups[g] for g in kv.layout.group] if meta.groups else [meta] * len(self.layers)
         h = self._embed(input_ids)
         x = torch.empty_like(h)
         ops.add_rms_norm(h, None, self.layers[0].input_norm, eps, x)
@@ -269,8 +270,9 @@ class LlamaModel:
             if L.qk_norm is not None:
                 T = qkv.shape[0]
                 qkv[:, :qk_size] = rms_norm(qkv[:, :qk_size].view(T, H + KVH, D), L.qk_norm, eps).view(T, -1)
-            q = ops.rope_kv(qkv, H, KVH, D, L.rope.cos, L.rope.sin, positions, k_cache, v_cache, slots)
-            attn = L.o(attend_native(q, None, None, k_cache, v_cache, meta, self.scale, window=L.window))
+            m = groups[i]
+            q = ops.rope_kv(qkv, H, KVH, D, L.rope.cos, L.rope.sin, positions, k_cache, v_cache, m.slot_mapping)
+            attn = L.o(attend_native(q, None, None, k_cache, v_cache, m, self.scale, window=L.window))
             if L.attn_out_norm is not None:
                 attn = ops.add_rms_norm(attn, None, L.attn_out_norm, eps, torch.empty_like(attn))
             ops.add_rms_norm(h, attn, L.post_norm, eps, x)

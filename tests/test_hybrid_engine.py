@@ -1,0 +1,126 @@
+"""The hybrid KV cache through the whole engine, on tiny random Gemma 3 models
+(window 8, blocks of 4): greedy output equal to the full cache's and to
+transformers', token for token, over multi-turn programs that cross many
+windows, with prefix hits, preemption and part eviction under pressure; the
+layout of layers onto blocks; and what a long conversation holds each way."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.llm import LLM
+from agentserve.runner.kv_cache import HybridLayout, kv_layout_for
+from tiny_models import DEVICE, hf_gemma3, hf_greedy, loaded_as, prompt
+
+LAYERS = {"3 layers": None, "5 layers, 2 global": ["sliding_attention", "sliding_attention", "full_attention",
+                                                   "sliding_attention", "full_attention"]}
+
+
+def make(hf, layout: str, **kw) -> LLM:
+    opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=4096, block_size=4, max_num_batched_tokens=64,
+                policy="vllm-fcfs", speculate=0, kv_layout=layout)
+    opts.update(kw)
+    return LLM(loaded_as(hf, "gemma3"), **opts)
+
+
+@pytest.fixture(scope="module", params=list(LAYERS))
+def hf(request):
+    return hf_gemma3(layer_types=LAYERS[request.param])
+
+
+def conversation(llm: LLM, programs: int = 3, turns: int = 4) -> list[list[int]]:
+    """Programs that each grow a conversation turn by turn (the last reply and
+    a few new tokens appended); returns every turn's output tokens, in order."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    history = {f"p{i}": prompt(40 + i, 20 + 7 * i) for i in range(programs)}
+    outs = []
+    for t in range(turns):
+        pids = sorted(history)
+        got = llm.generate([history[p] for p in pids], params, program_ids=pids)
+        for p, o in zip(pids, got):
+            outs.append(o.token_ids)
+            history[p] = history[p] + o.token_ids + prompt(90 + t, 5)
+        llm.check_integrity()
+    return outs
+
+
+def test_multi_turn_programs_equal_the_full_cache_and_transformers(hf):
+    full = conversation(make(hf, "full"))
+    llm = make(hf, "hybrid")
+    assert llm.kv_cache.layout is not None
+    hybrid = conversation(llm)
+    assert hybrid == full
+    assert llm.scheduler.stats.hit_tokens > 200  # later turns hit their history
+    # the last turn's prompts (up to ~160 tokens, 20 windows) against transformers
+    p = prompt(40, 20)
+    ref_llm = make(hf, "hybrid")
+    out = ref_llm.generate([p], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf, p, 48)
+
+
+def test_under_pressure_preemption_and_part_eviction_change_no_token(hf):
+    full = conversation(make(hf, "full"), programs=4, turns=3)
+    llm = make(hf, "hybrid", kv_cache_tokens=160)
+    assert conversation(llm, programs=4, turns=3) == full
+    assert llm.scheduler.stats.preemptions > 0
+    assert llm.kv.parts.num_evicted > 0
+
+
+def test_a_hit_whose_window_was_evicted_stops_short_and_recomputes(hf):
+    llm = make(hf, "hybrid")
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    p1 = prompt(5, 60)
+    first = llm.generate([p1], params, program_ids=["A"])[0]
+    turn2 = p1 + first.token_ids[:12] + prompt(6, 4)
+    assert llm.kv.match(turn2).num_tokens == 72  # the turn ended: its parts are unheld, still there
+    while llm.kv.parts.num_free_pages:  # pressure takes them (nothing holds them: no pin under vllm-fcfs)
+        llm.kv.parts.evict_one()
+    assert llm.kv.match(turn2).num_tokens == 0  # the global blocks are cached, but no window to go on from
+    out = llm.generate([turn2], params, program_ids=["A"])[0]
+    assert out.num_cached_tokens == 0
+    assert out.token_ids == hf_greedy(hf, turn2, 20)
+    llm.check_integrity()
+
+
+def test_hybrid_holds_a_long_conversation_in_fewer_blocks(hf):
+    """The same KV bytes: the hybrid pool has more, smaller blocks and a long
+    conversation pinned between turns takes a fraction of them."""
+    full, hyb = make(hf, "full", kv_cache_tokens=1024), make(hf, "hybrid", kv_cache_tokens=1024)
+    assert full.kv_cache.bytes == hyb.kv_cache.bytes
+    layout = hyb.kv_cache.layout
+    long_prompt = prompt(3, 300)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    used = []
+    for llm in (full, hyb):
+        llm.generate([long_prompt], params)
+        # the finished request's blocks stay cached; what a turn holds is all but the unheld parts
+        cached = sum(1 for b in llm.kv.pool.blocks if b.node is not None)
+        parts = 0 if llm.kv.parts is None else llm.kv.parts.num_parts
+        used.append((cached + layout.pages * parts) / llm.kv.num_blocks)
+    assert used[1] < used[0] / 1.5, used
+
+
+def test_layout_of_layers_onto_blocks():
+    lay = HybridLayout.of([8, None, 8, 8, None, 8, 8])
+    assert (lay.window, lay.slots, lay.pages) == (8, 2, 3)
+    assert lay.group == (1, 0, 1, 2, 0, 2, 3)
+    assert lay.slot == (0, 0, 1, 0, 1, 1, 0)
+    # every (slot, group) once
+    assert len(set(zip(lay.slot, lay.group))) == 7
+    assert HybridLayout.of([None, None]) is None  # no window layer
+    assert HybridLayout.of([8, 8]) is None  # every layer windowed: the full cache serves it
+    assert HybridLayout.of([8, None, 16]) is None  # two windows
+
+
+def test_layout_choices_and_refusals():
+    windows = [8, None, 8]
+    assert kv_layout_for("auto", windows, tiers=False) is not None
+    assert kv_layout_for("full", windows, tiers=False) is None
+    assert kv_layout_for("auto", windows, tiers=True) is None
+    with pytest.raises(ValueError, match="no host or disk KV tier"):
+        kv_layout_for("hybrid", windows, tiers=True)
+    with pytest.raises(ValueError, match="1 global and 0 window layers"):
+        kv_layout_for("hybrid", [None], tiers=False)
+    with pytest.raises(ValueError, match="auto, hybrid or full"):
+        kv_layout_for("paged", windows, tiers=False)
