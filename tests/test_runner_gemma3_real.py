@@ -68,3 +68,23 @@ def test_float32_greedy_equals_transformers_on_5_prompts(path):
         ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_NEW, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.token_ids == ref, len(p)
+
+
+def test_hybrid_cache_equals_full_cache_over_two_turns(path):
+    """The default serving path (native K-quant weights, the hybrid cache) against
+    the full cache: a program of two turns, the first ~1,250 tokens (2.5 windows),
+    the second hitting all of it and adding more."""
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    outs = {}
+    for layout in ("hybrid", "full"):
+        llm = LLM(str(path), device="cpu", kv_cache_tokens=8192, policy="vllm-fcfs", kv_layout=layout,
+                  max_num_batched_tokens=512)
+        assert (llm.kv_cache.layout is not None) == (layout == "hybrid")
+        turn1 = [BOS] + _items(80)
+        first = llm.generate([turn1], params, program_ids=["P"])[0]
+        turn2 = turn1 + first.token_ids + FOX + CAPITAL
+        second = llm.generate([turn2], params, program_ids=["P"])[0]
+        assert second.num_cached_tokens >= len(turn1) - 16
+        llm.check_integrity()
+        outs[layout] = (first.token_ids, second.token_ids)
+    assert outs["hybrid"] == outs["full"]
