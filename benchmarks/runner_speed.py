@@ -16,8 +16,8 @@ and writes JSON.
     (bare forward steps through the paged cache; context C = the step's token
     is the C-th of its sequence), each beside its memory roofline: the bytes a
     step must read (the weights + rows x C x layers x 2 x kv_heads x head_dim x
-    KV element size) over the measured read bandwidth, and the fraction of it
-    achieved;
+    KV element size, a sliding-window layer reading min(C, its window)) over
+    the measured read bandwidth, and the fraction of it achieved;
   * prefill tokens/s of an 8192-token prompt (--prefill-tokens: one or more
     lengths) in --max-num-batched-tokens chunks, each later chunk attending to
     the earlier ones through the cache (total tokens / total time);

@@ -89,16 +89,21 @@ def sweep_kv_tokens(cfg: SweepConfig) -> int:
     return _round_up(need + KV_SLACK_TOKENS, KV_TOKENS_MULTIPLE)
 
 
-def kv_read_bytes(rows: int, context: int, layers: int, kv_heads: int, head_dim: int, elt: int) -> int:
-    """K and V a decode step reads: rows x context x layers x 2 x kv_heads x head_dim x element size."""
-    return rows * context * layers * 2 * kv_heads * head_dim * elt
+def kv_read_bytes(rows: int, context: int, layers: int, kv_heads: int, head_dim: int, elt: int,
+                  windows: Sequence[int | None] | None = None) -> int:
+    """K and V a decode step reads: rows x context x layers x 2 x kv_heads x head_dim x element size;
+    with `windows` (per layer: its sliding window, None for a global layer) a window layer reads
+    min(context, window) positions (Gemma 3: 15 of 18 layers read 512 at most)."""
+    positions = layers * context if windows is None else sum(context if w is None else min(context, w)
+                                                             for w in windows)
+    return rows * positions * 2 * kv_heads * head_dim * elt
 
 
 def decode_roofline(weight_bytes: int, rows: int, context: int, layers: int, kv_heads: int, head_dim: int,
-                    elt: int, bandwidth: float) -> dict:
+                    elt: int, bandwidth: float, windows: Sequence[int | None] | None = None) -> dict:
     """The memory roofline of a decode step: the bytes it must read (every
-    weight once, every row's KV) over the read bandwidth in bytes/s."""
-    total = weight_bytes + kv_read_bytes(rows, context, layers, kv_heads, head_dim, elt)
+    weight once, every row's KV within each layer's window) over the read bandwidth in bytes/s."""
+    total = weight_bytes + kv_read_bytes(rows, context, layers, kv_heads, head_dim, elt, windows)
     step = total / bandwidth
     return {"bytes": total, "step_s": step, "tok_s": rows / step}
 
@@ -119,10 +124,12 @@ def sweep_agentserve(model, dtype: str, cfg: SweepConfig, progress: Callable[[st
     timer = ModelTimer(llm)
     mc = llm.config
     elt = kv_element_size(llm)
+    windows = [mc.layer_window(i) for i in range(mc.num_layers)]
     out: dict = {"model": llm.model_source, "dtype": dtype, "device": str(llm.device),
                  "weight_bytes": llm.model.weight_bytes,
                  "weight_format": getattr(llm.model, "weight_format", dtype), "kv_element_bytes": elt,
                  "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+                 "layer_windows": windows,
                  "kv_tokens": cfg.kv_tokens, "decode": []}
     # This VM's read bandwidth moves between moments (30-65 GB/s measured an hour apart), so each
     # decode point gets its own measurement taken right before it, and its roofline from that.
@@ -133,7 +140,8 @@ def sweep_agentserve(model, dtype: str, cfg: SweepConfig, progress: Callable[[st
             bws.append(bw)
             # ModelTimer.decode(b, n) steps the (n+1)-th token: context c = position c - 1
             t = median_time(timer.decode(b, c - 1), llm.device, repeats=max(cfg.repeats, 5))
-            roof = decode_roofline(out["weight_bytes"], b, c, mc.num_layers, mc.num_kv_heads, mc.head_dim, elt, bw)
+            roof = decode_roofline(out["weight_bytes"], b, c, mc.num_layers, mc.num_kv_heads, mc.head_dim, elt, bw,
+                                   windows)
             out["decode"].append({"batch": b, "context": c, "step_s": t, "tok_s": b / t, "read_bandwidth_gb_s": bw / 1e9,
                                   "roofline_bytes": roof["bytes"], "roofline_tok_s": roof["tok_s"],
                                   "roofline_fraction": (b / t) / roof["tok_s"]})

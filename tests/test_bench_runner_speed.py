@@ -32,6 +32,16 @@ def test_decode_roofline():
     assert r8["tok_s"] < 8 * r["tok_s"]
 
 
+def test_roofline_reads_only_a_window_layers_window():
+    gemma = [512 if (i + 1) % 6 else None for i in range(18)]  # 15 window layers, 3 global
+    per_pos = 2 * 1 * 256 * 2
+    assert rsw.kv_read_bytes(1, 16384, 18, 1, 256, 2, gemma) == (3 * 16384 + 15 * 512) * per_pos
+    assert rsw.kv_read_bytes(2, 300, 18, 1, 256, 2, gemma) == 2 * 18 * 300 * per_pos  # inside the window
+    assert rsw.kv_read_bytes(1, 16384, 18, 1, 256, 2, [None] * 18) == rsw.kv_read_bytes(1, 16384, 18, 1, 256, 2)
+    r = rsw.decode_roofline(10**8, 8, 16384, 18, 1, 256, 2, 40e9, gemma)
+    assert r["bytes"] == 10**8 + 8 * (3 * 16384 + 15 * 512) * per_pos
+
+
 def test_sweep_kv_tokens():
     cfg = rsw.SweepConfig()
     assert cfg.kv_tokens % 256 == 0
