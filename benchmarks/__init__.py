@@ -23,5 +23,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tier-copy-speed": ("tier_copy_speed", "host-tier copy bandwidth through the runner's own copies"),
     "turn-ttft": ("turn_ttft", "time to first token per turn of one program against a running server"),
     "cluster-failover": ("cluster_failover", "one replica of `agentserve cluster` killed mid-replay: what agents saw"),
+    "kv-footprint": ("kv_footprint", "KV a long conversation holds between turns, full against hybrid cache"),
     "peers": ("peer_servers", "the peer servers: list them, or start each, send one chat, stop it"),
 }
