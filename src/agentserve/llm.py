@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from agentserve.clock import WallClock
+from agentserve.engine.attention_shape import AttentionShape
 from agentserve.engine.llm_engine import LLMEngine, RequestOutput
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -113,7 +114,7 @@ class LLM:
         sconf = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=self.max_model_len, max_step_ms_with_decodes=max_step_ms_with_decodes,
                                 group_prefill=group_prefill, speculation=SpecConfig(max_draft=speculate),
-                                overlap_copies=overlap_copies)
+                                overlap_copies=overlap_copies, attention_shape=AttentionShape.of(self.model.windows))
         prefill_cost, tier_reload = tier_costs_for(profile, self)
         self.reload_cost = tier_reload["host"] if host_blocks > 0 else prefill_cost  # the paper's Prefill-Reload
         self.scheduler = Scheduler(sconf, self.kv, policy, self.clock, self.reload_cost, policy_options,

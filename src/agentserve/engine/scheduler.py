@@ -96,7 +96,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         self._overdue: set[str] = set()  # expired pins kept because their program's next turn waits
         self._held = 0  # the running requests' reserves (admission.py), kept as they change
         self._next_expiry = 0.0
-        self.step_model = StepTimeModel()
+        self.step_model = StepTimeModel(shape=config.attention_shape)
         self.speculator = Speculator(config.speculation)
 
     # --- requests in and out ---
@@ -252,6 +252,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         room = self.kv.block_size
         scheduled = step.scheduled
         rows = context = 0
+        keys = None if self.step_model.shape.window is None else self.step_model.shape.context
         budget = step.budget  # a local while no call can change it (it runs per row)
         for req in decoding:
             if budget <= 0:
@@ -279,7 +280,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                 if not ok:
                     continue
             rows += 1
-            context += c + 1
+            context += c + 1 if keys is None else keys(c + 1)
         step.budget = budget
         step.decode_rows = rows
         step.decode_context = context

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from agentserve.engine.attention_shape import FULL, AttentionShape
 from agentserve.engine.spec_decode import SpecConfig
 
 
@@ -29,6 +30,8 @@ class SchedulerConfig:
     # the executor overlaps tier copies with compute (engine/executor.py): a request admitted with
     # reloads computes once they land, not in its admission step (False: copies run in the step)
     overlap_copies: bool = False
+    # the model's layers by attention (sliding windows): how the step-time model counts attention
+    attention_shape: AttentionShape = FULL
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

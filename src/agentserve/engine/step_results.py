@@ -121,7 +121,8 @@ class StepResults:
                 req.reserve = new
         self._held += held
         stats.decode_tokens += tokens_out
-        prefill, attention, decodes, context, draft_rows, draft_ctx = out.features or step_features(out.chunks)
+        prefill, attention, decodes, context, draft_rows, draft_ctx = \
+            out.features or step_features(out.chunks, self.step_model.shape)
         stats.prefill_tokens += prefill
         if decodes:
             stats.decode_steps += 1

@@ -7,8 +7,9 @@ A step's time is fitted as
 where P is the step's prefill tokens, A = sum over prefill chunks of
 n*start + n*(n+1)/2 (the query-key pairs a chunk of n tokens after `start`
 cached ones attends to, so a chunk late in a long prompt costs more than the
-same chunk at its start), D the decode rows and K the context those rows
-read (sum of start + 1), R the speculative draft rows and RK the context they
+same chunk at its start; on a model with sliding-window layers, the pairs a
+layer reads on average: engine/attention_shape.py), D the decode rows and K
+the context those rows read (sum of start + 1, counted the same way), R the speculative draft rows and RK the context they
 attend to (a draft row shares its decode row's reads of the cache but not its
 arithmetic, so it costs a fraction of a decode row, growing with the context).
 The fit is least squares over the last `window` steps with
@@ -38,6 +39,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+from agentserve.engine.attention_shape import FULL, AttentionShape
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler_output import ScheduledChunk
 
@@ -56,12 +58,14 @@ _MIN_RATIOS = 8
 COLD_CHUNKS = 4
 
 
-def attention_pairs(start: int, n: int) -> int:
-    """Query-key pairs of a chunk of `n` tokens after `start` cached ones."""
-    return n * start + n * (n + 1) // 2
+def attention_pairs(start: int, n: int, shape: AttentionShape = FULL) -> float:
+    """Query-key pairs of a chunk of `n` tokens after `start` cached ones (a
+    layer's on average, on a model with sliding windows: engine/attention_shape.py)."""
+    return shape.pairs(start, n)
 
 
-def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int, int, int]:
+def step_features(chunks: Iterable[ScheduledChunk],
+                  shape: AttentionShape = FULL) -> tuple[int, float, int, float, int, int]:
     """(prefill tokens, attention pairs of the prefill chunks, decode rows, decode context,
     draft rows, draft context) of a step's chunks. The scheduler gathers the same as it
     schedules (StepBudget.features); this is for a step put together otherwise."""
@@ -69,13 +73,13 @@ def step_features(chunks: Iterable[ScheduledChunk]) -> tuple[int, int, int, int,
     for ch in chunks:
         if ch.is_decode:
             d += 1
-            k += ch.start + 1
+            k += shape.context(ch.start + 1)
             if ch.draft:
                 r += len(ch.draft)
                 rk += draft_context(ch.start, len(ch.draft))
         else:
             p += ch.num_tokens
-            a += attention_pairs(ch.start, ch.num_tokens)
+            a += shape.pairs(ch.start, ch.num_tokens)
     return p, a, d, k, r, rk
 
 
@@ -85,8 +89,10 @@ def draft_context(start: int, n: int) -> int:
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 64, min_samples: int = 8, min_prefill_samples: int = 4) -> None:
+    def __init__(self, window: int = 64, min_samples: int = 8, min_prefill_samples: int = 4,
+                 shape: AttentionShape = FULL) -> None:
         self.window = window
+        self.shape = shape  # the attention features' counting (engine/attention_shape.py)
         self.min_samples = min_samples
         self.min_prefill_samples = min_prefill_samples
         self._prefill: deque[tuple[tuple[float, ...], float]] = deque()
@@ -264,7 +270,7 @@ class StepTimeModel:
     def chunk_time(self, start: int, n: int) -> float:
         """What a prefill chunk of `n` tokens after `start` adds to a step."""
         _, b, c, _, _ = self.coefficients
-        return self._margin * (b * n + c * attention_pairs(start, n))
+        return self._margin * (b * n + c * self.shape.pairs(start, n))
 
     def max_chunk(self, start: int, seconds: float) -> int:
         """The longest prefill chunk after `start` tokens that adds at most `seconds`."""
@@ -278,9 +284,15 @@ class StepTimeModel:
         denom = lin + math.sqrt(disc)
         if denom <= 0:
             return _MAX_CHUNK
-        n = int(2.0 * seconds_fit / denom)
+        n = int(2.0 * seconds_fit / denom)  # with full attention on every layer
         while n > 0 and self.chunk_time(start, n) > seconds:  # rounding at the boundary
             n -= 1
+        if self.shape.window is not None and n < _MAX_CHUNK and self.chunk_time(start, n + 1) <= seconds:
+            lo, hi = n + 1, _MAX_CHUNK  # windows read less: the longest chunk that fits, by bisection
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.chunk_time(start, mid) <= seconds else (lo, mid - 1)
+            n = lo
         return min(n, _MAX_CHUNK)
 
 
@@ -355,13 +367,13 @@ class StepBudget:
         c = req.num_computed_tokens
         if c >= req.num_prompt_tokens and len(req.token_ids) - c == 1:  # a decode (and its draft)
             self.decode_rows -= 1
-            self.decode_context -= c + 1
+            self.decode_context -= self.model.shape.context(c + 1)
             if n > 1:
                 self.draft_rows -= n - 1
                 self.draft_context -= draft_context(c, n - 1)
         else:
             self.prefill_tokens -= n
-            self.attention -= attention_pairs(c, n)
+            self.attention -= self.model.shape.pairs(c, n)
 
     def prefill_time_left(self, target_ms: float | None) -> float | None:
         """Seconds of prefill the step may add under the step-time target, per
@@ -392,7 +404,7 @@ class StepBudget:
     def add_prefill(self, req: Request, start: int, n: int) -> None:
         self.add(req, n)
         self.prefill_tokens += n
-        self.attention += attention_pairs(start, n)
+        self.attention += self.model.shape.pairs(start, n)
         if self.time_left is not None:
             self.time_left -= self.model.chunk_time(start, n)
 
