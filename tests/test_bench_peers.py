@@ -448,6 +448,7 @@ def test_gemma_model_for_every_server(tmp_path):
     ls = specs["llama-server"]
     assert _arg(ls.argv, "--model") == _arg(specs["llama.cpp"].argv, "--model") == str(g.gguf)
     assert _arg(ls.argv, "--ctx-size") == "75264" and _arg(ls.argv, "--chat-template") == "gemma"
+    assert "--no-jinja" in ls.argv
     assert "15 window layers of 4608" in ls.kv_setting
 
 

@@ -102,7 +102,8 @@ DEFAULT_MODEL = "smollm2"
 SERVED_NAMES = {"smollm2": MODEL_NAME, "gemma3-270m": "gemma-3-270m"}
 HF_DIRS = {"smollm2": "smollm2-hf", "gemma3-270m": "gemma3-270m-hf"}
 # llama-server's chat format where the GGUF has no template (the Gemma 3 base file): its built-in
-# template of the family, as agentserve falls back to the family's turn format
+# template of the family (with --no-jinja: to its jinja engine the name would be a literal template
+# that renders "gemma"), as agentserve falls back to the family's turn format
 LLAMASERVER_CHAT_TEMPLATE = {"gemma3-270m": "gemma"}
 LLAMASERVER_SLOTS = 8  # --parallel
 LLAMASERVER_UBATCH = 512  # --ubatch-size (its default, passed so the window cache's size is fixed)
@@ -495,8 +496,8 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 "--cache-type-k", "f16", "--cache-type-v", "f16", "--fit", "off", "--no-webui"]
         if swa_full:
             argv.append("--swa-full")
-        if model in LLAMASERVER_CHAT_TEMPLATE:
-            argv += ["--chat-template", LLAMASERVER_CHAT_TEMPLATE[model]]
+        if model in LLAMASERVER_CHAT_TEMPLATE:  # a built-in name is a template only to the non-jinja formatter
+            argv += ["--no-jinja", "--chat-template", LLAMASERVER_CHAT_TEMPLATE[model]]
         ram_mib = -(-HOST_KV_FACTOR * kv_bytes // MiB) if base.endswith("+host") else 0
         argv += ["--cache-ram", str(ram_mib)]
         health = "/health"
