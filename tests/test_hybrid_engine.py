@@ -124,3 +124,24 @@ def test_layout_choices_and_refusals():
         kv_layout_for("hybrid", [None], tiers=False)
     with pytest.raises(ValueError, match="auto, hybrid or full"):
         kv_layout_for("paged", windows, tiers=False)
+
+
+def test_estimated_reprefill_cost_counts_attention_within_windows(hf, tmp_path, monkeypatch):
+    """Without a profile, the TTL model's re-prefill cost of r tokens grows with
+    the attention those tokens read: full on the global layers, up to the
+    window on the others (no tokens-times-a-constant)."""
+    from agentserve.engine.attention_shape import AttentionShape
+    from agentserve.runner.profiling import tier_costs_for
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no saved profile
+    llm = make(hf, "hybrid")
+    prefill, _ = tier_costs_for(None, llm)
+    shape = AttentionShape.of(llm.model.windows)
+    assert 0 < shape.global_share < 1
+    # prefill(n) = alpha * n + beta * pairs(n): fitted on two lengths, it gives the third exactly
+    p1, p2 = shape.pairs(0, 1000), shape.pairs(0, 2000)
+    beta = (prefill(2000) - 2 * prefill(1000)) / (p2 - 2 * p1)
+    alpha = (prefill(1000) - beta * p1) / 1000
+    assert alpha > 0 and beta > 0
+    assert prefill(30000) == pytest.approx(alpha * 30000 + beta * shape.pairs(0, 30000), rel=1e-9)
+    assert prefill(30000) > 30 * prefill(1000)  # more than linear: attention grows with the context

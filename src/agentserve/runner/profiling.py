@@ -24,6 +24,7 @@ import torch
 
 from agentserve.cost.cost_model import CostModel
 from agentserve.cost.profile import ModelSpec, Profile, load_profile
+from agentserve.engine.attention_shape import AttentionShape
 from agentserve.runner.attention import build_metadata
 from agentserve.runner.device import dtype_name
 from agentserve.runner.kv_cache import read_host, write_host
@@ -290,13 +291,20 @@ def tier_costs_for(profile: str | None, llm: ModelHost) -> tuple[Callable[[int],
         return cost.prefill_time, cost.tier_reloads()
     flops = 3e14 if llm.device.type == "cuda" else 2e11
     per_token = 2 * llm.config.num_params() / flops
+    # attention: 4 FLOPs a query-key pair a head a dimension (scores and weighted values), each
+    # layer's pairs counted within its window (engine/attention_shape.py): the re-prefill of a
+    # long context costs what its attention reads, not tokens times a constant
+    cfg = llm.config
+    per_pair = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers / flops
+    shape = AttentionShape.of(llm.model.windows)
     kv_bytes = llm.config.kv_bytes_per_token(llm.model.embed.element_size())
     host_s = kv_bytes / _EST_HOST_COPY_BYTES_S.get(llm.device.type, 5e9)
     disk_s = kv_bytes / _EST_DISK_READ_BYTES_S + host_s
     log.info("no profile for this model and device (run `agentserve profile`); prefill cost estimated at "
              "%.2f ms per 1000 tokens, host and disk reloads at %.3f and %.3f ms", per_token * 1e6, host_s * 1e6,
              disk_s * 1e6)
-    return (lambda n: per_token * n), {"host": lambda n: host_s * n, "disk": lambda n: disk_s * n}
+    return (lambda n: per_token * n + per_pair * shape.pairs(0, n)), \
+        {"host": lambda n: host_s * n, "disk": lambda n: disk_s * n}
 
 
 def write_profile(prof: Profile, raw: dict, path: Path) -> None:
