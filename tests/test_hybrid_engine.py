@@ -145,3 +145,33 @@ def test_estimated_reprefill_cost_counts_attention_within_windows(hf, tmp_path, 
     assert alpha > 0 and beta > 0
     assert prefill(30000) == pytest.approx(alpha * 30000 + beta * shape.pairs(0, 30000), rel=1e-9)
     assert prefill(30000) > 30 * prefill(1000)  # more than linear: attention grows with the context
+
+
+def test_a_match_that_lost_its_window_is_recomputed_not_answered(hf, caplog):
+    """A prefix match that reaches past the window parts still present (here a
+    match that skipped the check, as a bug would) is caught at admission,
+    before any KV changed hands: logged with its program and layer kind, and
+    the prompt recomputed."""
+    llm = make(hf, "hybrid")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    p1 = prompt(9, 50)
+    first = llm.generate([p1], params, program_ids=["B"])[0]
+    while llm.kv.parts.num_free_pages:
+        llm.kv.parts.evict_one()
+    kv, real_match = llm.kv, llm.kv.match
+
+    def unchecked_match(tokens, salt=None, hint=None):
+        parts, kv.parts = kv.parts, None
+        try:
+            return real_match(tokens, salt, hint)
+        finally:
+            kv.parts = parts
+
+    kv.match = unchecked_match
+    turn2 = p1 + first.token_ids + prompt(10, 3)
+    with caplog.at_level("WARNING"):
+        out = llm.generate([turn2], params, program_ids=["B"])[0]
+    assert "program B: window layers:" in caplog.text and "recomputed" in caplog.text
+    assert out.num_cached_tokens == 0
+    assert out.token_ids == hf_greedy(hf, turn2, 12)
+    llm.check_integrity()

@@ -10,13 +10,17 @@ it uses."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.step_time import StepBudget
 from agentserve.kv.manager import KVCacheManager
+from agentserve.kv.window_parts import KVInconsistency
 from agentserve.policy.base import Policy
+
+log = logging.getLogger(__name__)
 
 
 class Admission:
@@ -34,6 +38,13 @@ class Admission:
         def _unpin(self, program_id: str, now: float, protect: bool = True) -> int: ...  # scheduler.py
 
     def _admit(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
+        try:
+            return self._admit_match(req, step, now, match, held)
+        except KVInconsistency as e:  # raised before the KV changed: recompute rather than answer from it
+            log.warning("program %s: %s; its prompt is recomputed", req.program_id, e)
+            return self._admit_match(req, step, now, self.kv.match(req.token_ids[:1], req.cache_salt), held)
+
+    def _admit_match(self, req: Request, step: StepBudget, now: float, match, held: int | None) -> bool:
         hit = match.num_tokens
         loaded = match.num_host_tokens  # before admit: admit gives those nodes device blocks
         n = step.allow(hit, min(req.num_tokens - hit, step.budget))

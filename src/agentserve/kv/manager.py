@@ -138,7 +138,7 @@ class KVCacheManager(DeadChains):
             self.pool.hit(held, now)
             if self.parts is not None:
                 st.blocks = held
-                self.parts.hold_match(st, now)  # before allocating, which evicts unheld parts
+                self.parts.sync(st, len(held), now)  # before allocating, which evicts unheld parts
             fresh = self.pool.allocate(self.blocks_for(match.num_tokens + num_new_tokens) - len(held))
             assert fresh is not None  # checked above
             held.extend(fresh)

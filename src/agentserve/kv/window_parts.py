@@ -31,6 +31,16 @@ from agentserve.kv.block import Block
 from agentserve.kv.block_table import BlockTable
 
 
+class KVInconsistency(RuntimeError):
+    """The KV a request was to be answered from is not what the accounting says
+    (`kind`: the layer kind, "global" or "window"): its admission is undone and
+    it recomputes."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind} layers: {message}")
+        self.kind = kind
+
+
 class WindowParts:
     def __init__(self, pool, window: int, pages: int, block_size: int) -> None:
         # pool: the BlockPool the parts' pages come from (which holds this object)
@@ -100,11 +110,12 @@ class WindowParts:
         self.num_parts -= 1
         self.pool.release(pages, now)
 
-    def hold_match(self, st: BlockTable, now: float) -> None:
-        """Hold the parts a table of matched blocks reads (all present: `valid_hit`)."""
-        if self.valid_hit(st.blocks) != len(st.blocks):
-            raise RuntimeError("a prefix match lost a window part before its admission")
-        self.sync(st, len(st.blocks), now)
+    def check_match(self, blocks: Sequence[Block]) -> None:
+        """A match about to be admitted still has its window (`valid_hit`): else
+        KVInconsistency, before anything changed (the caller recomputes)."""
+        if self.valid_hit(blocks) != len(blocks):
+            raise KVInconsistency("window", f"a prefix match of {len(blocks)} blocks lost a window part "
+                                            "before its admission")
 
     def sync(self, st: BlockTable, upto: int, now: float) -> None:
         """Hold the parts of `st`'s first `upto` blocks that a token from
@@ -156,6 +167,7 @@ class WindowParts:
         """Pages admitting `match` (a PrefixMatch) with `num_new_blocks` more
         takes for parts: the new blocks', and the matched window's unheld ones
         (holding them takes them from the free count)."""
+        self.check_match([n.block for n in match.nodes])
         lo = self.first_needed(match.num_tokens)
         revived = sum(1 for n in match.nodes[lo:] if n.block.wpart is not None and n.block.wrefs == 0)
         return self.pages * (num_new_blocks + revived)
