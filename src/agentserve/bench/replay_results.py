@@ -60,7 +60,7 @@ def summarize(turns: list[dict], results: list[dict], meta: dict | None = None) 
         "cached_ratio": cached / prompt if prompt else 0.0, "turns_sent": len(turns), "turns_ok": len(ok),
         "prompt_tokens": prompt, "cached_tokens": cached,
         "completion_tokens": sum(t["completion_tokens"] for t in ok),
-        "clamped_programs": sum(1 for r in results if r.get("clamp", 1.0) < 1.0),
+        "clamped_programs": sum(1 for r in results if r.get("clamp", 1.0) < 1.0 or r.get("truncated")),
         "program_results": results, "turns": turns,
     })
     return out
