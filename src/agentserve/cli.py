@@ -42,7 +42,16 @@ def _add_sim(sub) -> None:
     p.add_argument("--rates", type=csv_list(float), default=[0.5], help="comma-separated program arrival rates (jobs/s)")
     p.add_argument("--programs", type=int, default=200, help="programs per run")
     p.add_argument("--seed", type=int, default=0, help="seed for the workload and the arrivals")
-    p.add_argument("--kv-tokens", type=int, default=None, help="device KV capacity in tokens (default: the profile's)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="device KV capacity in tokens of every layer's KV (default: the profile's); the hybrid "
+                        "layout has the same bytes")
+    p.add_argument("--kv-layout", type=csv_list(str), default=["auto"], metavar="LAYOUT[,LAYOUT]",
+                   help="how the KV manager accounts a sliding-window model's KV (a profile whose model has "
+                        "num_global_layers and sliding_window, e.g. gemma3-27b-h100): full (every layer's KV of "
+                        "every token) or hybrid (a block holds the global layers' KV, the window layers' KV kept "
+                        "only while a token can read it), in the same bytes; auto: hybrid where the model has both "
+                        "kinds of layer and no tier is used, as `serve --kv-layout`. Comma-separated, e.g. "
+                        "full,hybrid, runs each")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--eviction", default="lru", help="prefix-cache eviction: lru, leaf-lru, lfu, arc")
     p.add_argument("--protected-kv-share", type=float, default=0.0, metavar="S",
@@ -173,18 +182,22 @@ def cmd_sim(args) -> int:
         load_profile(args.profile)
     except (ProfileError, OSError) as e:
         raise CliError(str(e)) from None
+    layouts = _kv_layouts(args)
     if args.replicas != [1] or args.router is not None:
+        if len(layouts) > 1:
+            raise CliError("--kv-layout takes one layout with --replicas or --router")
         return _cmd_sim_cluster(args)
     jobs = []
     for rate in args.rates:
         programs = build_workload(args, rate)
         for pol in args.policies:
-            cfg = _sim_config(args, pol)
-            jobs.append((args.workload, args.profile, rate, programs, cfg, None))
-    print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates, "
-          f"{args.programs} programs each) on {args.profile}...", file=sys.stderr)
+            for layout in layouts:
+                jobs.append((args.workload, args.profile, rate, programs, _sim_config(args, pol, layout), None))
+    kv = f" x {len(layouts)} KV layouts" if len(layouts) > 1 else ""
+    print(f"simulating {len(jobs)} runs ({len(args.policies)} policies x {len(args.rates)} rates{kv}, "
+          f"{args.programs} programs each) on {args.profile} ({', '.join(layouts)} KV)...", file=sys.stderr)
     rows = _run_jobs(args, jobs)
-    rows.sort(key=lambda r: (r["rate"], args.policies.index(r["policy"])))
+    rows.sort(key=lambda r: (r["rate"], args.policies.index(r["policy"]), layouts.index(r["kv_layout"])))
     print(format_table(rows))
     for line in ratio_lines(rows):
         print(line)
@@ -203,10 +216,33 @@ def cmd_sim(args) -> int:
     return 0
 
 
-def _sim_config(args, policy: str):
+def _kv_layouts(args) -> list[str]:
+    """`--kv-layout`'s layouts as each run will use them (auto resolved), in the
+    order given, each once; a layout the profile or the tiers rule out is a CliError."""
+    from agentserve.cost.profile import load_profile
+    from agentserve.sim.driver import KV_LAYOUTS, kv_layout
+
+    out = []
+    for choice in args.kv_layout:
+        if choice not in KV_LAYOUTS:
+            raise CliError(f"unknown --kv-layout {choice!r}: choose from {', '.join(KV_LAYOUTS)}")
+        try:
+            layout = kv_layout(_sim_config(args, "agentserve", choice))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        if choice == "auto" and layout == "full" and load_profile(args.profile).model.has_hybrid_layout:
+            print("--kv-layout auto: the full layout, since a host or disk tier is set (the hybrid cache has "
+                  "none)", file=sys.stderr)
+        if layout not in out:
+            out.append(layout)
+    return out
+
+
+def _sim_config(args, policy: str, kv_layout: str | None = None):
     from agentserve.sim.driver import SimConfig
 
     return SimConfig(profile=args.profile, policy=policy, block_size=args.block_size, eviction=args.eviction,
+                     kv_layout=kv_layout or args.kv_layout[0],
                      protected_kv_share=args.protected_kv_share,
                      host_tier=args.host_tier or args.host_kv_tokens is not None,
                      disk_tier=args.disk_tier or args.disk_kv_bytes is not None, kv_tokens=args.kv_tokens,

@@ -18,6 +18,15 @@ One engine step (a forward pass over the scheduled chunks) is modelled as
 
 so a decode batch is memory-bound (weights + KV), a large prefill chunk is
 compute-bound, and a decode token also pays its FLOPs once the batch is large.
+
+On a model with sliding-window layers (the profile's `model.num_global_layers`
+< `num_layers`, window W), a and kv_read are split by layer kind: a share g of
+the layers (the global ones) as above, the other 1 - g attend to at most W
+positions, so their attention costs a*(w(s+n) - w(s)) with w(x) = x^2 up to W
+and W*(2x - W) past it (linear in the context past the window: each query
+reads W keys), and a chunk's KV read is g*(s+n) + (1-g)*min(s+n, W+n-1).
+What a token costs to re-prefill at a long context is then the model's, not
+a full-attention model's of the same size.
 Host<->device copies are priced at the profile's copy bandwidth:
 
     step = max(forward, spill + offload_copy) + load_copy + disk_load
@@ -71,6 +80,24 @@ class CostModel:
         self.block_bytes = block_bytes = p.kv_bytes_per_token * block_size
         self._disk_write_s_per_block = block_bytes / p.disk_write_bandwidth_bytes_s
         self._disk_read_s_per_block = block_bytes / p.disk_read_bandwidth_bytes_s
+        m = p.model
+        self._window = m.sliding_window if m.window_layers else 0  # 0: every layer global
+        self._g = m.global_share
+
+    def _attention(self, start: int, end: int) -> float:
+        """The attention (quadratic) term of computing tokens [start, end)."""
+        full = end * end - start * start
+        w = self._window
+        if not w:
+            return self._a * full
+        return self._a * (self._g * full + (1.0 - self._g) * (_windowed_sq(end, w) - _windowed_sq(start, w)))
+
+    def _kv_read_tokens(self, end: int, num_tokens: int) -> float:
+        """Tokens of KV (every layer's, on average) a chunk of `num_tokens` ending at `end` reads."""
+        w = self._window
+        if not w:
+            return end
+        return self._g * end + (1.0 - self._g) * min(end, w + num_tokens - 1)
 
     # ---- estimates used by policies (TTL model's Prefill-Reload(r)) ----
 
@@ -79,8 +106,7 @@ class CostModel:
         that already have KV. With start=0 this is the paper's t(L) = a*L^2 + b*L + c."""
         if num_tokens <= 0:
             return 0.0
-        end = start + num_tokens
-        return self._c + self._b * num_tokens + self._a * (end * end - start * start)
+        return self._c + self._b * num_tokens + self._attention(start, start + num_tokens)
 
     def reload_time(self, num_tokens: int) -> float:
         """Time to copy `num_tokens` tokens of KV from the host tier to the device."""
@@ -111,8 +137,8 @@ class CostModel:
         if num_seqs <= 0:
             return 0.0
         s = context_tokens
-        compute = num_seqs * (self._b + self._a * (2 * s + 1))
-        memory = self._weights + self._kv_read * num_seqs * (s + 1)
+        compute = num_seqs * (self._b + self._attention(s, s + 1))
+        memory = self._weights + self._kv_read * num_seqs * self._kv_read_tokens(s + 1, 1)
         return self._c + self._per_seq * (num_seqs - 1) + max(compute, memory)
 
     # ---- the executor's step ----
@@ -125,11 +151,17 @@ class CostModel:
         a, b = self._a, self._b
         compute = 0.0
         context = 0
-        for ch in chunks:
-            s = ch.start
-            e = s + ch.num_tokens
-            compute += b * ch.num_tokens + a * (e * e - s * s)
-            context += e
+        if self._window:
+            for ch in chunks:
+                e = ch.start + ch.num_tokens
+                compute += b * ch.num_tokens + self._attention(ch.start, e)
+                context += self._kv_read_tokens(e, ch.num_tokens)
+        else:
+            for ch in chunks:
+                s = ch.start
+                e = s + ch.num_tokens
+                compute += b * ch.num_tokens + a * (e * e - s * s)
+                context += e
         memory = self._weights + self._kv_read * context
         return self._c + self._per_seq * (len(chunks) - 1) + max(compute, memory)
 
@@ -156,3 +188,10 @@ class CostModel:
         n = len(output.blocks_to_load_disk)
         disk_load = n * self._disk_read_s_per_block + self.copy_blocks_time(n)
         return max(forward, spill + offload) + load + disk_load
+
+
+def _windowed_sq(x: int, window: int) -> int:
+    """x^2 up to `window`, then growing linearly (W*(2x - W)): twice the
+    query-key pairs of x causal positions whose queries read at most `window`
+    keys, as the quadratic term counts them."""
+    return x * x if x <= window else window * (2 * x - window)

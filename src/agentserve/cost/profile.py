@@ -11,8 +11,15 @@ Schema (all times in seconds, sizes in bytes or tokens):
 
     name, description, derivation           strings
     gpu, num_gpus                           optional: "" and 1
-    model {name, num_layers, num_kv_heads, head_dim, hidden, params, dtype_bytes}
+    model {name, num_layers, num_kv_heads, head_dim, hidden, params, dtype_bytes,
+           num_global_layers, sliding_window}
+                                            the last two optional: a model with sliding-window
+                                            layers (Gemma 3) has num_global_layers < num_layers
+                                            layers of full attention and the others attend to
+                                            their last sliding_window positions; without them
+                                            every layer is global (sliding_window 0)
     kv_bytes_per_token                      must equal 2*layers*kv_heads*head_dim*dtype_bytes
+                                            (every layer's KV of a token: the full cache's)
     kv_capacity_tokens                      device KV pool, whole instance
     host_kv_capacity_tokens                 host DRAM KV pool (0: no host tier)
     host_copy_bandwidth_bytes_s             effective device<->host copy bandwidth
@@ -23,10 +30,13 @@ Schema (all times in seconds, sizes in bytes or tokens):
     max_num_batched_tokens, max_num_seqs    scheduler defaults
     step_overhead_s                         c of t(L) = a*L^2 + b*L + c: fixed cost of a step
     per_seq_overhead_s                      optional (0): extra cost per sequence beyond the first
-    prefill_a_s_per_token2                  a: attention (quadratic) term
+    prefill_a_s_per_token2                  a: attention (quadratic) term, as if every layer were
+                                            global (the cost model prices the window layers'
+                                            share at their window)
     prefill_b_s_per_token                   b: linear-layer (per token) term
     decode_weight_read_s                    time to stream the weights once (memory floor of a step)
-    kv_read_s_per_token                     time to read one token's KV from device memory
+    kv_read_s_per_token                     time to read one token's KV (every layer's) from device
+                                            memory (a window layer reads at most its window)
 """
 
 from __future__ import annotations
@@ -58,10 +68,47 @@ class ModelSpec:
     hidden: int
     params: float
     dtype_bytes: int
+    # layer kinds: layers of full attention (None: every layer), and the others' sliding window (0: none)
+    num_global_layers: int | None = None
+    sliding_window: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def global_layers(self) -> int:
+        return self.num_layers if self.num_global_layers is None else self.num_global_layers
+
+    @property
+    def window_layers(self) -> int:
+        """Layers that attend to their last `sliding_window` positions only."""
+        return self.num_layers - self.global_layers
+
+    @property
+    def global_share(self) -> float:
+        return self.global_layers / self.num_layers
+
+    @property
+    def has_hybrid_layout(self) -> bool:
+        """Both kinds of layer: the hybrid KV cache applies (kv/window_parts.py)."""
+        return self.window_layers > 0 and self.global_layers > 0
+
+    @property
+    def window_pages(self) -> int:
+        """Blocks a block's window part takes in the hybrid cache, whose blocks
+        hold the global layers' count of layers (as runner/kv_cache.py lays it out)."""
+        if not self.has_hybrid_layout:
+            raise ValueError(f"model {self.name} has no hybrid KV layout: it needs both global and window layers")
+        return -(-self.window_layers // self.global_layers)
+
+    def hybrid_num_blocks(self, kv_tokens: int, block_size: int) -> int:
+        """Blocks of the hybrid cache in the bytes of `kv_tokens` tokens of the
+        full cache: a block holds `global_layers` layers, so there are
+        num_layers / global_layers times more."""
+        if not self.has_hybrid_layout:
+            raise ValueError(f"model {self.name} has no hybrid KV layout: it needs both global and window layers")
+        return kv_tokens * self.num_layers // (self.global_layers * _check_block_size(block_size))
 
     @property
     def weight_bytes(self) -> float:
@@ -111,8 +158,14 @@ class Profile:
         return self.kv_bytes_per_token * _check_block_size(block_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON schema form (what `load_profile` reads)."""
-        return asdict(self)
+        """The JSON schema form (what `load_profile` reads); a model of global
+        layers only is written without the layer-kind fields, as before them."""
+        data = asdict(self)
+        if self.model.num_global_layers is None:
+            del data["model"]["num_global_layers"]
+        if not self.model.sliding_window:
+            del data["model"]["sliding_window"]
+        return data
 
     def dump(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -129,6 +182,7 @@ _MODEL_FIELDS: dict[str, str] = {
     "name": "str", "num_layers": "pos_int", "num_kv_heads": "pos_int", "head_dim": "pos_int",
     "hidden": "pos_int", "params": "pos_num", "dtype_bytes": "pos_int",
 }
+_MODEL_OPTIONAL: dict[str, str] = {"num_global_layers": "int", "sliding_window": "int"}
 _PROFILE_FIELDS: dict[str, tuple[str, bool]] = {
     "name": ("str", True),
     "description": ("str", True),
@@ -210,13 +264,21 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> Profile:
 def _model_from_dict(data: Any, source: str) -> ModelSpec:
     if not isinstance(data, dict):
         raise ProfileError(f"profile {source}: field 'model' must be an object, got {data!r}")
-    unknown = sorted(set(data) - set(_MODEL_FIELDS))
+    unknown = sorted(set(data) - set(_MODEL_FIELDS) - set(_MODEL_OPTIONAL))
     if unknown:
         raise ProfileError(f"profile {source}: unknown field(s) {', '.join('model.' + k for k in unknown)}")
     missing = [k for k in _MODEL_FIELDS if k not in data]
     if missing:
         raise ProfileError(f"profile {source}: missing field(s) {', '.join(repr('model.' + k) for k in missing)}")
-    return ModelSpec(**{k: _coerce(source, "model." + k, data[k], kind) for k, kind in _MODEL_FIELDS.items()})
+    kinds = {**_MODEL_FIELDS, **_MODEL_OPTIONAL}
+    spec = ModelSpec(**{k: _coerce(source, "model." + k, data[k], kind) for k, kind in kinds.items() if k in data})
+    if spec.global_layers > spec.num_layers:
+        raise ProfileError(f"profile {source}: field 'model.num_global_layers' is {spec.global_layers}, more than "
+                           f"the model's {spec.num_layers} layers")
+    if (spec.window_layers > 0) != (spec.sliding_window > 0):
+        raise ProfileError(f"profile {source}: 'model.sliding_window' ({spec.sliding_window}) must be given, > 0, "
+                           f"exactly when some layers are not global ({spec.window_layers} of {spec.num_layers})")
+    return spec
 
 
 def _bundled_dir():

@@ -11,7 +11,14 @@ With `end_programs` off, clients never say that a program ended (as most do
 not on a live server): the last turn is one more turn, and the program ends
 only when the scheduler finds it idle. The run then waits out the idle timeout,
 so that every program has ended, and reports what the policy learned and what
-per-program state is left (`SimResult.state`)."""
+per-program state is left (`SimResult.state`).
+
+On a profile of a model with sliding-window layers, `kv_layout` chooses how the
+KV manager accounts the same device bytes: `full` (every layer's KV of every
+token in a block) or `hybrid` (kv/window_parts.py: a block holds the global
+layers' KV, num_layers / global_layers times more blocks, and a block's
+window-layer KV takes `window_pages` more only while a token can read it), as
+`agentserve serve --kv-layout` lays out the runner's cache."""
 
 from __future__ import annotations
 
@@ -53,6 +60,9 @@ class SimConfig:
     # the scheduler's step-time target while decodes run (None or 0: off); the server's default
     max_step_ms_with_decodes: float | None = SchedulerConfig.max_step_ms_with_decodes
     seed: int = 0
+    # how the KV manager accounts a sliding-window model's KV: auto (hybrid where the profile's model
+    # has both global and window layers and no tier is used, as `serve`), hybrid or full
+    kv_layout: str = "auto"
     check_integrity_every: int = 0  # steps; 0 = only at the end
     end_programs: bool = True  # the last turn says the program ended (False: programs end idle)
     policy_options: dict = field(default_factory=dict)
@@ -81,6 +91,9 @@ class SimResult:
     tiers: dict = field(default_factory=dict)  # blocks copied between the KV tiers (offloaded, loaded, spilled, ...)
     replicas: list[dict] = field(default_factory=list)  # per replica, when there are several: turns, steps, busy_s, ...
     router: dict = field(default_factory=dict)  # the router's name and counters (several replicas)
+    kv_layout: str = "full"  # the KV accounting the run used (full or hybrid)
+    kv_blocks: int = 0  # device KV blocks of each replica (hybrid: blocks of the global layers' KV)
+    window_parts_evicted: int = 0  # hybrid: window parts evicted for their pages
 
     @property
     def throughput(self) -> float:
@@ -101,6 +114,29 @@ class Arrival:
     is_last_turn: bool
 
 
+KV_LAYOUTS = ("auto", "hybrid", "full")
+
+
+def kv_layout(cfg: SimConfig) -> str:
+    """The layout `cfg.kv_layout` asks for on its profile: hybrid or full
+    (auto: hybrid where the model has both kinds of layer and no tier is used).
+    ValueError, in one line, where hybrid cannot apply."""
+    if cfg.kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv layout must be one of {', '.join(KV_LAYOUTS)}, not {cfg.kv_layout!r}")
+    if cfg.kv_layout == "full":
+        return "full"
+    model = load_profile(cfg.profile).model
+    tiers = cfg.host_tier or cfg.disk_tier
+    if cfg.kv_layout == "auto":
+        return "hybrid" if model.has_hybrid_layout and not tiers else "full"
+    if not model.has_hybrid_layout:
+        raise ValueError(f"kv layout hybrid needs a model with both global and sliding-window layers; profile "
+                         f"{cfg.profile}'s {model.name} has {model.global_layers} global of {model.num_layers}")
+    if tiers:
+        raise ValueError("kv layout hybrid has no host or disk KV tier: drop the tier or use the full layout")
+    return "hybrid"
+
+
 class SimReplica:
     """One engine of the simulation: its own clock, KV manager, scheduler and
     cost-model executor (a `router.replica_load` reads `scheduler`)."""
@@ -108,6 +144,9 @@ class SimReplica:
     def __init__(self, name: str, cfg: SimConfig, num_blocks: int) -> None:
         profile = load_profile(cfg.profile)
         bs = cfg.block_size
+        self.layout = kv_layout(cfg)
+        hybrid = {} if self.layout == "full" else {
+            "window": profile.model.sliding_window, "window_pages": profile.model.window_pages}
         self.name = name
         self.clock = clock = SimClock()
         host_tier = cfg.host_tier or cfg.disk_tier
@@ -118,7 +157,7 @@ class SimReplica:
         host_blocks = profile.host_num_blocks(bs) if host_tier else 0
         disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
         self.kv = kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks,
-                                      protected_blocks=int(cfg.protected_kv_share * num_blocks))
+                                      protected_blocks=int(cfg.protected_kv_share * num_blocks), **hybrid)
         cost = CostModel(profile, block_size=bs)
         reload_cost = cost.reload_time if host_tier else cost.prefill_time
         self.config = sconf = SchedulerConfig(
@@ -146,10 +185,14 @@ class SimReplica:
 def replica_blocks(cfg: SimConfig, replicas: int) -> int:
     """Device KV blocks of each replica: `kv_tokens` is the total, split evenly
     (so runs with different replica counts compare at the same total KV);
-    without it every replica has the profile's (one more GPU each)."""
-    if cfg.kv_tokens:
-        return (cfg.kv_tokens // replicas) // cfg.block_size
-    return load_profile(cfg.profile).num_blocks(cfg.block_size)
+    without it every replica has the profile's (one more GPU each). Tokens
+    are the full cache's: the hybrid layout has the same bytes in more,
+    smaller blocks."""
+    profile = load_profile(cfg.profile)
+    tokens = cfg.kv_tokens // replicas if cfg.kv_tokens else profile.kv_capacity_tokens
+    if kv_layout(cfg) == "hybrid":
+        return profile.model.hybrid_num_blocks(tokens, cfg.block_size)
+    return tokens // cfg.block_size
 
 
 def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
@@ -314,7 +357,8 @@ def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct
                "copy_s": sum(e.copy_time for e in ex), "disk_copy_s": sum(e.disk_copy_time for e in ex),
                "spill_waits": sum(e.spill_waits for e in ex),
                "spill_backlog_peak": max(r.executor.backlog.peak for r in reps)},
-        state=state,
+        state=state, kv_layout=reps[0].layout, kv_blocks=reps[0].kv.num_blocks,
+        window_parts_evicted=sum(r.kv.parts.num_evicted for r in reps if r.kv.parts is not None),
     )
     if len(reps) > 1:
         result.replicas = [{"replica": r.name, "turns": r.turns, "steps": r.steps, "busy_s": e.busy_time,

@@ -22,6 +22,7 @@ def result_row(workload: str, profile: str, rate: float, r: SimResult) -> dict:
         "pins": r.pins, "capped_steps": r.capped_steps,
         "max_decode_step_ms": r.decode_step_max_s * 1e3, "p99_decode_step_ms": r.decode_step_p99_s * 1e3,
         "state": r.state, "tiers": r.tiers,
+        "kv_layout": r.kv_layout, "kv_blocks": r.kv_blocks, "window_parts_evicted": r.window_parts_evicted,
     }
 
 
@@ -29,18 +30,28 @@ def _f(x: float, nd: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+def _layout(r: dict) -> str:
+    return r.get("kv_layout", "full")  # rows written before the hybrid KV cache: full
+
+
+def shows_layout(rows: list[dict]) -> bool:
+    """Whether a table names each row's KV layout: some row used the hybrid one."""
+    return any(_layout(r) != "full" for r in rows)
+
+
 def format_table(rows: list[dict]) -> str:
-    head = ["policy", "rate", "done", "mean JCT", "p90 JCT", "p95 JCT", "jobs/s", "hit %",
-            "p99 TTFT", "max queue", "preempt", "pins", "mean TTL", "sched us/step", "sim s"]
+    kv = shows_layout(rows)
+    head = ["policy", *(["kv layout"] if kv else []), "rate", "done", "mean JCT", "p90 JCT", "p95 JCT", "jobs/s",
+            "hit %", "p99 TTFT", "max queue", "preempt", "pins", "mean TTL", "sched us/step", "sim s"]
     lines = [head]
     for r in rows:
         lines.append([
-            r["policy"], f"{r['rate']:g}", f"{r['completed']}/{r['programs']}", _f(r["mean_jct"]),
-            _f(r["p90_jct"]), _f(r["p95_jct"]), _f(r["throughput"], 3), _f(100 * r["hit_ratio"]),
+            r["policy"], *([_layout(r)] if kv else []), f"{r['rate']:g}", f"{r['completed']}/{r['programs']}",
+            _f(r["mean_jct"]), _f(r["p90_jct"]), _f(r["p95_jct"]), _f(r["throughput"], 3), _f(100 * r["hit_ratio"]),
             _f(r["p99_ttft"], 2), _f(r["max_queue"]), str(r["preemptions"]), str(r["pins"]["created"]),
             _f(r["pins"]["mean_ttl"], 2), _f(r["sched_overhead_us"], 0), _f(r["sim_wall_s"]),
         ])
-    return aligned(lines)
+    return aligned(lines, left=2 if kv else 1)
 
 
 def aligned(lines: list[list[str]], left: int = 1) -> str:
@@ -55,34 +66,51 @@ def aligned(lines: list[list[str]], left: int = 1) -> str:
 
 
 def ratio_lines(rows: list[dict], base: str = "vllm-fcfs") -> list[str]:
-    """Mean-JCT speedup of every policy over `base`, per rate."""
+    """Mean-JCT speedup of every policy over `base`, per rate (and KV layout);
+    where both layouts ran, each policy's hybrid-over-full speedup."""
     out = []
+    layouts = list(dict.fromkeys(_layout(r) for r in rows))
     for rate in sorted({r["rate"] for r in rows}):
-        at = {r["policy"]: r for r in rows if r["rate"] == rate}
-        if base not in at:
-            continue
-        b = at[base]["mean_jct"]
-        parts = [f"{p} {b / r['mean_jct']:.2f}x" for p, r in at.items() if p != base and r["mean_jct"] > 0]
-        if parts:
-            out.append(f"rate {rate:g}: mean-JCT speedup over {base}: " + ", ".join(parts))
+        for layout in layouts:
+            at = {r["policy"]: r for r in rows if r["rate"] == rate and _layout(r) == layout}
+            if base not in at:
+                continue
+            b = at[base]["mean_jct"]
+            parts = [f"{p} {b / r['mean_jct']:.2f}x" for p, r in at.items() if p != base and r["mean_jct"] > 0]
+            if parts:
+                where = f" ({layout} KV)" if len(layouts) > 1 else ""
+                out.append(f"rate {rate:g}{where}: mean-JCT speedup over {base}: " + ", ".join(parts))
+        if {"full", "hybrid"} <= set(layouts):
+            by = {(r["policy"], _layout(r)): r for r in rows if r["rate"] == rate}
+            parts = [f"{p} {by[p, 'full']['mean_jct'] / r['mean_jct']:.2f}x" for (p, lay), r in by.items()
+                     if lay == "hybrid" and (p, "full") in by and r["mean_jct"] > 0]
+            if parts:
+                out.append(f"rate {rate:g}: mean-JCT speedup of the hybrid KV cache over the full one: "
+                           + ", ".join(parts))
     return out
 
 
 def format_markdown(rows: list[dict], base: str = "vllm-fcfs", paper: str = "continuum") -> str:
     """The README's table of a sweep: a row a policy and rate, the best mean JCT
     of each rate in bold, speedups over `base` and over `paper` (the paper's policy)."""
-    head = ["rate", "policy", "mean JCT", "speedup", f"vs {paper}", "p95 JCT", "throughput", "hit %", "p99 TTFT",
-            "max queue", "preemptions", "pins", "mean TTL"]
-    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    kv = shows_layout(rows)
+    head = ["rate", "policy", *(["KV layout"] if kv else []), "mean JCT", "speedup", f"vs {paper}",
+            *(["vs full KV"] if kv else []), "p95 JCT", "throughput", "hit %", "p99 TTFT", "max queue", "preemptions",
+            "pins", "mean TTL"]
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---|" * kv + "---:|" * (len(head) - 2 - kv)]
     for rate in sorted({r["rate"] for r in rows}):
         at = [r for r in rows if r["rate"] == rate]
-        by = {r["policy"]: r for r in at}
+        by = {(r["policy"], _layout(r)): r for r in at}
         best = min(r["mean_jct"] for r in at)
         for r in at:
             jct = _f(r["mean_jct"])
-            ratio = lambda other: f"{by[other]['mean_jct'] / r['mean_jct']:.2f}x" if other in by else "-"  # noqa: E731
+            ratio = lambda other: (f"{by[other, _layout(r)]['mean_jct'] / r['mean_jct']:.2f}x"  # noqa: E731
+                                   if (other, _layout(r)) in by else "-")
             out.append("| " + " | ".join([
-                f"{rate:g}", r["policy"], f"**{jct}**" if r["mean_jct"] == best else jct, ratio(base), ratio(paper),
+                f"{rate:g}", r["policy"], *([_layout(r)] if kv else []), f"**{jct}**" if r["mean_jct"] == best else jct,
+                ratio(base), ratio(paper),
+                *([f"{by[r['policy'], 'full']['mean_jct'] / r['mean_jct']:.2f}x"
+                   if (r["policy"], "full") in by else "-"] if kv else []),
                 _f(r["p95_jct"]), _f(r["throughput"], 3), _f(100 * r["hit_ratio"]), _f(r["p99_ttft"]),
                 _f(r["max_queue"]), str(r["preemptions"]), str(r["pins"]["created"]), _f(r["pins"]["mean_ttl"], 2),
             ]) + " |")
