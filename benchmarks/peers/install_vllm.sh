@@ -108,6 +108,12 @@ fi
 convert_args=(--gguf "$GGUF" --out "$HF_DIR")
 [[ $FORCE == 1 ]] && convert_args+=(--force)
 "$VENV/bin/python" "$HERE/convert_gguf.py" "${convert_args[@]}"
+if [[ $MODEL == gemma3-270m && ! -f "$HF_DIR/chat_template.jinja" ]]; then
+    # The base file has no chat template, and vLLM refuses a chat without one: the Gemma turn
+    # format agentserve falls back to (runner/chat_formats.py), so both render the same text.
+    "$PY" -c 'import sys; from agentserve.runner.chat_formats import GEMMA_TEMPLATE; sys.stdout.write(GEMMA_TEMPLATE)' \
+        > "$HF_DIR/chat_template.jinja"
+fi
 end=$(date +%s)
 
 if [[ $installed == 1 && -f "$PEERS/vllm-install.json" ]]; then
