@@ -15,7 +15,8 @@ from agentserve.cost.cost_model import CostModel
 from agentserve.cost.profile import ProfileError, list_profiles, load_profile, profile_from_dict
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from agentserve.sim.driver import SimConfig, kv_layout, replica_blocks, simulate
+from agentserve.engine.attention_shape import FULL, AttentionShape
+from agentserve.sim.driver import SimConfig, SimReplica, kv_layout, replica_blocks, simulate
 from agentserve.sim.report import format_markdown, ratio_lines
 from agentserve.workload.generators import generate_swebench
 
@@ -154,6 +155,9 @@ def test_layout_choice():
     full = replica_blocks(SimConfig(profile=GEMMA, kv_layout="full", kv_tokens=40_000), 1)
     hyb = replica_blocks(SimConfig(profile=GEMMA, kv_layout="hybrid", kv_tokens=40_000), 1)
     assert (full, hyb) == (2500, 40_000 * 62 // 160)
+    # the scheduler's step-time model counts attention per layer kind, as the server's does
+    assert SimReplica("r", SimConfig(profile=GEMMA), 100).config.attention_shape == AttentionShape(10 / 62, 1024)
+    assert SimReplica("r", SimConfig(), 100).config.attention_shape == FULL
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from agentserve.workload.trace import NON_TOOL_NAMES, Program, percentile  # noq
 from agentserve.clock import SimClock
 from agentserve.cost.cost_model import CostModel
 from agentserve.cost.profile import load_profile
+from agentserve.engine.attention_shape import FULL, AttentionShape
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.kv.manager import KVCacheManager
@@ -164,6 +165,7 @@ class SimReplica:
             max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs or profile.max_num_seqs,
             max_step_ms_with_decodes=cfg.max_step_ms_with_decodes, overlap_copies=cfg.overlap_copies,
+            attention_shape=attention_shape(profile.model),
         )
         name_, options = parse_policy_spec(cfg.policy)  # a name, or an ablation such as agentserve:pressure=off
         self.scheduler = Scheduler(sconf, kv, name_, clock, reload_cost, {**options, **cfg.policy_options},
@@ -180,6 +182,13 @@ class SimReplica:
         if self.scheduler.has_work:
             return self.clock.now()
         return max(self.clock.now(), events[0][0]) if events else math.inf
+
+
+def attention_shape(model) -> AttentionShape:
+    """The model's layers by attention, as the server gives its step-time model."""
+    if not model.window_layers:
+        return FULL
+    return AttentionShape(model.global_share, model.sliding_window)
 
 
 def replica_blocks(cfg: SimConfig, replicas: int) -> int:
