@@ -65,6 +65,16 @@ def test_under_pressure_preemption_and_part_eviction_change_no_token(hf):
     assert conversation(llm, programs=4, turns=3) == full
     assert llm.scheduler.stats.preemptions > 0
     assert llm.kv.parts.num_evicted > 0
+    # what /metrics shows of it
+    from agentserve.policy.toolcall_stream import ValidatorCounts
+    from agentserve.server.engine_snapshot import take_snapshot
+    from agentserve.server.metrics import _SnapshotCollector
+    metrics = _SnapshotCollector("m")
+    metrics.snapshot = snap = take_snapshot(llm.scheduler, ValidatorCounts())
+    assert snap.window_part_blocks == llm.kv_cache.layout.pages
+    assert snap.window_parts == llm.kv.parts.num_parts >= snap.window_parts_unheld
+    values = {s.name: s.value for fam in metrics.collect() for s in fam.samples}
+    assert values["agentserve:kv_window_parts_evicted_total"] == llm.kv.parts.num_evicted
 
 
 def test_a_hit_whose_window_was_evicted_stops_short_and_recomputes(hf):

@@ -69,6 +69,12 @@ class EngineSnapshot:
     tier_copy_failures: int = 0
     # batches of spills that waited for the disk tier's writes to catch up (kv/disk_tier.py SpillBacklog)
     spill_backlog_waits: int = 0
+    # the hybrid cache's window parts (kv/window_parts.py): blocks a part takes, parts in all, parts no
+    # request or pin holds (free, evictable), parts evicted so far (0 each without the hybrid cache)
+    window_part_blocks: int = 0
+    window_parts: int = 0
+    window_parts_unheld: int = 0
+    window_parts_evicted: int = 0
     # the share of the device KV running requests may hold now (Policy.running_kv_share; 1.0: no bound)
     running_kv_share: float = 1.0
     # seconds a request arriving now may wait before it goes first (Policy.max_wait; 0: no deadline)
@@ -122,4 +128,11 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         disk_blocks_used=kv.disk.num_used, disk_blocks_written=kv.disk_copies.num_spilled,
         tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed, spill_backlog_waits=spill_backlog_waits,
         running_kv_share=scheduler.policy.running_kv_share, max_wait_s=scheduler.policy.max_wait() or 0.0,
-        kv_pressure=scheduler.policy.ctx.kv_pressure())
+        kv_pressure=scheduler.policy.ctx.kv_pressure(), **_window_parts(kv.parts))
+
+
+def _window_parts(parts: Any) -> dict[str, int]:
+    if parts is None:
+        return {}
+    return dict(window_part_blocks=parts.pages, window_parts=parts.num_parts,
+                window_parts_unheld=parts.num_free_pages // parts.pages, window_parts_evicted=parts.num_evicted)

@@ -107,6 +107,13 @@ class _SnapshotCollector(Collector):
                       t.regenerations)
         yield counter("tool_call_validator_fallbacks", "Requests whose validator turned off on an inconsistency "
                       "(they decoded plainly).", t.fallbacks)
+        yield gauge("kv_window_parts", "Blocks' sliding-window-layer KV kept apart (the hybrid cache: "
+                    "--kv-layout); each takes kv_window_part_blocks more blocks.", s.window_parts)
+        yield gauge("kv_window_part_blocks", "Blocks one window part takes (0: no hybrid cache).",
+                    s.window_part_blocks)
+        yield gauge("kv_window_parts_unheld", "Window parts no running request or pin reads: free, evicted "
+                    "before any cached block.", s.window_parts_unheld)
+        yield counter("kv_window_parts_evicted", "Window parts evicted for their blocks.", s.window_parts_evicted)
         yield gauge("host_kv_blocks", "Host-tier KV block slots in all (0: no host tier).", s.host_blocks)
         yield gauge("host_kv_blocks_used", "Host-tier slots holding a copy of a block.", s.host_blocks_used)
         yield gauge("disk_kv_blocks", "Disk-tier KV block files the byte budget allows (0: no disk tier).",
