@@ -198,6 +198,9 @@ def test_cli_runs_both_layouts_and_compares_them(tmp_path, capsys):
     md = format_markdown(rows)
     assert "| KV layout |" in md and "vs full KV" in md and "| hybrid |" in md
     assert any("hybrid KV cache over the full one" in line for line in ratio_lines(rows))
+    assert "| done |" not in md  # every program done: no column
+    rows[0]["completed"] -= 1  # the full cache could not hold one program: its mean is over fewer
+    assert "| done |" in format_markdown(rows) and "| 3/4 |" in format_markdown(rows)
 
 
 def test_cli_old_profile_table_has_no_layout_column(capsys):

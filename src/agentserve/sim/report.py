@@ -94,9 +94,10 @@ def format_markdown(rows: list[dict], base: str = "vllm-fcfs", paper: str = "con
     """The README's table of a sweep: a row a policy and rate, the best mean JCT
     of each rate in bold, speedups over `base` and over `paper` (the paper's policy)."""
     kv = shows_layout(rows)
-    head = ["rate", "policy", *(["KV layout"] if kv else []), "mean JCT", "speedup", f"vs {paper}",
-            *(["vs full KV"] if kv else []), "p95 JCT", "throughput", "hit %", "p99 TTFT", "max queue", "preemptions",
-            "pins", "mean TTL"]
+    done = any(r.get("completed", 0) != r.get("programs", 0) for r in rows)  # a mean over fewer programs: say so
+    head = ["rate", "policy", *(["KV layout"] if kv else []), *(["done"] if done else []), "mean JCT", "speedup",
+            f"vs {paper}", *(["vs full KV"] if kv else []), "p95 JCT", "throughput", "hit %", "p99 TTFT", "max queue",
+            "preemptions", "pins", "mean TTL"]
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---|" * kv + "---:|" * (len(head) - 2 - kv)]
     for rate in sorted({r["rate"] for r in rows}):
         at = [r for r in rows if r["rate"] == rate]
@@ -107,7 +108,8 @@ def format_markdown(rows: list[dict], base: str = "vllm-fcfs", paper: str = "con
             ratio = lambda other: (f"{by[other, _layout(r)]['mean_jct'] / r['mean_jct']:.2f}x"  # noqa: E731
                                    if (other, _layout(r)) in by else "-")
             out.append("| " + " | ".join([
-                f"{rate:g}", r["policy"], *([_layout(r)] if kv else []), f"**{jct}**" if r["mean_jct"] == best else jct,
+                f"{rate:g}", r["policy"], *([_layout(r)] if kv else []),
+                *([f"{r['completed']}/{r['programs']}"] if done else []), f"**{jct}**" if r["mean_jct"] == best else jct,
                 ratio(base), ratio(paper),
                 *([f"{by[r['policy'], 'full']['mean_jct'] / r['mean_jct']:.2f}x"
                    if (r["policy"], "full") in by else "-"] if kv else []),
