@@ -66,8 +66,11 @@ class BlockPool:
         out = []
         parts = self.parts
         for _ in range(n):
-            while parts is not None and not self._empty and parts.num_free_pages:
-                parts.evict_one()  # unheld window parts go before any cached block
+            while parts is not None and not self._empty and parts.num_free_pages and not self._cold:
+                victim = self.strategy.peek()  # a part freed before the next block goes first
+                if victim is not None and victim.last_access < parts.oldest_free_time():
+                    break
+                parts.evict_one()
             if self._empty:
                 b = self._empty.pop()
             else:

@@ -36,6 +36,12 @@ class EvictionStrategy(abc.ABC):
     def __contains__(self, block: Block) -> bool:
         return block.strategy_data is self
 
+    def peek(self) -> Block | None:
+        """The block `pop` would return, where the strategy orders by recency
+        (None: it does not say, or it is empty). The hybrid cache's window
+        parts interleave with it by the time they were freed (kv/window_parts.py)."""
+        return None
+
     # Optional hooks (no-ops by default).
     def on_children_changed(self, block: Block) -> None:
         """`block.num_children` changed (a child was cached or evicted)."""
@@ -130,6 +136,9 @@ class LRU(EvictionStrategy):
     def pop(self) -> Block:
         return self._list.popleft()
 
+    def peek(self) -> Block | None:
+        return self._list.head
+
     def __len__(self) -> int:
         return self._list.size
 
@@ -167,6 +176,9 @@ class LeafLRU(EvictionStrategy):
         if self._leaves.size:
             return self._leaves.popleft()
         return self._inner.popleft()  # IndexError when both are empty
+
+    def peek(self) -> Block | None:
+        return self._leaves.head if self._leaves.size else self._inner.head
 
     def __len__(self) -> int:
         return self._leaves.size + self._inner.size

@@ -50,7 +50,8 @@ class WindowParts:
         self.window = window
         self.pages = pages
         self.block_size = block_size
-        self._free: OrderedDict[int, Block] = OrderedDict()  # owner id -> owner: unheld parts, oldest first
+        # owner id -> (owner, when freed): unheld parts, oldest first
+        self._free: OrderedDict[int, tuple[Block, float]] = OrderedDict()
         self.num_parts = 0
         self.num_evicted = 0
 
@@ -91,7 +92,7 @@ class WindowParts:
             if owner.node is None:
                 self._free_part(owner, now)  # not indexed: no hit will ever want it
             else:
-                self._free[owner.block_id] = owner
+                self._free[owner.block_id] = (owner, now)
 
     def drop(self, owner: Block, now: float = 0.0) -> None:
         """`owner` loses its content (evicted) or became an empty block: its unheld part goes too."""
@@ -99,11 +100,14 @@ class WindowParts:
             self._free.pop(owner.block_id, None)
             self._free_part(owner, now)
 
+    def oldest_free_time(self) -> float:
+        return next(iter(self._free.values()))[1]
+
     def evict_one(self) -> None:
         """Free the oldest unheld part (the pool needs its pages)."""
-        _, owner = self._free.popitem(last=False)
+        _, (owner, t) = self._free.popitem(last=False)
         self.num_evicted += 1
-        self._free_part(owner, owner.last_access)
+        self._free_part(owner, t)
 
     def _free_part(self, owner: Block, now: float) -> None:
         pages, owner.wpart = owner.wpart, None
@@ -202,7 +206,7 @@ class WindowParts:
             for p in b.wpart:
                 assert p.ref_cnt == 1 and p.node is None and p.wpart is None, f"{p} of {b}'s part is shared"
             if b.wrefs == 0:
-                assert self._free.get(b.block_id) is b, f"{b}'s unheld part is not evictable"
+                assert self._free.get(b.block_id, (None,))[0] is b, f"{b}'s unheld part is not evictable"
                 assert b.node is not None, f"{b}'s unheld part outlived its index entry"
             else:
                 assert b.block_id not in self._free
