@@ -112,7 +112,7 @@ class _SnapshotCollector(Collector):
         yield gauge("kv_window_part_blocks", "Blocks one window part takes (0: no hybrid cache).",
                     s.window_part_blocks)
         yield gauge("kv_window_parts_unheld", "Window parts no running request or pin reads: free, evicted "
-                    "before any cached block.", s.window_parts_unheld)
+                    "by recency with the cached blocks.", s.window_parts_unheld)
         yield counter("kv_window_parts_evicted", "Window parts evicted for their blocks.", s.window_parts_evicted)
         yield gauge("host_kv_blocks", "Host-tier KV block slots in all (0: no host tier).", s.host_blocks)
         yield gauge("host_kv_blocks_used", "Host-tier slots holding a copy of a block.", s.host_blocks_used)
