@@ -1,0 +1,180 @@
+"""The model a comparison serves, as the peers must be sized for it: its KV
+shape read from the GGUF header (`ModelShape`, `model_shape`), its KV bytes a
+token, the KV capacity each server is given in its own units (vLLM's bytes,
+llama-server's cells with its window caches), and the token counts every
+server holds exactly (`check_kv_tokens`). bench/peers/specs.py builds the
+servers' command lines from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+
+
+class PeerServerError(RuntimeError):
+    """A server could not be set up, started, or did not answer in time."""
+
+
+MODEL_NAME = "smollm2-135m-instruct"  # what every server is told to answer to (the default model)
+# --model: agentserve's short names (runner/model_names.py); each server answers to its served name,
+# vLLM serves the folder converted from the same GGUF (install_vllm.sh --model NAME writes it)
+MODELS = ("smollm2", "gemma3-270m")
+DEFAULT_MODEL = "smollm2"
+SERVED_NAMES = {"smollm2": MODEL_NAME, "gemma3-270m": "gemma-3-270m"}
+HF_DIRS = {"smollm2": "smollm2-hf", "gemma3-270m": "gemma3-270m-hf"}
+# llama-server's chat format where the GGUF has no template (the Gemma 3 base file): its built-in
+# template of the family (with --no-jinja: to its jinja engine the name would be a literal template
+# that renders "gemma"), as agentserve falls back to the family's turn format
+LLAMASERVER_CHAT_TEMPLATE = {"gemma3-270m": "gemma"}
+LLAMASERVER_SLOTS = 8  # --parallel
+LLAMASERVER_UBATCH = 512  # --ubatch-size (its default, passed so the window cache's size is fixed)
+MiB = 2**20
+
+# SmolLM2-135M-Instruct (from the GGUF's metadata; model_shape reads any model's).
+NUM_LAYERS = 30
+NUM_KV_HEADS = 3
+HEAD_DIM = 64
+MODEL_MAX_LEN = 8192
+KV_DTYPE_BYTES = 2  # bf16 (agentserve, vLLM) / f16 (llama.cpp)
+
+AGENTSERVE_BLOCK_TOKENS = 16
+VLLM_BLOCK_TOKENS = 128  # vLLM's CPU default, passed explicitly
+LLAMACPP_CTX_PAD = 256
+KV_TOKENS_MULTIPLE = 256  # a multiple of all three
+
+
+def kv_bytes_per_token(num_layers: int = NUM_LAYERS, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+                       dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+    """K and V, every layer: 2 * 30 * 3 * 64 * 2 = 23,040 bytes for SmolLM2-135M in 16 bits."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def vllm_kv_cache_bytes(kv_tokens: int, per_token: int | None = None) -> int:
+    """The bytes vLLM is given so that kv_tokens are usable: one block more,
+    for the null block its block pool never hands out (per_token: the
+    model's KV bytes a token, default SmolLM2's)."""
+    return (kv_tokens + VLLM_BLOCK_TOKENS) * (per_token or kv_bytes_per_token())
+
+
+def vllm_kvcache_space_gib(kv_tokens: int, per_token: int | None = None) -> int:
+    """The whole-GiB VLLM_CPU_KVCACHE_SPACE that holds kv_tokens (rounded up,
+    so it holds more: the reason the registry passes bytes instead)."""
+    return -(-vllm_kv_cache_bytes(kv_tokens, per_token) // GiB)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the comparison needs of a model, read from its GGUF's header."""
+    name: str                   # agentserve's short name (`serve --model NAME`)
+    gguf: Path                  # the one file every server serves
+    arch: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context: int                # the model's own context (tokens)
+    vocab_size: int
+    sliding_window: int | None  # tokens a window layer attends to; None: no window layers
+    window_layers: int          # layers with that window (the others are global)
+    end_token_ids: tuple[int, ...]  # end of text / turn: kept from being sampled where a server has no ignore_eos
+
+    @property
+    def served_name(self) -> str:
+        return SERVED_NAMES.get(self.name, self.name)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+        """Every layer's K and V of one token."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+
+
+def _window_layers(meta: dict, arch: str, layers: int) -> tuple[int | None, int]:
+    """(window, layers with it) as llama.cpp reads them: a stored per-layer pattern, else
+    (Gemma 3) every sixth layer global; other architectures' windows are not served."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not window or arch != "gemma3":
+        return None, 0
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return int(window), sum(1 for p in pattern if p)
+    n = int(pattern or 6)
+    return int(window), sum(1 for i in range(layers) if (i + 1) % n)
+
+
+def shape_from_gguf(name: str, path: Path) -> ModelShape:
+    """A model's KV shape from its GGUF header (agentserve's own reader: the metadata only)."""
+    from agentserve.runner.gguf_file import GGUFFile
+
+    try:
+        meta = GGUFFile(path).fields
+    except (OSError, ValueError) as e:
+        raise PeerServerError(f"{path} is not a readable GGUF file: {e}") from None
+    arch = meta.get("general.architecture", "llama")
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    layers = int(get("block_count"))
+    window, n_window = _window_layers(meta, arch, layers)
+    ends = {meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                  "tokenizer.ggml.padding_token_id")} - {None}
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ends |= {i for i, t in enumerate(tokens[:1024]) if t in ("<end_of_turn>", "<|endoftext|>", "<|im_end|>", "<|im_start|>")}
+    return ModelShape(name=name, gguf=Path(path), arch=arch, num_layers=layers,
+                      num_kv_heads=int(get("attention.head_count_kv", heads)),
+                      head_dim=int(get("attention.key_length", int(get("embedding_length")) // heads)),
+                      context=int(get("context_length", 4096)), vocab_size=len(tokens) or int(get("vocab_size", 0)),
+                      sliding_window=window, window_layers=n_window, end_token_ids=tuple(sorted(int(i) for i in ends)))
+
+
+def model_shape(name: str = DEFAULT_MODEL) -> ModelShape:
+    """The shape of short name `name` (one of MODELS), from its installed GGUF (read once a process)."""
+    from agentserve.runner import model_names
+
+    entry = model_names.find(name)
+    if entry is None or entry.name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    if entry.name not in _SHAPES:
+        try:
+            path = entry.path()
+        except FileNotFoundError as e:  # ModelNotInstalled: the pip line that fixes it
+            raise PeerServerError(str(e)) from None
+        _SHAPES[entry.name] = shape_from_gguf(entry.name, path)
+    return _SHAPES[entry.name]
+
+
+_SHAPES: dict[str, ModelShape] = {}
+
+
+def _pad256(n: int) -> int:
+    return -(-n // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
+
+
+def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVER_SLOTS,
+                      ubatch: int = LLAMASERVER_UBATCH) -> tuple[int, int, bool]:
+    """(--ctx-size, window layers' cells, swa_full) that give llama-server the
+    bytes of kv_tokens tokens in every layer (see the module doc): its window
+    layers keep pad256(window x slots + ubatch) cells, its global layers
+    --ctx-size cells, rounded down to 256. swa_full: the window caches alone
+    would not fit, so every layer keeps kv_tokens cells (`--swa-full`)."""
+    if not shape.sliding_window or not shape.window_layers:
+        return kv_tokens, 0, False
+    glob = shape.num_layers - shape.window_layers
+    swa = _pad256(shape.sliding_window * slots + ubatch)
+    if glob == 0 or swa >= kv_tokens:
+        return kv_tokens, kv_tokens, True
+    ctx = (kv_tokens * shape.num_layers - shape.window_layers * swa) // glob
+    return ctx // LLAMACPP_CTX_PAD * LLAMACPP_CTX_PAD, swa, False
+
+
+def check_kv_tokens(kv_tokens: int) -> int:
+    if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens <= 0:
+        raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+    if kv_tokens % KV_TOKENS_MULTIPLE:
+        lo = kv_tokens // KV_TOKENS_MULTIPLE * KV_TOKENS_MULTIPLE
+        raise ValueError(f"kv_tokens must be a multiple of {KV_TOKENS_MULTIPLE} so that every server holds exactly "
+                         f"that many tokens (vLLM blocks of {VLLM_BLOCK_TOKENS}, llama.cpp pads n_ctx to "
+                         f"{LLAMACPP_CTX_PAD}); got {kv_tokens}, try {lo or KV_TOKENS_MULTIPLE} or "
+                         f"{lo + KV_TOKENS_MULTIPLE}")
+    return kv_tokens
