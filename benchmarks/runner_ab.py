@@ -1,5 +1,6 @@
 """`runner_speed --ab-packing` / `--ab-weights`: two configurations of the real
-runner (packed against plain bf16 weights; `--weights native` against bf16)
+runner (packed against plain bf16 weights; `--weights native` against the
+dequantized weights `auto` would otherwise compute with)
 measured in alternation in one process, so the machine's noise hits both."""
 
 from __future__ import annotations
@@ -7,16 +8,24 @@ from __future__ import annotations
 CONTEXT = 512  # decode context, as runner_speed's default table
 AB_BATCHES = (1, 8)
 
-# A/B comparisons: two LLM configurations, bfloat16 compute, measured in alternation
-AB_VARIANTS = {
-    "packing": (("packed", {"pack_weights": True, "weights": "bf16"}),
-                ("plain", {"pack_weights": False, "weights": "bf16"})),
-    "weights": (("native", {"weights": "native"}), ("bf16", {"weights": "bf16"})),
-}
+
+def ab_variants(which: str) -> tuple[tuple[str, dict], tuple[str, dict]]:
+    """Two LLM configurations measured in alternation: packed against plain bf16
+    weights, or native weights against dequantized ones in the dtype `auto`
+    computes in here (bfloat16 where the CPU has it natively, else float32)."""
+    if which == "packing":
+        return (("packed", {"pack_weights": True, "weights": "bf16"}),
+                ("plain", {"pack_weights": False, "weights": "bf16"}))
+    import torch
+
+    from agentserve.runner.device import resolve_dtype
+
+    dense = "bf16" if resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16 else "fp32"
+    return ("native", {"weights": "native", "dtype": "auto"}), (dense, {"weights": dense})
 
 
 def ab_compare(model: str | None, which: str, rounds: int = 3) -> list[dict]:
-    """Two configurations of AB_VARIANTS[which] measured in alternation in one
+    """Two configurations of ab_variants(which) measured in alternation in one
     process (medians over rounds), so machine noise hits both: decode at batch 1
     and 8 (512-token context) and a 512-token prefill, tokens/s, and the bytes a
     decode step reads."""
@@ -27,9 +36,9 @@ def ab_compare(model: str | None, which: str, rounds: int = 3) -> list[dict]:
     from agentserve.runner.profiling import ModelTimer, median_time
 
     loaded = load_model(model, keep_quantized=True)
-    (a, kw_a), (b, kw_b) = AB_VARIANTS[which]
-    llms = {name: LLM(loaded, dtype="bfloat16", kv_cache_tokens=max(AB_BATCHES) * (CONTEXT + 16) + 4096,
-                      policy="vllm-fcfs", **kw) for name, kw in ((a, kw_a), (b, kw_b))}
+    (a, kw_a), (b, kw_b) = ab_variants(which)
+    llms = {name: LLM(loaded, kv_cache_tokens=max(AB_BATCHES) * (CONTEXT + 16) + 4096, policy="vllm-fcfs", **kw)
+            for name, kw in ((a, kw_a), (b, kw_b))}
     points = [(f"decode b{n}", n, lambda t, n=n: t.decode(n, CONTEXT)) for n in AB_BATCHES] + \
         [("prefill 512", 512, lambda t: t.prefill(512))]
     got: dict = {name: {p[0]: [] for p in points} for name in llms}

@@ -35,6 +35,9 @@ HALVES = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [
           "Q4_1": [0, 2], "Q8_0": [0]}
 ALL_TYPES = list(LAYOUT)
 
+# native in bfloat16 here: these compare it with the dequantized bf16 weights, number for number
+DT = {"native": "bfloat16", "bf16": "auto", "fp32": "auto"}
+
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.002) -> np.ndarray:
     """Every code, sub-block scale and minimum drawn uniformly from its whole range
@@ -237,9 +240,9 @@ def test_codes_linear_routes_by_kernel(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "weights native: no kernel for Q4_K here (this CPU lacks AVX2, FMA or F16C, which the GGUF block kernel "
-        "needs); those projections use dequantized bfloat16 weights",
+        "needs); those projections use dequantized weights",
         "weights native: the GGUF kernels are CPU ones, the device is cuda; those projections use dequantized "
-        "bfloat16 weights"]
+        "weights"]
     with pytest.raises(RuntimeError, match="no GGUF block kernel"):
         BlockLinear([k4])
 
@@ -282,7 +285,7 @@ def tiny_kquant_model() -> LoadedModel:
 def test_tiny_kquant_model_native_against_bf16():
     m = tiny_kquant_model()
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
-    kq, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
+    kq, bf16, fp32 = (LLM(m, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16", "fp32"))
     assert kq.dtype == torch.bfloat16 and kq.model.weight_format == "native"
     assert (kq.model.block_linears, kq.model.num_linears) == (9, 9)
     layer = kq.model.layers[0]
@@ -301,6 +304,25 @@ def test_tiny_kquant_model_native_against_bf16():
     clear = (top2[:, 0] - top2[:, 1]) > 0.05 * dense.std(-1)
     assert clear.sum() >= 24
     assert torch.equal(native_logits.argmax(-1)[clear], dense.argmax(-1)[clear])
+
+
+@needs_block
+def test_tiny_kquant_model_native_in_float32():
+    """Native weights computing in float32 (what auto gives on CPUs without native
+    bf16): prefill-sized forwards multiply the float32 copy, so they equal the
+    dequantized float32 model; decode-sized ones run on the blocks with int16
+    activation codes, far closer to it than bf16 weights are."""
+    m = tiny_kquant_model()
+    opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
+    kq, bf16, fp32 = (LLM(m, weights=w, dtype=d, **opts)
+                      for w, d in (("native", "float32"), ("bf16", "auto"), ("fp32", "auto")))
+    assert kq.dtype == torch.float32 and kq.model.weight_format == "native"
+    assert kq.model.lm_head.dense.weight.dtype == torch.float32
+    ids = list(np.random.default_rng(0).integers(0, 320, 48))
+    exact = teacher_forced_logits(fp32, ids, 48)
+    assert torch.equal(teacher_forced_logits(kq, ids, 48), exact)
+    rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
+    assert rel(teacher_forced_logits(kq, ids, BLOCK_MAX_ROWS)) < 0.05 * rel(teacher_forced_logits(bf16, ids, 48))
 
 
 def test_loader_keeps_k_quant_and_q5_tensors_as_blocks(tmp_path):
@@ -323,7 +345,7 @@ def test_loader_keeps_k_quant_and_q5_tensors_as_blocks(tmp_path):
     if native.block_kernel() is None:
         return
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
-    kq, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
+    kq, bf16, fp32 = (LLM(m, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16", "fp32"))
     assert isinstance(kq.model.layers[0].qkv, BlockLinear) and kq.model.layers[0].qkv.qtypes == ["Q5_0", "Q5_1",
                                                                                                   "Q8_0"]
     assert isinstance(kq.model.layers[1].down, BlockLinear) and kq.model.layers[1].down.qtypes == ["Q6_K"]
@@ -390,7 +412,7 @@ def test_gemma_q4_k_m_native_agrees_with_dequantized_bfloat16():
     except ValueError as e:  # before the runner serves Gemma 3
         pytest.skip(f"the runner does not load this file: {e}")
     opts = dict(device="cpu", kv_cache_tokens=1024, max_model_len=1024, block_size=16)
-    native, bf16 = (LLM(loaded, weights=w, **opts) for w in ("native", "bf16"))
+    native, bf16 = (LLM(loaded, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16"))
     m = native.model
     linears = [m.lm_head] + [x for L in m.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
     assert all(isinstance(x, BlockLinear) for x in linears) and m.weight_format == "native"

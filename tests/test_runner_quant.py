@@ -28,6 +28,9 @@ from agentserve.runner.quant import Q4Weight, Q8Weight, from_blocks
 needs_int4 = pytest.mark.skipif(linear.int4_unavailable(torch.device("cpu")) is not None,
                                 reason=f"no int4 kernel: {linear.int4_unavailable(torch.device('cpu'))}")
 
+# native in bfloat16 here: these compare it with the dequantized bf16 weights, number for number
+DT = {"native": "bfloat16", "bf16": "auto", "fp32": "auto"}
+
 
 def q4_weight(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[Q4Weight, torch.Tensor]:
     """Random weights quantized by gguf: (our reading of the blocks, gguf's dequantization)."""
@@ -162,7 +165,7 @@ def test_loader_keeps_q4_and_q8_tensors(tiny_q4):
 def test_tiny_q4_model_native_against_bf16(tiny_q4):
     m = load_gguf(tiny_q4.path, keep_quantized=True)
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
-    q4, bf16, fp32 = (LLM(m, weights=w, **opts) for w in ("native", "bf16", "fp32"))
+    q4, bf16, fp32 = (LLM(m, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16", "fp32"))
     assert q4.model.weight_format == "native" and bf16.model.weight_format == "bf16"
     assert q4.dtype == torch.bfloat16 and fp32.model.weight_format == "fp32"
     # 8 projections int4; the head (266 rows) is not a multiple of 16, which the int4
@@ -178,6 +181,12 @@ def test_tiny_q4_model_native_against_bf16(tiny_q4):
     rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
     # the int4 kernel (8 rows a forward): as close to float32 as the bf16 weights are
     assert rel(teacher_forced_logits(q4, ids, q4.model.int4_max_rows)) < 1.5 * rel(dense)
+    # computing in float32 (auto's choice without native bf16): prefill-sized forwards equal
+    # the float32 model, the int4 kernel's rows are far closer to it than bf16 weights
+    q4f = LLM(m, weights="native", dtype="float32", **opts)
+    assert q4f.dtype == torch.float32 and q4f.model.int4_linears == 8
+    assert torch.equal(teacher_forced_logits(q4f, ids, 48), exact)
+    assert rel(teacher_forced_logits(q4f, ids, q4f.model.int4_max_rows)) < 0.05 * rel(dense)
 
 
 # --- the weights option: choices, conflicts, fallbacks ---------------------------
@@ -188,8 +197,14 @@ def test_weights_plan_and_conflicts():
     assert devices.plan_weights("fp32", "auto", cpu) == (False, torch.float32)
     assert devices.plan_weights("bf16", "bfloat16", cpu) == (False, torch.bfloat16)
     assert devices.plan_weights("auto", "float32", cpu) == (False, torch.float32)  # the exact path stays exact
-    with pytest.raises(ValueError, match="dtype float32"):
-        devices.plan_weights("native", "float32", cpu)
+    kernel = linear.int4_unavailable(cpu) is None
+    auto = devices.resolve_dtype("auto", cpu)  # bf16 where the CPU has it natively, else float32
+    assert devices.plan_weights("auto", "auto", cpu) == (kernel, auto)
+    assert devices.plan_weights("native", "auto", cpu) == (kernel, auto)
+    assert devices.plan_weights("native", "float32", cpu) == (kernel, torch.float32)
+    assert devices.plan_weights("native", "bfloat16", cpu) == (kernel, torch.bfloat16)
+    with pytest.raises(ValueError, match="float16 is not supported on the CPU"):
+        devices.plan_weights("native", "float16", cpu)
     with pytest.raises(ValueError, match="dtype bfloat16"):
         devices.plan_weights("fp32", "bfloat16", cpu)
     with pytest.raises(ValueError, match="not one of"):
@@ -201,12 +216,13 @@ def test_native_without_the_kernel_falls_back_with_one_line(monkeypatch, caplog)
     monkeypatch.setattr(linear, "_INT4_REASON", "this torch build (x) lacks aten._weight_int4pack_mm_for_cpu")
     monkeypatch.setattr(native, "gguf_kernel", lambda: None)
     monkeypatch.setattr(native, "block_kernel", lambda: None)
+    auto = devices.resolve_dtype("auto", torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="agentserve"):
-        assert devices.plan_weights("native", "auto", torch.device("cpu")) == (False, torch.bfloat16)
+        assert devices.plan_weights("native", "auto", torch.device("cpu")) == (False, auto)
         assert devices.plan_weights("auto", "bfloat16", torch.device("cpu")) == (False, torch.bfloat16)
     assert [r.getMessage() for r in caplog.records] == [
         "weights native: this torch build (x) lacks aten._weight_int4pack_mm_for_cpu; "
-        "using dequantized bfloat16 weights"]
+        f"using dequantized {devices.dtype_name(auto)} weights"]
 
 
 @needs_int4
@@ -214,10 +230,10 @@ def test_native_on_models_without_codes_falls_back_with_one_line(tmp_path, caplo
     f16 = write_tiny_gguf(tmp_path / "f16.gguf", n_layers=1, qtypes={n: Q.F16 for n in _qtypes(1)})
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         opts = dict(device="cpu", kv_cache_tokens=64, max_model_len=64)
-        llm = LLM(str(f16.path), weights="native", **opts)
+        llm = LLM(str(f16.path), weights="native", dtype="bfloat16", **opts)
         assert llm.model.weight_format == "bf16" and llm.dtype == torch.bfloat16
         tiny = LLM(loaded(hf_llama(layers=1)), weights="native", **opts)
-        assert tiny.model.weight_format == "bf16"
+        assert tiny.model.weight_format == {torch.float32: "fp32", torch.bfloat16: "bf16"}[tiny.dtype]
         auto = LLM(str(f16.path), weights="auto", dtype="bfloat16", **opts)
         assert auto.model.weight_format == "bf16"  # auto falls back silently
     warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights native")]

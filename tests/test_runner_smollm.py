@@ -89,7 +89,7 @@ STORY = (
 def test_native_q4_weights_agree_with_dequantized_bfloat16():
     loaded = load_model(None, keep_quantized=True)
     opts = dict(device="cpu", kv_cache_tokens=1024, max_model_len=1024, block_size=16)
-    native = LLM(loaded, weights="native", **opts)
+    native = LLM(loaded, weights="native", dtype="bfloat16", **opts)
     bf16 = LLM(loaded, weights="bf16", **opts)
     m = native.model
     # every projection of the 30 layers is Q4_1; the LM head is the tied Q8_0 embedding

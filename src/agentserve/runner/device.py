@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 CPU_DEFAULT_KV_TOKENS = 65536
 
 # --weights: native = GGUF Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and K-quant tensors stay as
-# stored where a kernel here takes them (see gguf_linear.codes_linear; bf16 compute);
+# stored where a kernel here takes them (see gguf_linear.codes_linear);
 # bf16 / fp32 = everything dequantized to that dtype; auto = native where it works.
 WEIGHT_FORMATS = ("auto", "native", "bf16", "fp32")
 _FORMAT_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -71,32 +71,39 @@ def auto_kv_tokens(device: torch.device, bytes_per_token: int, weight_bytes: int
 
 
 def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, torch.dtype]:
-    """Before loading: whether to keep Q4 tensors quantized, and the compute dtype.
+    """Before loading: whether to keep GGUF codes as stored, and the compute dtype.
 
-    `native`, `bf16` and `fp32` fix the compute dtype (native computes in bf16), so an
-    explicit `dtype` that contradicts them is an error. `native` on a device without
-    a kernel for kept codes falls back to the device's default dtype with one log
-    line; `auto` is native exactly when the dtype resolves to bf16 on a CPU with a
-    kernel for kept codes (agentserve's AVX512-VNNI or AVX2 one, or torch's int4):
-    a Q4_0/Q4_1 or Q4_K_M file there runs natively (whether the model has such
-    tensors is known after loading, see `settle_weights`)."""
+    `bf16` and `fp32` fix the compute dtype, so an explicit `dtype` that contradicts
+    them is an error. `native` computes in the dtype asked for (bfloat16 or
+    float32); at `auto` in bfloat16 where the CPU has native bf16 and in float32
+    where it has not (there bf16 is emulated: the float32 copy a prefill
+    multiplies runs about 4x faster than a bf16 one). `native` on a device
+    without a kernel for kept codes falls back to dequantized weights in that
+    dtype with one log line. `auto` is native where a kernel for kept codes
+    exists (agentserve's AVX512-VNNI or AVX2 one, or torch's int4), unless
+    float32 was asked for by name: that is the path that matches transformers
+    exactly. (Whether the model has such tensors is known after loading, see
+    `settle_weights`.)"""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     if weights == "auto":
         dt = resolve_dtype(dtype, device)
-        return dt is torch.bfloat16 and _int4_unavailable(device) is None, dt
-    want = torch.bfloat16 if weights == "native" else _FORMAT_DTYPE[weights]
-    if dtype != "auto" and DTYPES.get(dtype) is not want:
-        raise ValueError(f"weights {weights} compute in {dtype_name(want)}, but dtype {dtype} was asked for "
-                         f"(leave dtype at auto)")
+        exact = dtype != "auto" and dt is torch.float32
+        return dt in (torch.bfloat16, torch.float32) and not exact and _int4_unavailable(device) is None, dt
     if weights != "native":
+        want = _FORMAT_DTYPE[weights]
+        if dtype != "auto" and DTYPES.get(dtype) is not want:
+            raise ValueError(f"weights {weights} compute in {dtype_name(want)}, but dtype {dtype} was asked for "
+                             f"(leave dtype at auto)")
         return False, resolve_dtype(dtype_name(want), device)
+    dt = resolve_dtype(dtype, device)
     why = _int4_unavailable(device)
-    if why is None:
-        return True, torch.bfloat16
-    fallback = resolve_dtype(dtype, device) if device.type != "cpu" else torch.bfloat16
-    log.warning("weights native: %s; using dequantized %s weights", why, dtype_name(fallback))
-    return False, fallback
+    if why is not None:
+        log.warning("weights native: %s; using dequantized %s weights", why, dtype_name(dt))
+        return False, dt
+    if dt not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"weights native compute in bfloat16 or float32, but dtype {dtype} was asked for")
+    return True, dt
 
 
 def settle_weights(weights: str, native: bool, loaded) -> bool:
@@ -129,7 +136,7 @@ def settle_weights(weights: str, native: bool, loaded) -> bool:
                    f"(only {', '.join(types)} do)")
         else:
             why = "the loaded weights were dequantized already (load with keep_quantized=True)"
-        log.warning("weights native: %s; using dequantized bfloat16 weights", why)
+        log.warning("weights native: %s; using dequantized weights", why)
     return False
 
 

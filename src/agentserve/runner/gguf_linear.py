@@ -56,13 +56,15 @@ class BlockLinear:
     gate, up of a fused projection, or one), each kept as the file's blocks:
     csrc/block_matmul.c for at most `max_rows` rows of x, one call per run of
     parts of one type writing its columns of y in place (a fused projection
-    may mix types: Gemma 3's Q4_K_M has q, k in Q5_0 and v in Q8_0); a bf16
-    copy of the dequantized weight (oneDNN-packed when `pack`) above."""
+    may mix types: Gemma 3's Q4_K_M has q, k in Q5_0 and v in Q8_0); a copy
+    of the dequantized weight in the compute `dtype` (bf16 oneDNN-packed when
+    `pack`) above."""
 
     __slots__ = ("lib", "groups", "bias", "bias32", "dense", "max_rows", "shape")
 
     def __init__(self, parts: list, bias: torch.Tensor | None = None, max_rows: int = BLOCK_MAX_ROWS,
-                 pack: bool | None = None, dense: Linear | None = None) -> None:
+                 pack: bool | None = None, dense: Linear | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         lib = native.block_kernel()
         if lib is None:
             raise RuntimeError(f"no GGUF block kernel: {native.block_unavailable_reason()}")
@@ -88,9 +90,8 @@ class BlockLinear:
         self.bias32 = None if bias is None else bias.float().contiguous()
         self.max_rows = max_rows
         if dense is None:
-            if pack is None:
-                pack = should_pack(torch.bfloat16, torch.device("cpu"))
-            weight = torch.cat([p.dequantize().to(torch.bfloat16) for p in parts])
+            pack = should_pack(dtype, torch.device("cpu")) if pack is None else pack and dtype is torch.bfloat16
+            weight = torch.cat([p.dequantize().to(dtype) for p in parts])
             dense = Linear(weight, bias, pack)
         self.dense = dense
 
@@ -146,17 +147,19 @@ def _dequantized_because(why: str) -> None:
     """One log line per reason, not one per projection."""
     if why not in _LOGGED:
         _LOGGED.add(why)
-        log.warning("weights native: %s; those projections use dequantized bfloat16 weights", why)
+        log.warning("weights native: %s; those projections use dequantized weights", why)
 
 
 def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Linear | None,
-                 device: torch.device) -> "Q4Linear | Q8Linear | BlockLinear | None":
+                 device: torch.device, dtype: torch.dtype = torch.bfloat16
+                 ) -> "Q4Linear | Q8Linear | BlockLinear | None":
     """The projection over the row-concatenation of `parts` on a kernel for their
     GGUF codes, or None where no kernel takes them (the caller dequantizes):
     Q4_0/Q4_1 on the tiled AVX512-VNNI kernel where built, else the block
     kernel on AVX2, else torch's int4; Q8_0 on the tiled kernel, else the block
     kernel; the K-quants and Q5_0/Q5_1 on the block kernel; a fused projection
-    of mixed types on the block kernel."""
+    of mixed types on the block kernel. `dtype` is the compute dtype (bfloat16
+    or float32): the activations the kernel takes and the dense copy's."""
     if device.type != "cpu":
         _dequantized_because(f"the GGUF kernels are CPU ones, the device is {device.type}")
         return None
@@ -166,16 +169,16 @@ def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Line
             continue
         q = parts[0] if len(parts) == 1 else kind.cat(parts)  # type: ignore[attr-defined]
         if tiled and int4_shape_ok(q.shape):
-            return layer(q, bias, pack=pack, dense=dense)
+            return layer(q, bias, pack=pack, dense=dense, dtype=dtype)
         # torch's int4 kernel where it takes the shape: as fast as the block kernel at 1-4 rows
         # (SmolLM2's 120 Q4_0 projections, 1 thread, ms block / torch: 1 row 27 / 24, 4 rows 34 / 35,
         # 8 rows 70 / 123; tests/timing_block_kernel.py), and what the model counts as int4 projections
         if kind is Q4Weight and int4_shape_ok(q.shape) and _torch_int4_works():
-            return layer(q, bias, pack=pack, dense=dense)
+            return layer(q, bias, pack=pack, dense=dense, dtype=dtype)
     if not all(isinstance(r, (Q4Weight, Q8Weight, BlockWeight)) for r in parts):
         return None  # a dense part: the projection is dense
     if not block_available(device):
         types = sorted({_blocks_of(p)[0] if isinstance(p, BlockWeight) else p.qtype for p in parts})
         _dequantized_because(f"no kernel for {', '.join(types)} here ({native.block_unavailable_reason()})")
         return None
-    return BlockLinear(parts, bias, pack=pack, dense=dense)
+    return BlockLinear(parts, bias, pack=pack, dense=dense, dtype=dtype)

@@ -178,13 +178,17 @@ def int4_shape_ok(shape: torch.Size | tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % BLOCK == 0
 
 
-def int4_scales_zeros(w: Q4Weight) -> torch.Tensor:
-    """The kernel's bf16 [in/32, out, 2] (scale, zero) pairs for w = (q - 8)*scale + zero.
+def int4_scales_zeros(w: Q4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The kernel's [in/32, out, 2] (scale, zero) pairs for w = (q - 8)*scale + zero,
+    in the activations' dtype: float32 holds d and m + 8d as they are (to float32
+    rounding); bfloat16 needs the fit below.
 
     scale = bf16(d). Rounding d moves every weight of a block by (d - scale)*(q - 8);
     the zero is set to the least-squares best constant for the block's actual codes,
     m + 8d + (d - scale) * mean(q - 8), which cancels the mean of that shift."""
     n, k = w.shape
+    if dtype is torch.float32:
+        return torch.stack([w.d.float(), (w.m + 8 * w.d).float()], -1).transpose(0, 1).contiguous()
     scale = w.d.to(torch.bfloat16)
     mean = w.codes.view(n, k // BLOCK, BLOCK).sum(-1, dtype=torch.int32).float() / BLOCK - 8
     zero = w.m + 8 * w.d + (w.d - scale.float()) * mean
@@ -211,12 +215,13 @@ def _size(t: torch.Tensor | None) -> int:
 
 class _CodesLinear:
     """A weight kept as its GGUF codes for steps of at most `max_rows` rows, with
-    a bf16 copy of the dequantized weight (oneDNN-packed when `pack`) above."""
+    a copy of the dequantized weight in the compute `dtype` (bf16 oneDNN-packed
+    when `pack`) above."""
 
     __slots__ = ("lib", "packed", "q8", "bias", "bias32", "dense", "max_rows", "shape")
 
     def __init__(self, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None, max_rows: int, pack: bool | None,
-                 dense: Linear | None, lib) -> None:
+                 dense: Linear | None, lib, dtype: torch.dtype = torch.bfloat16) -> None:
         if not int4_shape_ok(weight.shape):
             raise ValueError(f"{weight.qtype} weights need rows in multiples of 16 and whole blocks, "
                              f"got {tuple(weight.shape)}")
@@ -227,10 +232,10 @@ class _CodesLinear:
         self.bias = bias
         self.bias32 = None if bias is None or lib is None else bias.float().contiguous()
         self.max_rows = max_rows
-        if pack is None:  # oneDNN packing where this CPU has it (not every x86 CPU does)
-            pack = should_pack(torch.bfloat16, torch.device("cpu"))
-        # `dense` lets a tied LM head share the embedding's bf16 copy
-        self.dense = dense or Linear(weight.dequantize().to(torch.bfloat16), bias, pack)
+        # oneDNN packing where this CPU has it (not every x86 CPU does), bf16 only
+        pack = should_pack(dtype, torch.device("cpu")) if pack is None else pack and dtype is torch.bfloat16
+        # `dense` lets a tied LM head share the embedding's copy
+        self.dense = dense or Linear(weight.dequantize().to(dtype), bias, pack)
 
     @property
     def kernel(self) -> str:
@@ -277,17 +282,18 @@ class Q4Linear(_CodesLinear):
     __slots__ = ("int4", "scales_zeros")
 
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None = None, max_rows: int | None = None,
-                 pack: bool | None = None, dense: Linear | None = None, kernel: str = "auto") -> None:
+                 pack: bool | None = None, dense: Linear | None = None, kernel: str = "auto",
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         if kernel not in ("auto", "torch"):
             raise ValueError(f"kernel {kernel!r} is not one of auto, torch")
         lib = native.gguf_kernel() if kernel == "auto" else None
         if max_rows is None:
             max_rows = NATIVE_Q4_MAX_ROWS if lib is not None else INT4_MAX_ROWS
-        super().__init__(weight, bias, max_rows, pack, dense, lib)
+        super().__init__(weight, bias, max_rows, pack, dense, lib, dtype)
         self.int4 = self.scales_zeros = None
         if lib is None:
             self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-            self.scales_zeros = int4_scales_zeros(weight)
+            self.scales_zeros = int4_scales_zeros(weight, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -296,6 +302,9 @@ class Q4Linear(_CodesLinear):
     def _codes(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None:
             return super()._codes(x)
+        if x.dtype is not self.scales_zeros.dtype:
+            raise TypeError(f"this int4 projection was built for {self.scales_zeros.dtype} activations, "
+                            f"got {x.dtype}")
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.scales_zeros)
         return y if self.bias is None else y.add_(self.bias)
 
@@ -308,11 +317,11 @@ class Q8Linear(_CodesLinear):
     __slots__ = ()
 
     def __init__(self, weight: Q8Weight, bias: torch.Tensor | None = None, max_rows: int = NATIVE_Q8_MAX_ROWS,
-                 pack: bool | None = None, dense: Linear | None = None) -> None:
+                 pack: bool | None = None, dense: Linear | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         lib = native.gguf_kernel()
         if lib is None:
             raise RuntimeError(f"no Q8_0 kernel: {native.gguf_unavailable_reason()}")
-        super().__init__(weight, bias, max_rows, pack, dense, lib)
+        super().__init__(weight, bias, max_rows, pack, dense, lib, dtype)
 
 
 def q8_available(device: torch.device) -> bool:

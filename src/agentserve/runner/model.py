@@ -15,11 +15,10 @@ gated MLP; they differ in a few switches, all read from `ModelConfig`:
 
 Weights arrive in Hugging Face names; the q/k/v and gate/up projections are
 fused into one matrix each, so a layer runs four matrix multiplies. With
-`quantized`, projections whose weights came as GGUF Q4_0/Q4_1 (`quant.Q4Weight`)
-stay 4-bit and run on an int4 kernel (`linear.Q4Linear`), Q8_0 ones (SmolLM2's
-tied LM head) on the Q8_0 kernel where it is built (`linear.Q8Linear`);
-everything else is
-dequantized to the compute dtype. The norms
+`quantized`, projections whose weights came as GGUF codes stay as stored and
+run on a kernel for them for decode-sized steps (`gguf_linear.codes_linear`),
+with a copy in the compute dtype (bfloat16 or float32) for prefill; everything
+else is dequantized to the compute dtype. The norms
 follow transformers exactly (statistics in float32, cast back before the weight
 is applied), which is what makes the float32 path token-exact against it."""
 
@@ -86,8 +85,8 @@ class LlamaModel:
         self.scale = cfg.attention_scale
         if quantized:
             why = int4_unavailable(self.device)
-            if why or dtype is not torch.bfloat16:
-                raise ValueError(f"quantized weights need bfloat16 on a CPU with the int4 kernel "
+            if why or dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"quantized weights need bfloat16 or float32 on a CPU with a kernel for them "
                                  f"({why or f'dtype is {dtype}'})")
         self.quantized = quantized
         max_positions = max_positions or cfg.max_position_embeddings
@@ -146,7 +145,7 @@ class LlamaModel:
         the weights' GGUF codes when quantized and one applies (`codes_linear`),
         else dense."""
         if self.quantized:
-            kept = codes_linear([w.raw(n) for n in names], bias, self.pack, dense, self.device)
+            kept = codes_linear([w.raw(n) for n in names], bias, self.pack, dense, self.device, self.dtype)
             if kept is not None:
                 return kept
         if dense is not None:
