@@ -63,6 +63,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-hit tokens found at first admission (-1: not admitted yet)
     num_loaded_tokens: int = 0  # of those, tokens reloaded from the host tier
+    prefetch: str | None = None  # how a prefetch of its KV before it came ended (engine/prefetch.py): used, late, wasted
     status: RequestStatus = RequestStatus.WAITING
     preempted: bool = False
     num_preemptions: int = 0

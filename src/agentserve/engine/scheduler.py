@@ -33,6 +33,7 @@ from agentserve.clock import Clock
 from agentserve.engine.admission import Admission
 from agentserve.engine.grouped_prefill import follows, prefill_leaders
 from agentserve.engine.pin_review import PinReview
+from agentserve.engine.prefetch import Prefetcher
 from agentserve.engine.preemption import Preemption
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
@@ -98,6 +99,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         self._next_expiry = 0.0
         self.step_model = StepTimeModel(shape=config.attention_shape)
         self.speculator = Speculator(config.speculation)
+        self.prefetcher = Prefetcher(kv, self.stats)  # reloads before a program's predicted return
 
     # --- requests in and out ---
 
@@ -115,6 +117,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         prog = self.programs.touch(req.program_id, now)
         prog.anonymous = req.anonymous
         req.program = prog
+        if self.prefetcher:
+            req.prefetch = self.prefetcher.on_turn(req.program_id, now)
         if prog.history is not None:
             self.stats.superseded_blocks += self.kv.supersede(req.program_id, prog.history, req.token_ids, now,
                                                                 req.cache_salt)
@@ -149,6 +153,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         now = self.clock.now()
         if self._unpin(program_id, now, protect=False):
             self.stats.pins_released_at_end += 1
+        self.prefetcher.drop(program_id)
         self.kv.unprotect(program_id)
         prog = self.programs.end(program_id)
         if prog is not None:
@@ -165,6 +170,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         """A client's explicit release: drop the pin (and the program's place in
         the protected zone), keep the program."""
         released = self._unpin(program_id, self.clock.now(), protect=False) > 0
+        self.prefetcher.drop(program_id)
         return self.kv.unprotect(program_id) > 0 or released
 
     def _unpin(self, program_id: str, now: float, protect: bool = True) -> int:
@@ -220,6 +226,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         busy = {r.program_id for r in self.running} | {r.program_id for r in self.waiting} | set(self.kv.pins)
         for prog in self.programs.expire_idle(now, busy):
             self.kv.unprotect(prog.program_id)
+            self.prefetcher.drop(prog.program_id)
             self._retire(prog.chain)
             self.policy.on_program_end(prog)
 
@@ -230,6 +237,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         self.stats.steps += 1
         self._release_pins(now)  # first: a program whose pin expires now may be idle
         self.expire_programs(now)
+        if self.prefetcher:
+            self.prefetcher.settle(now)
         out = SchedulerOutput()
         kv_blocked_before, self._kv_blocked = self._kv_blocked, False
         step = StepBudget(self.config.max_num_batched_tokens, self.step_model, self.config.min_prefill_chunk)
@@ -303,6 +312,8 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         if not out.preempted and self.waiting and step.budget > 0:
             self._admit_waiting(step, now, prefilling)
 
+        if self.prefetcher:  # after admission: a waiting turn takes the free KV first
+            self.prefetcher.issue(now, self._pin_expiry, self.kv.num_free_blocks - self._held, self._kv_blocked)
         if step.capped:
             self.stats.capped_steps += 1
         add = out.chunks.append
@@ -325,6 +336,10 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                 self._turnover[tier.name].observe(now, tier.num_stored)
         return out
 
+    def _pin_expiry(self, program_id: str) -> float | None:
+        pin = self.kv.pins.get(program_id)
+        return None if pin is None else pin.expiry
+
     def _tier(self, name: str):
         return {"host": self.kv.host, "disk": self.kv.disk}[name]
 
@@ -338,9 +353,12 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         bs = self.kv.block_size
         # (decoding requests never lead: they have one token left)
         leaders = prefill_leaders(prefilling, bs) if self.config.group_prefill else None
+        prefetch = self.prefetcher if self.prefetcher else None
         for req in self.waiting:
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if prefetch is not None and prefetch.in_flight(req.program_id):
+                continue  # its KV is on its way back: admitted once it landed, not recomputed
             match = self.kv.match(req.token_ids, req.cache_salt, req.program.chain)
             if leaders and follows(req, match.num_tokens, leaders, bs):
                 if not req.followed:

@@ -61,6 +61,16 @@ class SchedulerStats:
     grouped_requests: int = 0  # requests that waited for another's prefill of their shared prefix
     superseded_blocks: int = 0  # cached blocks of a program's history that its next turn left, demoted
     retired_blocks: int = 0  # cached blocks only an ended program's chain held, demoted
+    # prefetches of a program's KV from a tier before its next turn (engine/prefetch.py): issued (and
+    # their blocks), and how they ended: used, late (the turn came during the reload), wasted (blocks
+    # evicted before the turn, or the program ended first), cancelled (not issued under KV pressure)
+    prefetch_issued: int = 0
+    prefetch_blocks: int = 0
+    prefetch_used: int = 0
+    prefetch_late: int = 0
+    prefetch_wasted: int = 0
+    prefetch_wasted_blocks: int = 0
+    prefetch_cancelled: int = 0
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0  # tokens sampled
     execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from agentserve.clock import Clock
 from agentserve.engine.executor import CopiesDone, ExecutorResult
+from agentserve.engine.prefetch import Prefetcher
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import SchedulerOutput
@@ -35,6 +36,7 @@ class StepResults:
     waiting: WaitingQueue
     step_model: StepTimeModel
     speculator: Speculator
+    prefetcher: Prefetcher
     token_hook: Callable[[Request, int], RequestStatus | None] | None
 
     if TYPE_CHECKING:
@@ -203,6 +205,10 @@ class StepResults:
             self.waiting.replace_program(pid, now)
         else:
             self._release_table(req, now, decision.action, protect=pid)
+        if self.kv.host.enabled:
+            plan = self.policy.prefetch_plan(req, prog, now)
+            if plan is not None:
+                self.prefetcher.plan(pid, plan.at, plan.until, req.token_ids, prog.chain, req.cache_salt)
 
     def _record_ttl(self, ttl: float) -> None:
         h = self.stats.ttl_history

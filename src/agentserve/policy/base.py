@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from agentserve.policy.decision_log import Decision, DecisionLog, TTLInputs
+from agentserve.policy.prefetch import PrefetchPlan
 from agentserve.policy.program import ProgramState, ProgramTable
 from agentserve.policy.tool_stats import NO_TOOL_CALL, ToolDurationStats
 from agentserve.policy.toolcalls import first_tool_name
@@ -179,6 +180,11 @@ class Policy(abc.ABC):
 
     def swap_on_preempt(self, req: Request) -> bool:
         return False
+
+    def prefetch_plan(self, req: Request, program: ProgramState, now: float) -> PrefetchPlan | None:
+        """When to reload the KV of the program whose turn `req` just ended, should
+        it have gone below the device by then (engine/prefetch.py); None: never."""
+        return None
 
 
 POLICIES: dict[str, type[Policy]] = {}  # filled by @register; read through policy/registry.py

@@ -254,8 +254,8 @@ class AsyncEngine:
                     self._had_work = True
                     if not self._step():
                         self._run_commands(NO_PROGRESS_WAIT_S)
-                elif self.kv.pins:
-                    self._step()  # nothing to run: schedule() releases the pins that expired
+                elif self.kv.pins or self.scheduler.prefetcher:
+                    self._step()  # nothing to run: schedule() releases expired pins, issues due prefetches
                 self._housekeeping()
         except BaseException as e:  # a bug in this loop: fail loudly, never hang clients
             self.crashed = e
@@ -269,6 +269,9 @@ class AsyncEngine:
 
     def _idle_wait(self) -> float:
         first = self.kv.pins.next_expiry()
+        due = self.scheduler.prefetcher.next_due()  # a prefetch to issue (engine/prefetch.py)
+        if due is not None and (first is None or due < first):
+            first = due
         if first is None:
             return IDLE_WAKE_S
         return min(max(first - self.clock.now(), 0.001), IDLE_WAKE_S)

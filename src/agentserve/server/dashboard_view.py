@@ -147,4 +147,7 @@ def build_state(scheduler: Any, source: DashboardSource, now: float, scope: str 
         state["counters"] = {"pins_created": s.pins_created, "pins_hit": s.pins_hit, "pins_expired": s.pins_expired,
                              "pins_reclaimed": s.pins_reclaimed, "decisions": scheduler.policy.decisions.total,
                              "kv_integrity_failures": integrity_failures}
+        if scheduler.kv.host.enabled:  # reloads before predicted returns (engine/prefetch.py)
+            state["counters"].update(prefetch_issued=s.prefetch_issued, prefetch_used=s.prefetch_used,
+                                     prefetch_late=s.prefetch_late, prefetch_wasted=s.prefetch_wasted)
     return state

@@ -89,6 +89,18 @@ class _SnapshotCollector(Collector):
         yield counter("pins_released_at_end", "Pins dropped because their program ended.", s.pins_released_at_end)
         yield counter("kv_retired_blocks", "Cached blocks only an ended program's chain held, sent to the cold "
                       "end of eviction.", s.retired_blocks)
+        yield counter("prefetch_issued", "Reloads of a program's KV from the host or disk tier issued before its "
+                      "predicted next turn (the agentserve policy's prefetch).", s.prefetch_issued)
+        yield counter("prefetch_blocks", "KV blocks those prefetches reloaded.", s.prefetch_blocks)
+        yield counter("prefetch_used", "Prefetches whose turn came after they landed and found every block on the "
+                      "device.", s.prefetch_used)
+        yield counter("prefetch_late", "Prefetches whose turn came while they were in flight (it waited for them).",
+                      s.prefetch_late)
+        yield counter("prefetch_wasted", "Prefetches whose blocks were evicted before their turn came, or whose "
+                      "program ended first.", s.prefetch_wasted)
+        yield counter("prefetch_wasted_blocks", "Prefetched blocks evicted (or left) unused.", s.prefetch_wasted_blocks)
+        yield counter("prefetch_cancelled", "Prefetches not issued because the reload would have taken KV that "
+                      "running or waiting requests needed.", s.prefetch_cancelled)
         t = s.tool_calls
         yield counter("tool_call_validated_requests", "Chat requests a streaming tool-call validator followed.",
                       t.requests)

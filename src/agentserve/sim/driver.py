@@ -95,6 +95,9 @@ class SimResult:
     kv_layout: str = "full"  # the KV accounting the run used (full or hybrid)
     kv_blocks: int = 0  # device KV blocks of each replica (hybrid: blocks of the global layers' KV)
     window_parts_evicted: int = 0  # hybrid: window parts evicted for their pages
+    # TTFT of the turns whose KV was below the device when they came (reloaded, or prefetched)
+    below_ttft: list[float] = field(default_factory=list)
+    prefetch: dict = field(default_factory=dict)  # prefetches issued, used, late, wasted, cancelled (engine/prefetch.py)
 
     @property
     def throughput(self) -> float:
@@ -181,7 +184,9 @@ class SimReplica:
         """When this replica next acts: now if it has work, else at the next arrival (inf: never)."""
         if self.scheduler.has_work:
             return self.clock.now()
-        return max(self.clock.now(), events[0][0]) if events else math.inf
+        due = self.scheduler.prefetcher.next_due()
+        nxt = min(events[0][0] if events else math.inf, math.inf if due is None else due)
+        return max(self.clock.now(), nxt)
 
 
 def attention_shape(model) -> AttentionShape:
@@ -228,6 +233,7 @@ def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
     first_arrival: dict[int, float] = {}
     jct: list[float] = []
     ttft: list[float] = []
+    below_ttft: list[float] = []
     queue_times: list[float] = []
     rejected = 0
     last_finish = 0.0
@@ -274,9 +280,13 @@ def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
         while events and events[0][0] <= now:
             _, _, i, turn = heapq.heappop(events)
             submit(i, turn, now)
-        if not sched.has_work:
-            if events:
-                clock.advance_to(events[0][0])
+        due = sched.prefetcher.next_due()  # a prefetch to issue (engine/prefetch.py)
+        if not sched.has_work and (due is None or due > now):
+            nxt = min(events[0][0] if events else math.inf, math.inf if due is None else due)
+            if nxt < math.inf:
+                clock.advance_to(nxt)
+            elif not events:
+                break
             continue
         t0 = time.perf_counter()
         out = sched.schedule()
@@ -286,9 +296,13 @@ def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
             expiry = kv.pins.next_expiry()
             if expiry is not None and expiry > now:
                 wake.append(expiry)
+            if due is not None and due > now:
+                wake.append(due)
             landing = executor.next_copy_time()  # a request waits for its reloads
             if landing is not None:
                 wake.append(max(landing, now))
+            if not wake and not sched.has_work:
+                continue  # only a prefetch was due, and it is not issued: nothing left to do
             if not wake:
                 raise RuntimeError(f"simulation stalled at t={now:.3f}: {sched.num_waiting} waiting, "
                                    f"{sched.num_running} running, {len(kv.pins)} pins")
@@ -309,6 +323,8 @@ def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
         for req in finished:
             i, turn = by_rid.pop(req.request_id)
             ttft.append(req.first_token_time - req.arrival_time)
+            if req.num_loaded_tokens > 0 or req.prefetch is not None:
+                below_ttft.append(ttft[-1])
             queue_times.append(req.queue_time)
             p = programs[i]
             if turn == len(p.calls) - 1:
@@ -327,8 +343,10 @@ def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
             rep.scheduler.schedule()
         rep.scheduler.check_integrity()
     start = min((p.arrival for p in programs), default=0.0)
-    return _result(cfg, reps, programs, jct, ttft, queue_times, rejected, max(0.0, last_finish - start),
-                   time.perf_counter() - wall0)
+    result = _result(cfg, reps, programs, jct, ttft, queue_times, rejected, max(0.0, last_finish - start),
+                     time.perf_counter() - wall0)
+    result.below_ttft = below_ttft
+    return result
 
 
 def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct: list[float],
@@ -368,6 +386,8 @@ def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct
                "spill_backlog_peak": max(r.executor.backlog.peak for r in reps)},
         state=state, kv_layout=reps[0].layout, kv_blocks=reps[0].kv.num_blocks,
         window_parts_evicted=sum(r.kv.parts.num_evicted for r in reps if r.kv.parts is not None),
+        prefetch={k: sum(getattr(s, "prefetch_" + k) for s in stats)
+                  for k in ("issued", "blocks", "used", "late", "wasted", "wasted_blocks", "cancelled")},
     )
     if len(reps) > 1:
         result.replicas = [{"replica": r.name, "turns": r.turns, "steps": r.steps, "busy_s": e.busy_time,

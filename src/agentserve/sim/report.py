@@ -16,6 +16,8 @@ def result_row(workload: str, profile: str, rate: float, r: SimResult) -> dict:
         "mean_jct": mean(r.jct), "p90_jct": percentile(r.jct, 90), "p95_jct": percentile(r.jct, 95),
         "throughput": r.throughput, "hit_ratio": r.hit_ratio,
         "p99_ttft": percentile(r.ttft, 99), "mean_ttft": mean(r.ttft),
+        "p99_ttft_below": percentile(r.below_ttft, 99) if r.below_ttft else math.nan,
+        "below_turns": len(r.below_ttft), "prefetch": r.prefetch,
         "max_queue": max(r.queue_times, default=0.0), "preemptions": r.preemptions,
         "programs": r.programs, "completed": r.completed, "rejected": r.rejected,
         "steps": r.steps, "sched_overhead_us": r.sched_overhead_s * 1e6, "sim_wall_s": r.wall_s,

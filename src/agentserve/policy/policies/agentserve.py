@@ -77,10 +77,18 @@ And an ended program's own KV goes first: a program's last turn (or its end
 between turns) sends the blocks that only its chain holds to the cold end of
 eviction (`retire`), where vLLM, and Continuum on it, free them as the newest.
 
+And where a tier lies below, a program whose KV went down to it during its
+tool call gets it reloaded before its next turn is likely to come back
+(`prefetch`, engine/prefetch.py): when, is chosen at the turn's end from the
+tool's learned durations and the reload time from the tier its KV is expected
+in (the nearest that keeps a copy as long as the tool runs), weighing the
+wait saved against device memory taken early at the pressure-weighted cost of
+a pinned second (policy/prefetch.py).
+
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
 `wait_bound=none` (with a host tier: the 50 s credit instead), `eta=1`,
-`retire=off`, `running_share=1`, `deadline=none`, `short_first=none`) for the
-ablations in the README."""
+`retire=off`, `running_share=1`, `deadline=none`, `short_first=none`,
+`prefetch=off`) for the ablations in the README."""
 
 from __future__ import annotations
 
@@ -90,6 +98,7 @@ from agentserve.policy.base import PolicyContext, Retention, register
 from agentserve.policy.decision_log import TTLInputs
 from agentserve.policy.fcfs_wait import FcfsWait
 from agentserve.policy.policies.continuum import Continuum
+from agentserve.policy.prefetch import PrefetchPlan, prefetch_start
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 log = logging.getLogger("agentserve.policy")
@@ -107,7 +116,7 @@ class AgentServe(Continuum):
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
                  wait_bound: float | None = 2.0, retire: bool = True,
                  running_share: float = 0.95, deadline: float | None = 50.0,
-                 short_first: float | None = 0.5, **options) -> None:
+                 short_first: float | None = 0.5, prefetch: bool = True, **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
             raise ValueError(f"min_pin_cost must be in (0, 1], got {min_pin_cost!r}")
@@ -129,6 +138,9 @@ class AgentServe(Continuum):
         if short_first is not None and (isinstance(short_first, bool) or not 0.0 < short_first <= 1.0):
             raise ValueError(f"short_first must be a KV pressure in (0, 1] (or none), got {short_first!r}")
         self.short_first = short_first
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be on or off, got {prefetch!r}")
+        self.prefetch = prefetch
         self.pressure = pressure
         self.min_pin_cost = min_pin_cost
         self.tiers = tiers
@@ -254,6 +266,29 @@ class AgentServe(Continuum):
                     return reload(tokens), tier
             return ctx.prefill_cost(tokens), "prefill"
         return ctx.reload_cost(tokens), "reload"
+
+    def prefetch_plan(self, req, program, now):
+        """A reload from the tier the KV is expected in (the nearest whose copies
+        outlast the tool's expected duration; none: nothing to reload), started
+        at the lead time policy/prefetch.py chooses over the tool's durations (the
+        global ones while the TTL model has too few of the tool's)."""
+        ctx = self.ctx
+        if not self.prefetch or not ctx.tier_reload:
+            return None
+        tool = req.tool_name or NO_TOOL_CALL
+        stats = self.tool_stats
+        samples = stats.sorted_samples(tool) if self.model.regime(tool) == "tool" else stats.global_sorted_samples()
+        if not samples:
+            samples = stats.sorted_samples(tool)
+        wait = self.expected_wait(tool)
+        tier = next((t for t in ctx.tier_reload if ctx.tier_residency(t) >= wait), None)
+        if not samples or tier is None:
+            return None
+        reload_s = ctx.tier_reload[tier](req.num_computed_tokens)
+        start = prefetch_start(samples, reload_s, self.pin_cost())
+        if start is None:
+            return None
+        return PrefetchPlan(now + start[0], reload_s, tier, start[1], now + samples[-1])
 
     def retention(self, req, program, now):
         decision = super().retention(req, program, now)
