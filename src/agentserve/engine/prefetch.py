@@ -59,6 +59,7 @@ class Prefetcher:
         self.kv = kv
         self.stats = stats
         self._plans: dict[str, _Plan] = {}
+        self._flying: dict[str, _Plan] = {}  # issued, not landed yet
         self._due: list[tuple[float, int, _Plan]] = []  # (at, n, plan) of plans not issued yet
         self._n = itertools.count()
 
@@ -91,16 +92,16 @@ class Prefetcher:
         """Issued prefetches whose reloads all landed: their blocks to the cold end
         (the first evicted when KV runs short) until the turn comes; a late one's
         turn already waits, so it is done and its blocks stay where the turn finds them."""
-        done = []
-        for p in self._plans.values():
-            if p.loads and not p.settled and landed(self.kv, p.loads):
-                p.settled = True
-                if p.late:
-                    done.append(p.program_id)
-                else:  # deepest first, as the pool evicts a chain (a block whose tier copy is gone stays)
-                    self.kv.pool.demote(b for n, b in reversed(p.loads) if _holds(n, b) and _has_copy(n))
-        for pid in done:
-            del self._plans[pid]
+        for pid, p in list(self._flying.items()):
+            if not landed(self.kv, p.loads):
+                continue
+            del self._flying[pid]
+            p.settled = True
+            if p.late:
+                if self._plans.get(pid) is p:
+                    del self._plans[pid]
+            else:  # deepest first, as the pool evicts a chain (a block whose tier copy is gone stays)
+                self.kv.pool.demote(b for n, b in reversed(p.loads) if _holds(n, b) and _has_copy(n))
 
     def issue(self, now: float, pinned, room: int, blocked: bool) -> None:
         """Issue the plans due by `now`. `pinned(pid)`: the pin's expiry, or None;
@@ -130,6 +131,7 @@ class Prefetcher:
                 del self._plans[p.program_id]
                 continue
             p.loads = loads
+            self._flying[p.program_id] = p
             room -= len(nodes)
             self.stats.prefetch_issued += 1
             self.stats.prefetch_blocks += len(nodes)
@@ -168,6 +170,8 @@ class Prefetcher:
         """The program ended, or the client released it: no reload from now on; an
         issued prefetch whose turn never came is wasted."""
         p = self._plans.pop(program_id, None)
+        if p is not None and self._flying.get(program_id) is p:
+            del self._flying[program_id]  # its reloads land like any (their blocks stay cached)
         if p is not None and p.loads and not p.late:
             self.stats.prefetch_wasted += 1
             self.stats.prefetch_wasted_blocks += len(p.loads)
