@@ -57,10 +57,14 @@ def test_the_start_is_the_best_on_a_fine_grid(seed):
         assert got[1] >= best - 1e-9
 
 
-def test_prefetch_off_is_an_agentserve_option():
+def test_prefetch_off_is_an_agentserve_option(tmp_path):
+    from agentserve.bench.peers.specs import server_spec
+
     assert parse_policy_spec("agentserve:prefetch=off") == ("agentserve", {"prefetch": False})
     with pytest.raises(ValueError):
         parse_policy_spec("agentserve:prefetch=3")
+    argv = server_spec("agentserve-agentserve+host:prefetch=off", 32768, peers_dir=tmp_path).argv
+    assert argv[argv.index("--policy") + 1] == "agentserve:prefetch=off" and "--host-kv-tokens" in argv
 
 
 # --- the engine ---

@@ -11,8 +11,9 @@ its blocks that have a tier copy and no device block are reloaded
 holds its KV (rechecked at the pin's expiry) and while nothing of the chain
 has gone below yet (rechecked every `RECHECK_S`). It is cancelled, and never
 issued again for that turn, when the reload does not fit in the free blocks
-the running requests' headroom leaves, or a request was held back for KV this
-step: a prefetch never takes KV a turn waits for, and never preempts. Landed,
+that the running requests' headroom and the first waiting request leave, or a
+request was held back for KV this step: a prefetch never takes KV a turn
+waits for, and never preempts. Landed,
 its blocks are free cached blocks at the cold end of eviction, the first to
 go when KV runs short, until the turn comes and takes them.
 
@@ -103,10 +104,10 @@ class Prefetcher:
             else:  # deepest first, as the pool evicts a chain (a block whose tier copy is gone stays)
                 self.kv.pool.demote(b for n, b in reversed(p.loads) if _holds(n, b) and _has_copy(n))
 
-    def issue(self, now: float, pinned, room: int, blocked: bool) -> None:
-        """Issue the plans due by `now`. `pinned(pid)`: the pin's expiry, or None;
-        `room`: free blocks the running requests' headroom leaves; `blocked`: a
-        request was held back for KV this step."""
+    def issue(self, now: float, room: int, blocked: bool) -> None:
+        """Issue the plans due by `now`. `room`: free blocks the running requests'
+        headroom and the first waiting request leave; `blocked`: a request was
+        held back for KV this step."""
         h = self._due
         retry = []
         while h and h[0][0] <= now:
@@ -116,9 +117,9 @@ class Prefetcher:
             if now > p.until:  # later than any recorded return: no longer predicted
                 del self._plans[p.program_id]
                 continue
-            expiry = pinned(p.program_id)
-            if expiry is not None:  # its KV is on the device while the pin holds
-                retry.append((max(expiry, now + 1e-6), p))
+            pin = self.kv.pins.get(p.program_id)
+            if pin is not None:  # its KV is on the device while the pin holds
+                retry.append((max(pin.expiry, now + 1e-6), p))
                 continue
             path = self.kv.index.walk(p.tokens, salt=p.salt, hint=p.hint)
             nodes = tier_blocks(self.kv, path)

@@ -312,8 +312,10 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         if not out.preempted and self.waiting and step.budget > 0:
             self._admit_waiting(step, now, prefilling)
 
-        if self.prefetcher:  # after admission: a waiting turn takes the free KV first
-            self.prefetcher.issue(now, self._pin_expiry, self.kv.num_free_blocks - self._held, self._kv_blocked)
+        if self.prefetcher:  # after admission: the running requests' headroom and the next waiting turn go first
+            head = next(iter(self.waiting), None)
+            room = self.kv.num_free_blocks - self._held - (self.kv.blocks_for(head.num_tokens) if head else 0)
+            self.prefetcher.issue(now, room, self._kv_blocked)
         if step.capped:
             self.stats.capped_steps += 1
         add = out.chunks.append
@@ -335,10 +337,6 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
             if tier.enabled:
                 self._turnover[tier.name].observe(now, tier.num_stored)
         return out
-
-    def _pin_expiry(self, program_id: str) -> float | None:
-        pin = self.kv.pins.get(program_id)
-        return None if pin is None else pin.expiry
 
     def _tier(self, name: str):
         return {"host": self.kv.host, "disk": self.kv.disk}[name]

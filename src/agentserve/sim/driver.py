@@ -285,8 +285,6 @@ def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
             nxt = min(events[0][0] if events else math.inf, math.inf if due is None else due)
             if nxt < math.inf:
                 clock.advance_to(nxt)
-            elif not events:
-                break
             continue
         t0 = time.perf_counter()
         out = sched.schedule()
