@@ -270,3 +270,52 @@ def test_counted_in_metrics_and_on_the_dashboard():
     assert 'agentserve:prefetch_wasted_total{model_name="m"} 0.0' in text
     counters = build_state(h.s, DashboardSource(), h.clock.now(), None)["counters"]
     assert (counters["prefetch_issued"], counters["prefetch_used"], counters["prefetch_late"]) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("disk_lag", [0, 2])
+def test_a_chain_on_disk_is_reloaded_with_its_own_kv(disk_lag):
+    """kv/prefetch_loads.py on the disk tier's fake executor (test_disk_tier.py), which
+    tracks every block's content through the tiers: the prefetched blocks hold the
+    chain's KV, and the next run of the sequence hits them on the device."""
+    from test_disk_tier import mk, seq
+
+    from agentserve.kv.prefetch_loads import landed, load_chain, tier_blocks
+
+    t = mk()
+    for tag in range(1, 4):  # device -> host -> disk, as in test_disk_tier
+        t.run(seq(tag))
+    t.disk_lag = disk_lag  # from here the disk reloads land batches after their host part
+    kv = t.kv
+    tokens = seq(1)
+    path = kv.index.walk(tokens)
+    nodes = tier_blocks(kv, path)
+    assert len(nodes) == 2 and all(n.block is None and kv.disk.readable(n) for n in nodes)
+    loads = load_chain(kv, nodes, path, now=1.0)
+    assert [n for n, _ in loads] == nodes and not landed(kv, loads)
+    assert tier_blocks(kv, path) == []  # a reload under way is not issued twice
+    t.step()
+    while t.in_flight:
+        t.land()
+        kv.check_integrity()
+    assert landed(kv, loads)
+    for i, (node, block) in enumerate(loads):
+        assert node.block is block and t.dev[block.block_id] == tuple(tokens[i * 4:(i + 1) * 4])
+    assert t.run(tokens) == (2, 0, 0)  # a hit on the device: nothing reloaded on its path
+
+
+def test_a_reload_that_does_not_fit_changes_nothing():
+    from test_disk_tier import mk, seq
+
+    from agentserve.kv.prefetch_loads import load_chain, tier_blocks
+
+    t = mk(device=3)
+    for tag in range(1, 3):
+        t.run(seq(tag))
+    kv = t.kv
+    path = kv.index.walk(seq(1))
+    nodes = tier_blocks(kv, path)
+    st = kv.admit(kv.match(seq(5)), 12, 0.0)  # a request holds every device block
+    assert st is not None and kv.num_free_blocks == 0 and nodes
+    assert load_chain(kv, nodes, path, 0.0) is None
+    kv.check_integrity([st])
+    assert not kv.copies.loading and not kv.disk_copies.loading
