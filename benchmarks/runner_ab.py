@@ -16,11 +16,9 @@ def ab_variants(which: str) -> tuple[tuple[str, dict], tuple[str, dict]]:
     if which == "packing":
         return (("packed", {"pack_weights": True, "weights": "bf16"}),
                 ("plain", {"pack_weights": False, "weights": "bf16"}))
-    import torch
+    from agentserve.runner.native import cpu_has_native_bf16
 
-    from agentserve.runner.device import resolve_dtype
-
-    dense = "bf16" if resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16 else "fp32"
+    dense = "bf16" if cpu_has_native_bf16() else "fp32"  # what --dtype auto computes in on this CPU
     return ("native", {"weights": "native", "dtype": "auto"}), (dense, {"weights": dense})
 
 

@@ -311,10 +311,11 @@ def test_tiny_kquant_model_native_in_float32():
     """Native weights computing in float32 (what auto gives on CPUs without native
     bf16): prefill-sized forwards multiply the float32 copy, so they equal the
     dequantized float32 model; decode-sized ones run on the blocks with int16
-    activation codes, far closer to it than bf16 weights are."""
+    activation codes, far closer to it than bf16 weights are (a float32 KV
+    cache here: auto's bf16 one is test_kv_dtype's)."""
     m = tiny_kquant_model()
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
-    kq, bf16, fp32 = (LLM(m, weights=w, dtype=d, **opts)
+    kq, bf16, fp32 = (LLM(m, weights=w, dtype=d, kv_dtype="float32" if w == "native" else "auto", **opts)
                       for w, d in (("native", "float32"), ("bf16", "auto"), ("fp32", "auto")))
     assert kq.dtype == torch.float32 and kq.model.weight_format == "native"
     assert kq.model.lm_head.dense.weight.dtype == torch.float32

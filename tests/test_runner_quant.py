@@ -183,7 +183,7 @@ def test_tiny_q4_model_native_against_bf16(tiny_q4):
     assert rel(teacher_forced_logits(q4, ids, q4.model.int4_max_rows)) < 1.5 * rel(dense)
     # computing in float32 (auto's choice without native bf16): prefill-sized forwards equal
     # the float32 model, the int4 kernel's rows are far closer to it than bf16 weights
-    q4f = LLM(m, weights="native", dtype="float32", **opts)
+    q4f = LLM(m, weights="native", dtype="float32", kv_dtype="float32", **opts)
     assert q4f.dtype == torch.float32 and q4f.model.int4_linears == 8
     assert torch.equal(teacher_forced_logits(q4f, ids, 48), exact)
     assert rel(teacher_forced_logits(q4f, ids, q4f.model.int4_max_rows)) < 0.05 * rel(dense)

@@ -31,13 +31,19 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
     g.add_argument("--weights", default="auto", choices=["auto", "native", "bf16", "fp32"],
-                   help="weight format. native: a GGUF's Q4_0/Q4_1 tensors stay 4-bit and decode steps (up to "
-                        "8 tokens) run torch's CPU int4 kernel, about 2x faster decode than bf16 here; larger "
-                        "steps (prefill) use a bf16 copy kept beside them (1.3x the memory of bf16 weights); "
-                        "compute in bfloat16. bf16 / fp32: every tensor dequantized to that dtype (fp32 matches "
-                        "transformers exactly). auto: native for a Q4_0/Q4_1 GGUF on a CPU where --dtype "
-                        "resolves to bfloat16, else what --dtype says. A format the model or machine cannot "
-                        "use falls back to dequantized weights with one log line saying why.")
+                   help="weight format. native: a GGUF's quantized tensors (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, "
+                        "Q5_K, Q6_K) stay as the file stores them and decode steps (up to 8-16 tokens) multiply "
+                        "on them, several times faster than dequantized weights on a CPU; larger steps "
+                        "(prefill) use a dequantized copy in the compute dtype kept beside them. bf16 / fp32: "
+                        "every tensor dequantized to that dtype (fp32 matches transformers exactly). auto: "
+                        "native for such a GGUF on a CPU with a kernel for it, unless --dtype float32 is "
+                        "asked for by name (the exact path). A format the model or machine cannot use falls "
+                        "back to dequantized weights with one log line saying why.")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="dtype of the KV cache. auto: the compute dtype, except bfloat16 where the model computes "
+                        "in float32 with native weights (a CPU without native bf16): half the bytes, twice the "
+                        "tokens in the same memory, as llama.cpp keeps an f16 cache. float32 needs float32 "
+                        "compute")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
     g.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="device KV capacity in tokens (default: 65536 on CPU, what fits on a GPU)")
@@ -120,7 +126,7 @@ def build_llm(args):
                    policy=policy, policy_options=options, profile=args.profile, threads=args.threads,
                    weights=args.weights, speculate=args.speculate,
                    group_prefill=args.group_prefill, protected_kv_share=args.protected_kv_share,
-                   kv_layout=args.kv_layout)
+                   kv_layout=args.kv_layout, kv_dtype=args.kv_dtype)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
 

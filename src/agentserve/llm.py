@@ -52,7 +52,7 @@ class LLM:
                  policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
                  speculate: int = 8, group_prefill: bool = True, overlap_copies: bool = True,
-                 protected_kv_share: float = 0.0, kv_layout: str = "auto") -> None:
+                 protected_kv_share: float = 0.0, kv_layout: str = "auto", kv_dtype: str = "auto") -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
         is native where the model and machine allow it, else `dtype` decides.
@@ -65,7 +65,9 @@ class LLM:
         programs between turns (kv/protected_zone.py; 0: none). `kv_layout`:
         "hybrid" keeps a sliding-window layer's KV only while a token can read
         it (kv/window_parts.py), "full" every layer's, "auto" hybrid where the
-        model has window and global layers and no tier is asked for."""
+        model has window and global layers and no tier is asked for. `kv_dtype`:
+        the KV cache's dtype (`devices.resolve_kv_dtype`: auto is the compute
+        dtype, bfloat16 under float32 compute with native weights)."""
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
@@ -84,7 +86,8 @@ class LLM:
         del loaded  # the float32 (or 4-bit) copies of the weights
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        per_token = cfg.kv_bytes_per_token(self.model.embed.element_size())
+        self.kv_dtype = devices.resolve_kv_dtype(kv_dtype, self.dtype, self.model.weight_format == "native")
+        per_token = cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
         if kv_cache_tokens is None:
             kv_cache_tokens = devices.auto_kv_tokens(self.device, per_token, self.model.weight_bytes)
         layout = kv_layout_for(kv_layout, self.model.windows, tiers=host_kv_tokens > 0 or disk_kv_bytes > 0)
@@ -93,7 +96,7 @@ class LLM:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} gives no block of {block_size} tokens")
         host_blocks = host_kv_tokens // block_size
-        self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.dtype, self.device, layout)
+        self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.kv_dtype, self.device, layout)
         disk_blocks = self._disk_tier(disk_kv_bytes, disk_kv_dir)
         if not 0.0 <= protected_kv_share <= 0.9:
             raise ValueError(f"protected_kv_share must be in [0, 0.9], got {protected_kv_share}")
@@ -126,11 +129,11 @@ class LLM:
                                 eos_token_ids=cfg.eos_token_ids or tok.eos_token_ids)
         self._tool_grammars = None
         self.chat_template = ChatTemplate(template, tok.bos_token or "", tok.eos_token or "")
-        log.info("model %s on %s (%s, weights %s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB) in "
-                 "blocks of %d, host tier %d tokens; policy %s", self.model_source, self.device,
+        log.info("model %s on %s (%s, weights %s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB, %s) "
+                 "in blocks of %d, host tier %d tokens; policy %s", self.model_source, self.device,
                  devices.dtype_name(self.dtype), self._weights_summary(), cfg.num_layers, cfg.num_params() / 1e6,
-                 num_blocks * block_size, self.kv_cache.bytes / 2**20, block_size, host_blocks * block_size,
-                 self.scheduler.policy.name)
+                 num_blocks * block_size, self.kv_cache.bytes / 2**20, devices.dtype_name(self.kv_dtype), block_size,
+                 host_blocks * block_size, self.scheduler.policy.name)
 
     def _disk_tier(self, disk_kv_bytes: int, disk_kv_dir: str | None) -> int:
         """Set up the disk KV tier (below the host tier): its number of block files."""

@@ -295,10 +295,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, H, D = q.shape
     KVH, NB, BS, _ = k_cache.shape
     G = H // KVH
-    k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    # a 16-bit cache under float32 compute (--kv-dtype): the K/V are rounded as they are written
+    k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     if meta.kernel:
         return attend_native(q, k, v, k_cache, v_cache, meta, scale, window)
+    k, v = _as_cached(k, k_cache), _as_cached(v, v_cache)
     if window is not None:
         meta = meta.for_window(window)
     dec = meta.decode
@@ -315,8 +317,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue
         else:
             ctx = sp.start + sp.num_rows - sp.kv_start
-            ks = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx]
-            vs = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx]
+            ks = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx].to(q.dtype)
+            vs = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :ctx].to(q.dtype)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, scale=scale, enable_gqa=G > 1)
         out[a:b] = o.squeeze(0).transpose(0, 1)
     return out.view(T, H * D)
@@ -337,10 +339,16 @@ def attend_native(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
         raise ValueError("long chunks on matrix kernels need the step's own k and v")
     if window is not None:
         meta = meta.for_window(window)
+    k, v = _as_cached(k, k_cache), _as_cached(v, v_cache)
     q = q.contiguous()
     out = torch.empty_like(q)
     if meta.native is not None:
-        _native_attention(q, out, k_cache, v_cache, meta.native, scale, meta.window)
+        if q.dtype is k_cache.dtype:
+            _native_attention(q, out, k_cache, v_cache, meta.native, scale, meta.window)
+        else:  # a bfloat16 cache under float32 compute: the kernel reads q in the cache's dtype
+            low = torch.empty(q.shape, dtype=k_cache.dtype)
+            _native_attention(q.to(k_cache.dtype), low, k_cache, v_cache, meta.native, scale, meta.window)
+            out.copy_(low)
     for sp in meta.prefills:  # long chunks: matrix-multiply kernels
         a, b = sp.row_start, sp.row_start + sp.num_rows
         if sp.blocks is None:
@@ -348,6 +356,14 @@ def attend_native(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
         else:
             out[a:b] = _chunk_after_prefix(q[a:b], k[a:b], v[a:b], k_cache, v_cache, sp, scale)
     return out.view(T, H * D)
+
+
+def _as_cached(x: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor | None:
+    """The step's own K or V as the cache holds them (rounded to a 16-bit cache's
+    dtype), so a chunk reads its own tokens as every later step will."""
+    if x is None or x.dtype is cache.dtype:
+        return x
+    return x.to(cache.dtype).to(x.dtype)
 
 
 def _fresh_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, G: int,
@@ -370,8 +386,8 @@ def _chunk_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     KVH = k_cache.shape[0]
     G = H // KVH
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    kp = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :sp.start]
-    vp = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :sp.start]
+    kp = k_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :sp.start].to(q.dtype)
+    vp = v_cache.index_select(1, sp.blocks).view(1, KVH, -1, D)[:, :, :sp.start].to(q.dtype)
     qf = q.view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(1, KVH, G * n, D)
     o1, lse1 = flash(qf, kp, vp, 0.0, False, scale=scale)
     o1 = o1.view(KVH, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
@@ -397,8 +413,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: 
     G = q.shape[1] // KVH
     ctx = dec.max_blocks * BS
     # [KVH, B * blocks, BS, D] -> [B, KVH, ctx, D]: per (row, head) one contiguous slab
-    kd = k_cache.index_select(1, dec.blocks).view(KVH, B, ctx, D).transpose(0, 1)
-    vd = v_cache.index_select(1, dec.blocks).view(KVH, B, ctx, D).transpose(0, 1)
+    kd = k_cache.index_select(1, dec.blocks).view(KVH, B, ctx, D).transpose(0, 1).to(q.dtype)
+    vd = v_cache.index_select(1, dec.blocks).view(KVH, B, ctx, D).transpose(0, 1).to(q.dtype)
     qd = q.view(B, KVH, G, D)
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)
     return od.reshape(B, KVH * G, D)

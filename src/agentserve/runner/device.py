@@ -106,6 +106,27 @@ def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, 
     return True, dt
 
 
+KV_DTYPES = ("auto", "bfloat16", "float32")
+
+
+def resolve_kv_dtype(kv_dtype: str, compute: torch.dtype, native: bool) -> torch.dtype:
+    """The KV cache's dtype. auto: the compute dtype, except float32 compute with
+    native weights (a CPU without native bf16), where the cache is bfloat16 as
+    llama.cpp keeps its f16 cache under float32 compute: half the bytes, so
+    twice the tokens in the same memory, and the weights are approximate there
+    anyway. Dequantized float32 weights keep a float32 cache: the exact path.
+    float32 needs float32 compute (a cache finer than the compute adds nothing)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "auto":
+        return torch.bfloat16 if compute is torch.float32 and native else compute
+    want = DTYPES[kv_dtype]
+    if want is torch.float32 and compute is not torch.float32:
+        raise ValueError(f"a float32 KV cache needs float32 compute, but the model computes in "
+                         f"{dtype_name(compute)} (pass --dtype float32, or leave --kv-dtype at auto)")
+    return want
+
+
 def settle_weights(weights: str, native: bool, loaded) -> bool:
     """After loading with `keep_quantized=native`: whether the model has tensors a
     kernel here runs natively (Q4_0/Q4_1 anywhere `plan_weights` said native;

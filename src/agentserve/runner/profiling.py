@@ -229,7 +229,7 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
         progress(f"disk tier ({llm.kv_cache.disk.dir}): write {write_bw / 1e9:.2f} GB/s, read {read_bw / 1e9:.2f} GB/s "
                  "(through its block files, checksums included)")
     cfg = llm.config
-    elt = llm.model.embed.element_size()
+    elt = kv_element_size(llm)
     name = profile_name(llm)
     derivation = (
         f"Measured by `agentserve profile` on this machine ({os.cpu_count()} CPUs visible, torch "
@@ -297,7 +297,7 @@ def tier_costs_for(profile: str | None, llm: ModelHost) -> tuple[Callable[[int],
     cfg = llm.config
     per_pair = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers / flops
     shape = AttentionShape.of(llm.model.windows)
-    kv_bytes = llm.config.kv_bytes_per_token(llm.model.embed.element_size())
+    kv_bytes = llm.config.kv_bytes_per_token(kv_element_size(llm))
     host_s = kv_bytes / _EST_HOST_COPY_BYTES_S.get(llm.device.type, 5e9)
     disk_s = kv_bytes / _EST_DISK_READ_BYTES_S + host_s
     log.info("no profile for this model and device (run `agentserve profile`); prefill cost estimated at "
