@@ -10,7 +10,9 @@ tokens with every layer's K and V in 16 bits (bf16 in agentserve and vLLM,
 f16 in llama.cpp): kv_tokens x 2 x layers x KV heads x head dim x 2. SmolLM2-
 135M (30 layers, 3 KV heads of 64 dims): 23,040 bytes a token; Gemma 3 270M
 (18 layers, 1 KV head of 256 dims): 18,432.
-  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16). On a model with
+  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16) and `--kv-dtype
+    bfloat16` (so on a CPU where it computes in float32 its cache still takes
+    2 bytes an element, as the others' do). On a model with
     sliding-window layers (Gemma 3) its hybrid layout spends the same bytes
     (`--kv-layout auto`), holding window layers' KV only while a token can read it.
   * vLLM: `--kv-cache-memory-bytes (kv_tokens+128) x bytes a token` with
@@ -302,10 +304,10 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
             parse_policy_spec(policy)  # a bad option is an error before any server starts
         argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", model,
                 "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
-                "--max-model-len", str(max_len), "--threads", str(threads),
+                "--max-model-len", str(max_len), "--threads", str(threads), "--kv-dtype", "bfloat16",
                 "--host", host, "--port", str(port), "--served-model-name", model_name]
         health = "/health"
-        setting = f"--kv-cache-tokens {kv_tokens} (blocks of {AGENTSERVE_BLOCK_TOKENS})"
+        setting = f"--kv-cache-tokens {kv_tokens} (blocks of {AGENTSERVE_BLOCK_TOKENS}), --kv-dtype bfloat16"
         if plus:
             argv += ["--host-kv-tokens", str(HOST_KV_FACTOR * kv_tokens)]
             setting += f", --host-kv-tokens {HOST_KV_FACTOR * kv_tokens}"
