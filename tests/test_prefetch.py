@@ -319,3 +319,20 @@ def test_a_reload_that_does_not_fit_changes_nothing():
     assert load_chain(kv, nodes, path, 0.0) is None
     kv.check_integrity([st])
     assert not kv.copies.loading and not kv.disk_copies.loading
+
+
+def test_a_program_ended_during_its_reload_leaves_the_blocks_first_in_line():
+    h = _tiered(LaggingHarness("agentserve", lag=3, num_blocks=12, budget=64, host=32))
+    r1 = _first_turn(h)
+    _until_due(h)
+    blocks = [n.block for n in h.kv.index.walk(r1.token_ids)]
+    assert h.kv.copies_in_flight and all(b is not None for b in blocks)
+    h.s.end_program("P")
+    assert h.s.stats.prefetch_wasted == 1 and h.s.stats.prefetch_wasted_blocks == 5
+    while h.s.copies_in_flight:
+        h.idle(0.01)
+        h.s.copies_done(h.ex.poll_copies(wait=1.0))
+    h.idle(0.01)
+    cold = h.kv.pool._cold
+    assert all(b.ref_cnt == 0 and b.strategy_data is cold for b in blocks)  # evicted before any other
+    h.s.check_integrity()

@@ -65,7 +65,8 @@ class Prefetcher:
         self._n = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._plans)
+        """Plans, and reloads in flight (a dropped plan's too: it is settled when it lands)."""
+        return len(self._plans) + len(self._flying)
 
     def plan(self, program_id: str, at: float, until: float, tokens: Sequence[int], hint: ChainHint | None,
              salt: Hashable) -> None:
@@ -170,9 +171,7 @@ class Prefetcher:
     def drop(self, program_id: str) -> None:
         """The program ended, or the client released it: no reload from now on; an
         issued prefetch whose turn never came is wasted."""
-        p = self._plans.pop(program_id, None)
-        if p is not None and self._flying.get(program_id) is p:
-            del self._flying[program_id]  # its reloads land like any (their blocks stay cached)
+        p = self._plans.pop(program_id, None)  # (one in flight stays in _flying: landed, to the cold end)
         if p is not None and p.loads and not p.late:
             self.stats.prefetch_wasted += 1
             self.stats.prefetch_wasted_blocks += len(p.loads)
