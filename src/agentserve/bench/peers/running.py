@@ -6,12 +6,14 @@ start each server in turn, skip one that is not installed, measure, stop."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -200,6 +202,25 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While inside: a SIGTERM (a `timeout`, a job runner) raises SystemExit, so the
+    with-blocks stop the servers on the way out. Without it the process would die
+    at once and leave each server running in its own session, its port taken."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def each_server(specs: Iterable[ServerSpec], measure: Callable[[ServerSpec, RunningServer], T],
                 errors: tuple[type[BaseException], ...] = (),
                 log: Callable[[str], None] = _to_stderr) -> Iterator[tuple[ServerSpec, T | None, str | None]]:
@@ -217,7 +238,7 @@ def each_server(specs: Iterable[ServerSpec], measure: Callable[[ServerSpec, Runn
             continue
         log(f"starting {spec.name}: {spec.shell_command()}")
         try:
-            with start_server(spec) as srv:
+            with sigterm_as_exit(), start_server(spec) as srv:
                 result = measure(spec, srv)
         except (PeerServerError, OSError, *errors) as e:
             log(f"{spec.name} failed: {e}")
