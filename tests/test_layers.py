@@ -46,6 +46,7 @@ LAYERS = [
     {"cost", "workload"},  # step costs and profiles; workloads and traces
     {"runner", "sim"},  # the real executor; the simulated one
     {"server"},
+    {"integrations"},  # agentserve's policy inside other engines (vLLM's scheduler); imports the policy layer
     {"router"},  # scale-out: routing over replicas (engines, identity rules, the simulator); its Ray Serve plumbing
     {"llm"},  # the offline API: entry point
     {"bench"},  # what `agentserve bench` runs: servers over HTTP, the KV manager alone
