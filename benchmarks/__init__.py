@@ -2,9 +2,9 @@
 runner's speed and its sweeps against context and peers, the paper's agent
 workloads with the fast path, grouped prefill on a burst, the scheduler's own
 time a step, tool-call early stop, render cost, host-tier copies, time to first
-token per turn, a long soak, a cluster replica killed mid-run. Each is a
-command: `python -m benchmarks NAME [args]` (`--help` lists them), or
-`python -m benchmarks.MODULE [args]`; run from the repository root.
+token per turn, a long soak, a cluster replica killed mid-run, the API fuzzer.
+Each is a command: `python -m benchmarks NAME [args]` (`--help` lists them),
+or `python -m benchmarks.MODULE [args]`; run from the repository root.
 
 They use agentserve from outside: agentserve.bench (the replay client, the peer
 servers and their loop), the simulator, the server's parts and the offline
@@ -25,4 +25,5 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cluster-failover": ("cluster_failover", "one replica of `agentserve cluster` killed mid-replay: what agents saw"),
     "kv-footprint": ("kv_footprint", "KV a long conversation holds between turns, full against hybrid cache"),
     "peers": ("peer_servers", "the peer servers: list them, or start each, send one chat, stop it"),
+    "fuzz-api": ("fuzz_api", "schemathesis against a live server from its OpenAPI document: no 5xx, as documented"),
 }

@@ -6,7 +6,7 @@ no reset connection, no error event inside a stream, every answer as the
 document says (schemathesis's status code, content type, header and schema
 conformance checks, each event of a stream included), and the server still
 serves afterwards with its KV accounting intact.
-`python -m agentserve.bench.fuzz_api` runs the same with many more examples."""
+`python -m benchmarks fuzz-api` runs the same with many more examples."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_openapi_document_describes_the_api(server):
 
 
 def test_schemathesis_finds_no_5xx(server):
-    from agentserve.bench.fuzz_api import fuzz
+    from benchmarks.fuzz_api import fuzz
 
     report = fuzz(server.url, api_key=KEY, examples=EXAMPLES, seed=14)
     assert set(report.statuses) == OPERATIONS, report.statuses
@@ -120,7 +120,7 @@ def test_schemathesis_finds_no_5xx(server):
 
 
 def test_fuzz_command_writes_its_report(server, tmp_path, capsys):
-    from agentserve.bench.fuzz_api import main
+    from benchmarks.fuzz_api import main
 
     out = tmp_path / "fuzz.json"
     main(["--url", server.url, "--api-key", KEY, "--examples", "2", "--json", str(out)])
@@ -134,7 +134,7 @@ def test_fuzz_command_writes_its_report(server, tmp_path, capsys):
 def test_generator_mends_conversations_the_server_would_refuse(server):
     """fuzz_rules.consistent() turns bodies that break the rules stated in words into ones the server
     serves: each body below is refused as it is, and answered 200 once mended."""
-    from agentserve.bench.fuzz_rules import PromptBudget, consistent
+    from benchmarks.fuzz_rules import PromptBudget, consistent
 
     call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     tool = {"type": "function", "function": {"name": "f"}}

@@ -4,7 +4,7 @@ Its schemas are generated from the pydantic models the server validates with
 (protocol.py), so the document cannot drift from what the server accepts and
 answers; only the paths, parameters and which statuses each path may answer
 are written here. Clients can be generated from it, and tests fuzz the live
-server with it (schemathesis; bench/fuzz_api.py)."""
+server with it (schemathesis; `python -m benchmarks fuzz-api`)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ stream carries a server error, every answer is one the document describes
 content type too, its headers and its body, each event of a stream included,
 conform to the schemas), and the server is still serving at the end.
 
-    python -m agentserve.bench.fuzz_api --examples 200            # starts `agentserve serve` on loopback
-    python -m agentserve.bench.fuzz_api --url http://127.0.0.1:8000 --api-key KEY
+    python -m benchmarks fuzz-api --examples 200            # starts `agentserve serve` on loopback
+    python -m benchmarks fuzz-api --url http://127.0.0.1:8000 --api-key KEY
 
 prints a table of operations by status and writes the counts, with every
 failing request as a curl command, to JSON. tests/test_api_fuzz.py runs
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentserve.bench.fuzz_rules import PromptBudget, register
+from benchmarks.fuzz_rules import PromptBudget, register
 
 MODES = ("positive", "negative")
 
@@ -298,7 +298,7 @@ def _serve(args: argparse.Namespace, key: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agentserve.bench.fuzz_api", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks fuzz-api", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="a running server (default: start `agentserve serve` on loopback)")
     p.add_argument("--api-key", default=None, help="the key of the server at --url")

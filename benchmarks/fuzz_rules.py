@@ -1,5 +1,5 @@
 """The rules of a request body that no JSON Schema can state, for the
-fuzzer's generator (bench/fuzz_api.py): schemathesis draws a body valid by
+fuzzer's generator (fuzz_api.py): schemathesis draws a body valid by
 the OpenAPI document, and `consistent()` makes it keep these rules too, as
 the document's descriptions state them and the server enforces them (OpenAI
 and Anthropic refuse the same):
