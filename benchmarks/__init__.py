@@ -2,7 +2,8 @@
 runner's speed and its sweeps against context and peers, the paper's agent
 workloads with the fast path, grouped prefill on a burst, the scheduler's own
 time a step, tool-call early stop, render cost, host-tier copies, time to first
-token per turn, a long soak, a cluster replica killed mid-run, the API fuzzer.
+token per turn, a long soak, a cluster replica killed mid-run, the API fuzzer,
+the eviction strategies' prefix-cache hit ratios through the KV manager alone.
 Each is a command: `python -m benchmarks NAME [args]` (`--help` lists them),
 or `python -m benchmarks.MODULE [args]`; run from the repository root.
 
@@ -26,4 +27,5 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-footprint": ("kv_footprint", "KV a long conversation holds between turns, full against hybrid cache"),
     "peers": ("peer_servers", "the peer servers: list them, or start each, send one chat, stop it"),
     "fuzz-api": ("fuzz_api", "schemathesis against a live server from its OpenAPI document: no 5xx, as documented"),
+    "apc": ("apc_cli", "prefix-cache hit ratio per eviction strategy, a workload through the KV manager alone"),
 }

@@ -1,17 +1,16 @@
-"""The APC eviction analysis (bench/apc.py): a hand-checked tiny trace, the
+"""The APC eviction analysis (benchmarks/apc.py): a hand-checked tiny trace, the
 infinite-cache bound, the multi-turn / cross-program split, and the CLI."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from agentserve.bench.apc import INFINITE, ROW_KEYS, STRATEGIES, apc_table, call_order, reuse_profile
-from agentserve.bench.apc_cli import add_apc_parser, format_table
 from agentserve.workload.load import load_workload
 from agentserve.workload.trace import Program, TraceCall
+from benchmarks.apc import INFINITE, ROW_KEYS, STRATEGIES, apc_table, call_order, reuse_profile
+from benchmarks.apc_cli import format_table, main
 
 
 def _call(pid, turn, arrival, prompt, new, out=1, shared=0, dur=0.0):
@@ -144,13 +143,9 @@ def test_huge_cache_matches_infinite(swebench_rows):
 
 
 def test_cli_writes_json(tmp_path, capsys):
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="command")
-    add_apc_parser(sub)
     out = tmp_path / "apc.json"
-    args = ap.parse_args(["apc", "--workload", "swebench", "--programs", "3", "--kv-blocks", "1100,3000",
-                          "--strategies", "lru,arc", "--rate", "2", "--json", str(out)])
-    assert args.func(args) == 0
+    assert main(["--workload", "swebench", "--programs", "3", "--kv-blocks", "1100,3000",
+                 "--strategies", "lru,arc", "--rate", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "infinite" in printed and "arc" in printed
     doc = json.loads(out.read_text())
@@ -168,8 +163,6 @@ def test_cli_writes_json(tmp_path, capsys):
 
 
 def test_cli_rejects_unknown_strategy(capsys):
-    ap = argparse.ArgumentParser()
-    add_apc_parser(ap.add_subparsers(dest="command"))
-    args = ap.parse_args(["apc", "--programs", "1", "--strategies", "lru,fifo"])
-    assert args.func(args) == 2
-    assert "fifo" in capsys.readouterr().err
+    assert main(["--programs", "1", "--strategies", "lru,fifo"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m benchmarks apc: error: unknown strategy fifo")

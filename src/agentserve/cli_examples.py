@@ -29,7 +29,6 @@ EXAMPLES: dict[str, list[str]] = {
                       "agentserve-agentserve+state+restart --restart-at 120 --programs 40 --rate 0.2",
                       "agentserve bench compare --model gemma3-270m --servers agentserve-agentserve,llama-server "
                       "--token-scale 1.0 --kv-tokens 32768 --llama-server-slots 8 --json gemma.json"],
-    "bench apc": ["agentserve bench apc --workload swebench --programs 50 --kv-blocks 2048 --json apc.json"],
     "generate": ['agentserve generate "def fib(n):" --max-tokens 64 --stop "\\n\\n"',
                  'agentserve generate --chat "Write a haiku about caches." --model path/to/model.gguf'],
     "models": ["agentserve models"],

@@ -151,7 +151,7 @@ class LeafLRU(EvictionStrategy):
     was evicted) goes to the oldest end of the leaves, so a dead chain keeps
     draining from its tail before a live program's newest blocks are touched
     (appending it instead cost 3-10 points of hit ratio against plain LRU in
-    `agentserve bench apc`); one that gains a child goes to the newest end of
+    `python -m benchmarks apc`); one that gains a child goes to the newest end of
     the inner list. All operations O(1)."""
 
     name = "leaf-lru"

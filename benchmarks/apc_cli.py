@@ -1,4 +1,4 @@
-"""`agentserve bench apc`: the eviction analysis of apc.py as a command, its
+"""`python -m benchmarks apc`: the eviction analysis of apc.py as a command, its
 tables (hit ratios and losses per cache size and strategy, the workload's
 reuse profile) and its JSON."""
 
@@ -11,8 +11,9 @@ import sys
 from collections.abc import Sequence
 
 from agentserve.argtypes import csv_list
-from agentserve.bench import apc
-from agentserve.bench.apc import DEFAULT_KV_BLOCKS, INFINITE, STRATEGIES
+from benchmarks import apc
+from benchmarks.apc import DEFAULT_KV_BLOCKS, INFINITE, STRATEGIES
+from benchmarks.common import run_main
 
 
 def _pct(x) -> str:
@@ -54,14 +55,14 @@ def format_profile(prof: dict) -> str:
             f"calls (p90 {f('inter_turn_gap_p90')}); working set ~{f('working_set_blocks')} blocks")
 
 
-def add_apc_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the `apc` subcommand (handler in `func`: cmd_apc(args) -> exit status)."""
-    p = subparsers.add_parser(
-        "apc", help="prefix-cache hit ratio per eviction strategy (KV manager replay)",
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks apc",
         description=apc.__doc__.split("\n\n")[0] + ": replay a workload through the KV manager alone and "
                     "print the prefix-cache hit ratio under each eviction strategy and an infinite cache, "
                     "split into multi-turn and cross-program hits.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: python -m benchmarks apc --workload swebench --programs 50 --kv-blocks 2048 --json apc.json")
     p.add_argument("--workload", default="swebench",
                    help="swebench, bfcl, claude-code, swe-smith, or a JSONL trace file")
     p.add_argument("--programs", type=int, default=100, help="programs (program groups for recorded traces)")
@@ -76,27 +77,24 @@ def add_apc_parser(subparsers) -> argparse.ArgumentParser:
                    help="model an LLM call as output_tokens / this many seconds (0: instant)")
     p.add_argument("--traces", default=None, help="recorded trace file/folder (default: the shared traces)")
     p.add_argument("--json", default=None, help="write the profile and rows here")
-    p.set_defaults(func=cmd_apc)
     return p
 
 
-def cmd_apc(args) -> int:
+def run(args) -> int:
+    from agentserve.cli_errors import CliError
     from agentserve.kv.eviction import STRATEGIES as KNOWN
     from agentserve.workload.load import load_workload
 
     bad = [s for s in args.strategies if s not in KNOWN]
     if bad:
-        print(f"apc: unknown strategy {', '.join(bad)}; choose from {', '.join(sorted(KNOWN))}", file=sys.stderr)
-        return 2
+        raise CliError(f"unknown strategy {', '.join(bad)}; choose from {', '.join(sorted(KNOWN))}")
     if args.block_size < 1 or any(n < 1 for n in args.kv_blocks) or args.programs < 1:
-        print("apc: --block-size, --kv-blocks and --programs must be >= 1", file=sys.stderr)
-        return 2
+        raise CliError("--block-size, --kv-blocks and --programs must be >= 1")
     opts = {"path": args.traces} if args.traces else {}
     try:
         programs = load_workload(args.workload, args.programs, args.rate, args.seed, **opts)
     except (OSError, ValueError) as e:
-        print(f"apc: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e)) from e
     prof: dict = {}
     rows = apc.apc_table(programs, args.kv_blocks, args.block_size, args.strategies, seed=args.seed,
                      decode_tps=args.decode_tps, profile=prof)
@@ -123,12 +121,8 @@ def _json_default(x):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="agentserve bench")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_apc_parser(sub)
-    args = ap.parse_args(argv)
-    return args.func(args)
+    return run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Prefix-cache (APC) hit ratio under each eviction strategy: the eviction
 analysis of the KV-lifecycle design (section 1).
 
-    agentserve bench apc --workload swebench --programs 100 --kv-blocks 2000,8000   (apc_cli.py)
+    python -m benchmarks apc --workload swebench --programs 100 --kv-blocks 2000,8000   (apc_cli.py)
 
 replays a workload through the KV manager alone (no scheduler, no cost model,
 no pins) and reports, per cache size and eviction strategy, the share of
