@@ -41,6 +41,16 @@ _SUMMARY_EVERY_S = 60.0
 _KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+def _log_as_vllm() -> None:
+    """The plugin's log lines through vLLM's handlers and level, so they sit in vLLM's log as its own do."""
+    ours, theirs = logging.getLogger("agentserve.vllm"), logging.getLogger("vllm")
+    if theirs.handlers and not ours.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
 class ProgramQueue(RequestQueue):
     """vLLM's waiting queue in the policy's order: sorted when read after a change,
     and on every read for a policy whose priorities move with time."""
@@ -110,6 +120,7 @@ class ProgramScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         require_supported()
         super().__init__(vllm_config, *args, **kwargs)
+        _log_as_vllm()
         self.clock = WallClock()
         pool = self.kv_cache_manager.block_pool
         share = float(os.environ.get(ENV_MAX_PINNED_SHARE, "0.9"))
