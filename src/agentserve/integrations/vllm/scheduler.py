@@ -20,7 +20,6 @@ share of the pool pins may hold (default 0.9)."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 
@@ -138,7 +137,9 @@ class ProgramScheduler(Scheduler):
 
             self._tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
         self.metrics = PinMetrics()
-        self._steps: collections.deque[tuple[float, int]] = collections.deque()
+        # each step's start and prompt tokens, by its output (with a batch queue a schedule
+        # may have no update of its own, or the update comes a step later)
+        self._steps: dict[int, tuple[float, int]] = {}
         self._last_update = self.clock.now()
         self._blocked = False
         self._next_summary = self.clock.now() + _SUMMARY_EVERY_S
@@ -182,16 +183,20 @@ class ProgramScheduler(Scheduler):
             turn = self.turns.get(new.req_id)
             if turn is not None:
                 self.keeper.admitted(turn, new.num_computed_tokens)
-        decodes = len(out.num_scheduled_tokens)
-        self._steps.append((self.clock.now(), max(0, out.total_num_scheduled_tokens - decodes)))
+        if out.total_num_scheduled_tokens > 0:
+            if len(self._steps) > 64:  # outputs that never came back
+                self._steps.clear()
+            decodes = len(out.num_scheduled_tokens)
+            self._steps[id(out)] = (self.clock.now(), max(0, out.total_num_scheduled_tokens - decodes))
         self.metrics.update(self.keeper.counts, self.keeper.pinned_blocks)
         self._summarize()
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         now = self.clock.now()
-        if self._steps:
-            started, prefill = self._steps.popleft()
+        step = self._steps.pop(id(scheduler_output), None)
+        if step is not None:
+            started, prefill = step
             self.keeper.observe_step(prefill, now - max(started, self._last_update), self._blocked)
         self._last_update = now
         return super().update_from_output(scheduler_output, model_runner_output)
