@@ -9,7 +9,6 @@ import math
 
 import pytest
 
-from agentserve.bench import replay as rp
 from agentserve.bench import replay_apis as rapi
 from agentserve.bench import replay_client as rcl
 from agentserve.bench import replay_plan as rpl
@@ -17,6 +16,7 @@ from agentserve.bench import replay_report as rr
 from agentserve.bench import replay_results as rres
 from agentserve.bench import replay_stream as rs
 from agentserve.bench import replay_text as rt
+from agentserve.cli import main as cli_main
 from agentserve.workload.generators import generate_swebench
 from agentserve.workload.trace import Program, TraceCall, save_jsonl
 
@@ -377,9 +377,9 @@ def test_cli_run_and_report(server, tmp_path, capsys):
     save_jsonl([program("g0", 0.0, 2), program("g1", 0.0, 3)], trace)
     out = tmp_path / "run.json"
     md = tmp_path / "run.md"
-    rc = rp.main(["run", "--url", server.url, "--api-key", KEY, "--workload", str(trace), "--programs", "3",
-                  "--rate", "20", "--time-scale", "0.5", "--text-seed", "t1", "--json", str(out), "--report", str(md),
-                  "--plot", str(tmp_path / "p"), "--label", "tiny-agentserve", "--no-progress"])
+    rc = cli_main(["bench", "run", "--url", server.url, "--api-key", KEY, "--workload", str(trace),
+                   "--programs", "3", "--rate", "20", "--time-scale", "0.5", "--text-seed", "t1", "--json", str(out),
+                   "--report", str(md), "--plot", str(tmp_path / "p"), "--label", "tiny-agentserve", "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tiny-agentserve" in printed and "mean JCT" in printed and "cached %" in printed
@@ -398,7 +398,7 @@ def test_cli_run_and_report(server, tmp_path, capsys):
     res2 = dict(res, server="other")
     other = tmp_path / "other.json"
     other.write_text(json.dumps(res2))
-    assert rp.main(["report", str(out), str(other), "--plot", str(tmp_path / "cmp")]) == 0
+    assert cli_main(["bench", "report", str(out), str(other), "--plot", str(tmp_path / "cmp")]) == 0
     table = capsys.readouterr().out
     assert "tiny-agentserve" in table and "other" in table
     assert (tmp_path / "cmp_timeline_other.png").exists()
@@ -633,14 +633,15 @@ def test_cli_run_over_another_api(server, tmp_path, capsys):
     trace = tmp_path / "w.jsonl"
     save_jsonl([program("m0", 0.0, 2)], trace)
     out, md = tmp_path / "run.json", tmp_path / "run.md"
-    rc = rp.main(["run", "--url", server.url, "--api-key", KEY, "--workload", str(trace), "--programs", "1",
-                  "--rate", "20", "--api", "messages", "--json", str(out), "--report", str(md), "--no-progress"])
+    rc = cli_main(["bench", "run", "--url", server.url, "--api-key", KEY, "--workload", str(trace),
+                   "--programs", "1", "--rate", "20", "--api", "messages", "--json", str(out), "--report", str(md),
+                   "--no-progress"])
     assert rc == 0
     assert "(messages)" in capsys.readouterr().out
     res = json.loads(out.read_text())
     assert res["api"] == "messages" and res["completed"] == 1 and "API: messages" in md.read_text()
-    rc = rp.main(["run", "--url", server.url, "--workload", str(trace), "--api", "responses-chain",
-                  "--tool-role", "tool", "--no-progress"])
+    rc = cli_main(["bench", "run", "--url", server.url, "--workload", str(trace), "--api", "responses-chain",
+                   "--tool-role", "tool", "--no-progress"])
     assert rc == 2 and "--tool-role user" in capsys.readouterr().err
 
 

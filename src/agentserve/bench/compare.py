@@ -136,13 +136,12 @@ def router_summary(metrics: str | None) -> str:
 
 def cmd_compare(a) -> int:
     from agentserve.bench import replay_report as rr
+    from agentserve.bench.replay import check_clamp_args
     from agentserve.bench.replay_client import ReplayConfig, replay
     from agentserve.bench.replay_results import write_json
     from agentserve.bench.replay_stream import ReplayError
     from agentserve.cli_errors import CliError
     from agentserve.workload.load import load_workload
-
-    from agentserve.bench.replay import check_clamp_args
 
     check_clamp_args(a)
     names = [n.strip() for n in a.servers.split(",") if n.strip()]

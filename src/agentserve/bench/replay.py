@@ -177,9 +177,8 @@ def _check_args(a) -> None:
 
 
 def cmd_run(a) -> int:
+    from agentserve.bench import replay_report as rr
     from agentserve.cli_errors import CliError
-
-    from . import replay_report as rr
     from agentserve.workload.load import load_workload
 
     _check_args(a)
@@ -228,23 +227,3 @@ def cmd_run(a) -> int:
         print(f"wrote {a.report}", file=sys.stderr)
     return 0 if result["completed"] else 1
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m agentserve.bench.replay ...` (the `run` subcommand's options)."""
-    from agentserve.cli_errors import CliError
-
-    ap = argparse.ArgumentParser(prog="python -m agentserve.bench.replay")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_run_parser(sub)
-    from .replay_report import add_report_parser
-    add_report_parser(sub)
-    a = ap.parse_args(argv)
-    try:
-        return a.func(a)
-    except CliError as e:
-        print(f"agentserve bench {a.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@
 A result is the dict `replay_results.summarize` returns (or its JSON file). Several
 results (one per server, or per run) can be compared:
 
-    python -m agentserve.bench.replay report a.json b.json --plot cmp --report cmp.md
+    agentserve bench report a.json b.json --plot cmp --report cmp.md
 """
 
 from __future__ import annotations
