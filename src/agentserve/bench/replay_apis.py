@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from agentserve.bench.replay_stream import ReplayError, StreamAccumulator
+from agentserve.bench.replay_stream import ReplayError, StreamAccumulator, error_event, sse_data
 
 API_NAMES = ("chat", "responses", "responses-chain", "messages")
 ANTHROPIC_VERSION = "2023-06-01"
@@ -63,11 +63,16 @@ class Wire:
                                 "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
+        return Request(self.path, self._extensions(body, ignore_eos, end), {"X-Program-Id": pid})
+
+    @staticmethod
+    def _extensions(body: dict[str, Any], ignore_eos: bool, end: bool) -> dict[str, Any]:
+        """agentserve's (and vLLM's) fields beyond the API: decode to max_tokens, end the program."""
         if ignore_eos:
             body["ignore_eos"] = True
         if end:
             body["end_program"] = True
-        return Request(self.path, body, {"X-Program-Id": pid})
+        return body
 
     def accumulator(self, t_send: float) -> StreamAccumulator:
         return self.stream_type(t_send)
@@ -124,7 +129,7 @@ class ResponsesAccumulator(StreamAccumulator):
         self.response_id: str | None = None
 
     def feed(self, line: str, now: float) -> None:
-        ev = _event(line)
+        ev = sse_data(line)
         if ev is None:
             return
         kind = ev.get("type")
@@ -137,7 +142,7 @@ class ResponsesAccumulator(StreamAccumulator):
                     "response.custom_tool_call_input.delta"):
             piece = ev.get("delta") or ""
             if piece:
-                _carried_tokens(self, now)
+                self.carried(now)
                 if kind == "response.output_text.delta":
                     self.parts.append(piece)
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
@@ -146,8 +151,7 @@ class ResponsesAccumulator(StreamAccumulator):
             details = resp.get("incomplete_details") or {}
             self.finish_reason = details.get("reason") or resp.get("status")
             if kind == "response.failed":
-                err = resp.get("error") or {}
-                raise ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+                raise error_event(resp.get("error") or {})
 
     @staticmethod
     def tokens(u: dict) -> tuple[int, int, int]:
@@ -167,15 +171,11 @@ class ResponsesWire(Wire):
                                 "stream": stream, "store": False, "prompt_cache_key": pid}
         return Request(self.path, self._common(body, instructions, ignore_eos, end), {})
 
-    @staticmethod
-    def _common(body: dict[str, Any], instructions: str | None, ignore_eos: bool, end: bool) -> dict[str, Any]:
+    @classmethod
+    def _common(cls, body: dict[str, Any], instructions: str | None, ignore_eos: bool, end: bool) -> dict[str, Any]:
         if instructions is not None:
             body["instructions"] = instructions
-        if ignore_eos:
-            body["ignore_eos"] = True
-        if end:
-            body["end_program"] = True
-        return body
+        return cls._extensions(body, ignore_eos, end)
 
 
 @dataclass
@@ -267,20 +267,19 @@ class MessagesAccumulator(StreamAccumulator):
     updated by message_delta's (which has the final split between cache reads and the rest)."""
 
     def feed(self, line: str, now: float) -> None:
-        ev = _event(line)
+        ev = sse_data(line)
         if ev is None:
             return
         kind = ev.get("type")
         if kind == "error":
-            err = ev.get("error") or {}
-            raise ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+            raise error_event(ev.get("error") or {})
         if kind == "message_start":
             self.usage = dict((ev.get("message") or {}).get("usage") or {})
         elif kind == "content_block_delta":
             delta = ev.get("delta") or {}
             piece = delta.get("text") if delta.get("type") == "text_delta" else delta.get("partial_json")
             if piece:
-                _carried_tokens(self, now)
+                self.carried(now)
                 if delta.get("type") == "text_delta":
                     self.parts.append(piece)
         elif kind == "message_delta":
@@ -308,31 +307,13 @@ class MessagesWire(Wire):
                                 "stream": stream}
         if system is not None:
             body["system"] = system
-        if ignore_eos:
-            body["ignore_eos"] = True
+        self._extensions(body, ignore_eos, False)  # the program's end goes in a header
         headers = {"x-claude-code-session-id": pid, "anthropic-version": ANTHROPIC_VERSION}
         if self.api_key:
             headers["x-api-key"] = self.api_key
         if end:
             headers["X-Program-End"] = "1"
         return Request(self.path, body, headers)
-
-
-def _carried_tokens(acc: StreamAccumulator, now: float) -> None:
-    """An event carried output tokens at `now` (the first one is the first token)."""
-    if acc.t_first is None:
-        acc.t_first = now
-    acc.token_times.append(now)
-
-
-def _event(line: str) -> dict | None:
-    """The JSON of an SSE `data:` line (None for event names, comments and blank lines)."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if not data or data == "[DONE]":
-        return None
-    return json.loads(data)
 
 
 def wire(api: str, api_key: str | None = None) -> Wire:

@@ -57,18 +57,12 @@ class StreamAccumulator:
         self.replica: str | None = None  # `agentserve cluster`'s X-Agentserve-Replica, if sent
 
     def feed(self, line: str, now: float) -> None:
-        if not line.startswith("data:"):
+        chunk = sse_data(line)
+        if chunk is None:
+            self.done = self.done or (line.startswith("data:") and line[5:].strip() == "[DONE]")
             return
-        data = line[5:].strip()
-        if not data:
-            return
-        if data == "[DONE]":
-            self.done = True
-            return
-        chunk = json.loads(data)
         if chunk.get("error"):
-            err = chunk["error"]
-            raise ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+            raise error_event(chunk["error"])
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for ch in chunk.get("choices") or ():
@@ -80,13 +74,17 @@ class StreamAccumulator:
                 piece = ch.get("text")
                 tokens = bool(piece) or not ch.get("finish_reason") or not self.token_times
             if tokens:
-                if self.t_first is None:
-                    self.t_first = now
-                self.token_times.append(now)
+                self.carried(now)
             if piece:
                 self.parts.append(piece)
             if ch.get("finish_reason"):
                 self.finish_reason = ch["finish_reason"]
+
+    def carried(self, now: float) -> None:
+        """An event carried output tokens at `now` (the first one is the first token)."""
+        if self.t_first is None:
+            self.t_first = now
+        self.token_times.append(now)
 
     @property
     def text(self) -> str:
@@ -109,6 +107,21 @@ class StreamAccumulator:
     @property
     def completion_tokens(self) -> int:
         return self.tokens(self.usage)[2]
+
+
+def sse_data(line: str) -> dict | None:
+    """The JSON of an SSE `data:` line (None for event names, comments, blank lines and [DONE])."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if not data or data == "[DONE]":
+        return None
+    return json.loads(data)
+
+
+def error_event(err) -> ReplayError:
+    """The failure an error event reports (OpenAI's and Anthropic's keep its text at error.message)."""
+    return ReplayError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
 
 
 def base_url(url: str) -> str:

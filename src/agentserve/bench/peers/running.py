@@ -135,12 +135,8 @@ class RunningServer:
         (until it answers again). PeerServerError, with the log's tail, if it does not come back."""
         t0 = time.monotonic()
         self.stop(grace_s)
-        log = open(self.spec.log_path, "ab")
-        log.write(f"# restarted: {self.spec.shell_command()}\n".encode())
-        log.flush()
-        self._log_file = log
         self.started_at = time.monotonic()
-        self.process = _spawn(self.spec, log)
+        self.process, self._log_file = _spawn(self.spec, restart=True)
         self.wait_ready()
         return time.monotonic() - t0
 
@@ -165,10 +161,14 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _spawn(spec: ServerSpec, log) -> subprocess.Popen:
-    """The server's process, in its own session (its group is stopped as one), output to `log`."""
+def _spawn(spec: ServerSpec, restart: bool = False):
+    """(the server's process, its log file): in its own session (its group is stopped as one), its
+    output in spec.log_path after the command line (a restart appends to the log, a start empties it)."""
+    log = open(spec.log_path, "ab" if restart else "wb")
+    log.write(f"# {'restarted: ' if restart else ''}{spec.shell_command()}\n".encode())
+    log.flush()
     return subprocess.Popen(spec.argv, env=spec.child_env(), stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True), log
 
 
 def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None = None) -> RunningServer:
@@ -183,11 +183,8 @@ def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None
     if _port_in_use(spec.host, spec.port):
         raise PeerServerError(f"{spec.host}:{spec.port} is already in use; pass another port for {spec.name}")
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(spec.log_path, "wb")
-    log.write(f"# {spec.shell_command()}\n".encode())
-    log.flush()
     started = time.monotonic()
-    proc = _spawn(spec, log)
+    proc, log = _spawn(spec)
     server = RunningServer(spec, proc, log, started)
     if wait:
         try:

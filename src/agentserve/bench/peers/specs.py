@@ -71,33 +71,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentserve.bench.peers.kv_shape import (  # noqa: F401  (the names callers import from here)
-    GiB,
-    PeerServerError,
-    MODEL_NAME,
-    MODELS,
-    DEFAULT_MODEL,
-    SERVED_NAMES,
-    HF_DIRS,
-    LLAMASERVER_CHAT_TEMPLATE,
-    LLAMASERVER_SLOTS,
-    LLAMASERVER_UBATCH,
-    MiB,
-    NUM_LAYERS,
-    NUM_KV_HEADS,
-    HEAD_DIM,
-    MODEL_MAX_LEN,
-    KV_DTYPE_BYTES,
-    AGENTSERVE_BLOCK_TOKENS,
-    VLLM_BLOCK_TOKENS,
-    LLAMACPP_CTX_PAD,
-    KV_TOKENS_MULTIPLE,
-    kv_bytes_per_token,
-    vllm_kv_cache_bytes,
-    vllm_kvcache_space_gib,
-    ModelShape,
-    shape_from_gguf,
-    model_shape,
-    llamaserver_cells,
+    GiB, PeerServerError, MODEL_NAME, MODELS, DEFAULT_MODEL, SERVED_NAMES, HF_DIRS, LLAMASERVER_CHAT_TEMPLATE,
+    LLAMASERVER_SLOTS, LLAMASERVER_UBATCH, MiB, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, MODEL_MAX_LEN, KV_DTYPE_BYTES,
+    AGENTSERVE_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, LLAMACPP_CTX_PAD, KV_TOKENS_MULTIPLE, kv_bytes_per_token,
+    vllm_kv_cache_bytes, vllm_kvcache_space_gib, ModelShape, shape_from_gguf, model_shape, llamaserver_cells,
     check_kv_tokens)
 from agentserve.policy.registry import parse_policy_spec
 
@@ -159,7 +136,6 @@ _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USA
 
 class UnknownServerError(ValueError):
     pass
-
 
 
 def repo_root() -> Path:
