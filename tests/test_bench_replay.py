@@ -460,8 +460,8 @@ CONVERSATION = [
 
 def test_each_api_carries_the_conversation_in_its_own_shape():
     chat = rapi.wire("chat").request("m", CONVERSATION, "p", 5, stream=True, ignore_eos=True, end=True)
-    assert (chat.path, chat.headers) == ("/v1/chat/completions", {"X-Program-Id": "p"})
-    assert chat.body["messages"] is CONVERSATION and chat.body["end_program"] and chat.body["ignore_eos"]
+    assert (chat.path, chat.headers) == ("/v1/chat/completions", {"X-Program-Id": "p", "X-Session-ID": "p"})
+    assert chat.body["messages"] is CONVERSATION and chat.body["end_program"] and chat.body["vllm_xargs"] == {"end_program": True} and chat.body["ignore_eos"]
 
     r = rapi.wire("responses").request("m", CONVERSATION, "p", 5, stream=True, ignore_eos=True, end=False)
     assert r.path == "/v1/responses" and r.headers == {}

@@ -5,7 +5,7 @@ numbers (first-token time, text, prompt / cached / completion tokens).
 
 | --api | request | program identity | prompt, cached tokens |
 |---|---|---|---|
-| chat | POST /v1/chat/completions, the whole conversation | header `X-Program-Id` | usage.prompt_tokens, .prompt_tokens_details.cached_tokens |
+| chat | POST /v1/chat/completions, the whole conversation | header `X-Program-Id` (and vLLM's `X-Session-ID`) | usage.prompt_tokens, .prompt_tokens_details.cached_tokens |
 | responses | POST /v1/responses, `store: false`, the whole conversation as `input` (the system prompt as `instructions`) | `prompt_cache_key` (Codex's) | usage.input_tokens, .input_tokens_details.cached_tokens |
 | responses-chain | POST /v1/responses, `store: true`, turn 2+ only the new items with `previous_response_id` (and `instructions` again, as OpenAI asks) | the chain itself | as responses |
 | messages | POST /v1/messages, `system` apart, tool calls and results as `tool_use` / `tool_result` blocks | header `x-claude-code-session-id` (Claude Code's) | input_tokens + cache_read_input_tokens + cache_creation_input_tokens, cache_read_input_tokens |
@@ -63,7 +63,8 @@ class Wire:
                                 "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
-        return Request(self.path, self._extensions(body, ignore_eos, end), {"X-Program-Id": pid})
+        # vLLM's session header too, which its scheduler sees (agentserve's own header wins in agentserve)
+        return Request(self.path, self._extensions(body, ignore_eos, end), {"X-Program-Id": pid, "X-Session-ID": pid})
 
     @staticmethod
     def _extensions(body: dict[str, Any], ignore_eos: bool, end: bool) -> dict[str, Any]:
@@ -72,6 +73,7 @@ class Wire:
             body["ignore_eos"] = True
         if end:
             body["end_program"] = True
+            body["vllm_xargs"] = {"end_program": True}  # what reaches vLLM's scheduler (its plugin)
         return body
 
     def accumulator(self, t_send: float) -> StreamAccumulator:
