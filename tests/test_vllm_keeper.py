@@ -154,6 +154,17 @@ def test_pins_stay_within_their_share_of_the_pool():
     assert max(pin.expiry for pin in k.pins.values()) <= clock.now() + k.policy.max_ttl
 
 
+def test_without_a_hint_the_policy_pins_a_turn_whose_miss_would_cost():
+    k, clock, _ = keeper()
+    for _ in range(30):
+        k.observe_step(2000, 13.0, blocked=True)  # a slow prefill: 6.5 ms a token
+    t = k.arrive("r1", turn_identity("s", None), 3000)
+    k.admitted(t, 0)
+    clock.advance(5)
+    ttl = k.finish(t, "no tool here", list(range(3100)), aborted=False)
+    assert ttl > 0 and t.num_computed_tokens == 3100  # a miss costs the prefill of the whole context
+
+
 def test_a_policy_that_never_pins_frees_every_turn():
     k, clock, _ = keeper("vllm-fcfs")
     _, held = turn_end(k, clock, "r1", "s", [Block()])

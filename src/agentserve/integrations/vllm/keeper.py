@@ -235,6 +235,7 @@ class ProgramKeeper:
             self.end_program(turn.program_id)
             return 0.0
         turn.output_text = output_text
+        turn.num_computed_tokens = len(token_ids)  # the KV it holds: what a miss would rebuild
         decision = self.policy.on_turn_end(turn, prog, now)
         prog.last_tool = turn.tool_name
         prog.history = list(token_ids)
