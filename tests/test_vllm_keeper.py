@@ -61,7 +61,10 @@ def test_identity_reads_vllm_session_then_xargs():
 
 
 def test_identity_ignores_malformed_hints_and_hints_without_a_program():
-    ident = turn_identity("s", {"ttl": -1, "end_program": "yes", "program_id": ""})
+    # vLLM's vllm_xargs turns a JSON true into 1: every spelling of a boolean is one
+    assert turn_identity("s", {"end_program": 1}).end_program and turn_identity("s", {"is_last_step": "true"}).end_program
+    assert not turn_identity("s", {"end_program": 0}).end_program
+    ident = turn_identity("s", {"ttl": -1, "end_program": "maybe", "program_id": ""})
     assert ident.program_id == "s" and ident.ttl is None and not ident.end_program
     assert set(ident.ignored) == {"ttl", "end_program", "program_id"}
     assert turn_identity(None, {"ttl": 5, "release_program": True}) == turn_identity(None, None)

@@ -119,8 +119,8 @@ def turn_identity(session_id: str | None, extra_args: Mapping[str, Any] | None) 
             ttl = float(ttl)
     flags = {}
     for key in ("end_program", "is_last_step", "release_program"):
-        value = extra.get(key, False)
-        if not isinstance(value, bool):
+        value = _flag(extra.get(key, False))
+        if value is None:
             ignored.append(key)
             value = False
         flags[key] = value
@@ -128,6 +128,21 @@ def turn_identity(session_id: str | None, extra_args: Mapping[str, Any] | None) 
         ttl, flags["release_program"] = None, False
     return TurnIdentity(pid, ttl, flags["end_program"] or flags["is_last_step"], flags["release_program"],
                         tuple(ignored))
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _flag(value: Any) -> bool | None:
+    """A boolean hint as it arrives: vLLM's `vllm_xargs` holds only strings and numbers, so a
+    client's JSON `true` reaches the scheduler as 1. None: not a boolean in any spelling."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    return None
 
 
 class ProgramKeeper:
