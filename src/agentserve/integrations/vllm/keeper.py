@@ -174,6 +174,7 @@ class ProgramKeeper:
         self.counts = KeeperCounts()
         self.running_tokens = 0  # KV tokens of the running requests, as the scheduler last counted
         self._s_per_token = _PRIOR_PREFILL_S_PER_TOKEN
+        self._next_idle_check = 0.0
         ctx = PolicyContext(
             reload_cost=self.prefill_seconds,
             programs=self.programs,
@@ -295,19 +296,25 @@ class ProgramKeeper:
     def release_due(self, waiting_programs: Iterable[str]) -> None:
         """Release the pins that expired or that the policy reviews away, except those
         whose program's next turn already waits (it is about to use them); forget
-        programs idle past the table's timeout."""
+        programs idle past the table's timeout (checked once a second). Called every
+        step: `waiting_programs` (lazy: the engine's queue) is read only when needed."""
         now = self.clock.now()
+        due = [pid for pid, pin in self.pins.items() if pin.expiry <= now] if self.pins else []
+        review = self.policy.review_pins(self.pins, now) if self.pins else []
+        idle_check = now >= self._next_idle_check
+        if not (due or review or idle_check):
+            return
         waiting = set(waiting_programs)
-        due = [pid for pid, pin in self.pins.items() if pin.expiry <= now]
         for pid in due:  # one whose next turn waits is released once that turn is admitted
             if pid not in waiting and self._drop(pid):
                 self.counts.pins_expired += 1
-        for pid in self.policy.review_pins(self.pins, now):
+        for pid in review:
             if pid in self.pins and pid not in waiting and self._drop(pid):
                 self.counts.pins_released_early += 1
-        busy = waiting | set(self.pins)
-        for prog in self.programs.expire_idle(now, busy):
-            self.policy.on_program_end(prog)
+        if idle_check:
+            self._next_idle_check = now + 1.0
+            for prog in self.programs.expire_idle(now, waiting | set(self.pins)):
+                self.policy.on_program_end(prog)
 
     def reclaim(self, turn: Turn | None, any_program: bool) -> bool:
         """Release one pin so that `turn` can get KV: the latest-arriving program's, later
