@@ -5,68 +5,9 @@ server and measure job completion time (JCT), TTFT and prefix hits.
     agentserve bench run --url http://127.0.0.1:8011 --workload swebench --programs 8 --rate 0.5 \\
         --token-scale 0.02 --time-scale 0.2 --json run.json --report run.md --plot run
 
-What a program does (one asyncio task per program; programs start at the
-workload's Poisson arrival times, the first at once):
-
-* turn 0 sends [system, user]: the system prompt is the workload's shared
-  prefix (`shared_prefix_tokens`), the same text for every program; the user
-  message is the rest of call 0's prompt (the task).
-* every turn is one streamed POST /v1/chat/completions with header
-  `X-Program-Id`, temperature 0, `max_tokens` = the trace's output tokens
-  (scaled, >= 1), `ignore_eos` (vLLM's name; servers that do not know it ignore
-  it; `--no-ignore-eos` leaves it out) and `stream_options.include_usage`; the
-  last turn adds `end_program: true`. TTFT = first non-empty content (or tool
-  call) delta; latency = last byte of the stream. `--api responses`,
-  `responses-chain` or `messages` sends the same conversation over the
-  Responses API (the whole input with `store: false` and `prompt_cache_key`,
-  or chained with `previous_response_id`) or the Anthropic Messages API
-  (`x-claude-code-session-id`), read back the same way (replay_apis.py).
-* the model's ACTUAL output is appended as the assistant message, the client
-  sleeps the call's `tool_duration` x `--time-scale`, then appends a tool-result
-  message of `prompt_k - prompt_{k-1} - output_{k-1}` tokens (scaled; for a
-  pure-append trace that is `new_tokens`) and sends the next turn. A tool result
-  is a `user` message by default (mini-swe-agent's format, accepted by every
-  server); `--tool-role tool` sends the assistant message with a synthetic tool
-  call and a `tool` message answering it instead. When a trace's prompt
-  shrinks (a compaction) the conversation restarts as [system, user] of the new
-  prompt's length. A trace that rewrote part of its prompt (new_tokens larger
-  than the growth) is replayed as a pure append of the same length.
-* SWE-smith programs (Program.messages with message_index) send their real
-  system/user/tool text, each message cut to `--token-scale` of its characters;
-  assistant messages are still the model's own output.
-* a subagent (Program.parent_id in the run) starts at its own arrival but not
-  before its parent's spawning turn (parent_turn) has answered.
-
-Text of a given token length is deterministic filler (seeded common words;
-the seed is fresh per run unless `--text-seed` is given, so a second run
-against the same server does not hit the first run's cached text).
-Its tokens per word and the template's tokens per message are calibrated once
-per run with three non-streamed probes (usage.prompt_tokens), unless
-`--tokens-per-word` is given. Lengths are targets, so a turn's measured
-prompt_tokens is close to, not equal to, the scaled trace.
-
-`--max-context` (default: the server's `max_model_len` from /v1/models, if it
-reports one): a program whose scaled prompt + output would not fit (with a 3%
-margin) is clamped to it (`--clamp`, replay_plan.py): `scale` multiplies its own
-tokens (task, outputs, tool results; not the shared system prompt) by one more
-factor < 1 so it fits, keeping its turn count and prefix structure (`clamp` in
-its result); `truncate` keeps the turns at their real lengths and ends the
-program after the last that fits, a first prompt too long by itself (the Claude
-Code traces' tool definitions and system prompt) cut to half the context, and a
-subagent launched after the cut left out; `auto` (the default) truncates the
-Claude Code traces and scales the rest. One line on stderr and the report count
-what was clamped. `--max-output-tokens N` bounds every turn's output first (the
-report says so). At run time max_tokens is also capped to the room left.
-
-Per program: JCT = first request sent -> last response received (tool time
-included). Per turn: TTFT, latency, prompt/cached/completion tokens. A request
-that fails (HTTP error, error event, connection error, or `--request-timeout`
-seconds in total) is recorded with its error and ends its program (counted in
-`failed` / `errors`); the run goes on. With `--retry-failed-turns N` a turn
-the server failed (a 5xx, a stream ended by an error event, a dropped
-connection) is sent again up to N times, as an agent framework would; each
-failed attempt stays in the records with its error and the next has `attempt`.
-"""
+What a replayed program sends, turn by turn, how its text is made and how a
+program longer than the context is fitted: the docs' benchmarks page,
+"Replaying an agent workload"."""
 
 from __future__ import annotations
 

