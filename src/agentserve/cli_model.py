@@ -61,6 +61,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-kv-dir", default=None,
                    help="directory of the disk KV tier's files (created if missing; this server's old block "
                         "files in it are removed at start)")
+    g.add_argument("--disk-kv-shared", action="store_true",
+                   help="--disk-kv-dir is shared with other servers of the model (agentserve cluster sets it): "
+                        "a finished turn's blocks are written through to it, a prompt reloads what it finds "
+                        "there; --disk-kv-bytes bounds the files this server writes, and it evicts only those")
     g.add_argument("--protected-kv-share", type=float, default=0.0, metavar="S",
                    help="share of the device KV (0 to 0.9) kept for multi-turn programs between turns: their "
                         "freed blocks (after a turn, or when a TTL pin runs out) are evicted only after every "
@@ -119,7 +123,7 @@ def build_llm(args):
         return LLM(None if args.model == "default" else args.model, dtype=args.dtype, device=args.device,
                    kv_cache_tokens=args.kv_cache_tokens, host_kv_tokens=args.host_kv_tokens,
                    disk_kv_bytes=args.disk_kv_bytes, disk_kv_dir=args.disk_kv_dir,
-                   overlap_copies=not args.sync_copies,
+                   disk_kv_shared=args.disk_kv_shared, overlap_copies=not args.sync_copies,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    max_step_ms_with_decodes=args.max_step_ms_with_decodes,
@@ -135,12 +139,15 @@ def check_disk_args(args) -> None:
     """The disk-tier flags make sense together (before the model is loaded)."""
     if args.disk_kv_bytes < 0:
         raise CliError(f"--disk-kv-bytes must be 0 (off) or positive, got {args.disk_kv_bytes}")
+    if args.disk_kv_shared and not args.disk_kv_dir:
+        raise CliError("--disk-kv-shared needs --disk-kv-dir and --disk-kv-bytes (the directory the servers share)")
     if args.disk_kv_bytes and not args.disk_kv_dir:
         raise CliError("--disk-kv-bytes needs --disk-kv-dir (where the disk tier's files go)")
     if args.disk_kv_dir and not args.disk_kv_bytes:
         raise CliError("--disk-kv-dir needs --disk-kv-bytes (the disk tier's byte budget)")
     if args.disk_kv_bytes and args.host_kv_tokens <= 0:
-        raise CliError("--disk-kv-bytes needs --host-kv-tokens: the disk tier is filled from the host tier")
+        raise CliError("--disk-kv-bytes needs --host-kv-tokens: the disk tier is filled from the host tier, "
+                       "and a shared directory is read into it")
     if args.disk_kv_dir and os.path.exists(args.disk_kv_dir) and not os.path.isdir(args.disk_kv_dir):
         raise CliError(f"--disk-kv-dir {args.disk_kv_dir!r} is not a directory")
 

@@ -29,6 +29,7 @@ from agentserve.runner.gguf_linear import BLOCK_MAX_ROWS
 from agentserve.runner.loader import load_model
 from agentserve.runner.model import LlamaModel
 from agentserve.runner.profiling import tier_costs_for
+from agentserve.runner.shared_kv import SharedKVDir
 from agentserve.runner.tokenizer import IncrementalDetokenizer
 from agentserve.server.chat_template import ChatTemplate
 
@@ -46,7 +47,7 @@ class ChatOutput:
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, *, dtype: str = "auto", device: str = "auto",
                  kv_cache_tokens: int | None = None, host_kv_tokens: int = 0, block_size: int = 16,
-                 disk_kv_bytes: int = 0, disk_kv_dir: str | None = None,
+                 disk_kv_bytes: int = 0, disk_kv_dir: str | None = None, disk_kv_shared: bool = False,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  max_step_ms_with_decodes: float | None = 200.0,
                  policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
@@ -97,7 +98,7 @@ class LLM:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} gives no block of {block_size} tokens")
         host_blocks = host_kv_tokens // block_size
         self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.kv_dtype, self.device, layout)
-        disk_blocks = self._disk_tier(disk_kv_bytes, disk_kv_dir)
+        disk_blocks = 0 if disk_kv_shared else self._disk_tier(disk_kv_bytes, disk_kv_dir)
         if not 0.0 <= protected_kv_share <= 0.9:
             raise ValueError(f"protected_kv_share must be in [0, 0.9], got {protected_kv_share}")
         self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
@@ -127,6 +128,8 @@ class LLM:
         self.engine = LLMEngine(self.scheduler, self.executor, self.clock,
                                 detokenizer=lambda: IncrementalDetokenizer(tok),
                                 eos_token_ids=cfg.eos_token_ids or tok.eos_token_ids)
+        self.shared_kv = self._shared_kv(disk_kv_bytes, disk_kv_dir) if disk_kv_shared else None
+        self.engine.kv_share = self.shared_kv
         self._tool_grammars = None
         self.chat_template = ChatTemplate(template, tok.bos_token or "", tok.eos_token or "")
         log.info("model %s on %s (%s, weights %s): %d layers, %.1fM parameters; KV cache %d tokens (%.1f MiB, %s) "
@@ -155,6 +158,19 @@ class LLM:
             raise ValueError(f"disk KV budget of {disk_kv_bytes} bytes holds no block file ({store.file_bytes} bytes)")
         log.info("disk KV tier: %d blocks (%.1f MiB) in %s", blocks, blocks * store.file_bytes / 2**20, disk_kv_dir)
         return blocks
+
+    def _shared_kv(self, disk_kv_bytes: int, disk_kv_dir: str | None) -> SharedKVDir:
+        if disk_kv_bytes <= 0 or not disk_kv_dir:
+            raise ValueError("the shared KV directory needs a byte budget > 0 and a directory")
+        if self.kv_cache.host_kv is None:
+            raise ValueError("the shared KV directory needs a host tier (set the host KV tokens too)")
+        try:
+            shared = SharedKVDir(self.kv_cache, self.kv, disk_kv_dir, disk_kv_bytes, self.model_source)
+        except OSError as e:
+            raise ValueError(f"disk KV directory {disk_kv_dir!r} is not usable: {e.strerror or e}") from None
+        log.info("shared KV directory %s: this server writes up to %d block files (%.1f MiB)", disk_kv_dir,
+                 shared.owned.capacity, shared.owned.capacity * shared.file_bytes / 2**20)
+        return shared
 
     def _weights_summary(self) -> str:
         m = self.model
@@ -217,6 +233,8 @@ class LLM:
                 if o.finished and o.request_id in want:
                     done[o.request_id] = o
         self.settle_copies()
+        if self.shared_kv is not None:
+            self.shared_kv.flush()
         return [done[r] for r in request_ids]
 
     def settle_copies(self) -> None:

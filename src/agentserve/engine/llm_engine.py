@@ -82,6 +82,15 @@ class _Tracked:
         self.validator = self.params.tool_validator
 
 
+class KVShare(Protocol):
+    """KV that other servers share (runner/shared_kv.py): looked up as a request
+    arrives, written through as turns end."""
+
+    def before_add(self, req: Request) -> None: ...
+
+    def after_turns(self, reqs: list[Request]) -> None: ...
+
+
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: Executor, clock: Clock,
                  detokenizer: Callable[[], Detokenizer], eos_token_ids: Iterable[int] = ()) -> None:
@@ -92,6 +101,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._ids = itertools.count()
         scheduler.token_hook = self._on_token
+        self.kv_share: KVShare | None = None
 
     # --- requests in ---
 
@@ -108,6 +118,8 @@ class LLMEngine:
                       eos_token_ids=eos, is_last_turn=is_last_turn, ttl_hint=ttl_hint, sampling=params,
                       anonymous=program_id is None, cache_salt=cache_salt)
         req.output_state = _Tracked(params, self.new_detokenizer())
+        if self.kv_share is not None:
+            self.kv_share.before_add(req)
         self.scheduler.add_request(req)  # raises ValueError for a request that can never fit
         return req
 
@@ -155,6 +167,10 @@ class LLMEngine:
             o = self._output(req, t)
             if o is not None:
                 outputs.append(o)
+        if self.kv_share is not None:
+            ended = [o.request for o in outputs if o.finished and o.finish_reason != "abort"]
+            if ended:
+                self.kv_share.after_turns(ended)
         return outputs
 
     def _on_token(self, req: Request, token_id: int) -> RequestStatus | None:

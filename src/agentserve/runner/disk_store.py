@@ -24,6 +24,7 @@ one (no pool) on a machine of 2-3 CPUs, whose cores the forward pass holds."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -116,32 +117,48 @@ class DiskStore:
         if len(payload) != self.payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, the tier's blocks have {self.payload_bytes}")
         final = self.path(slot)
-        tmp = final.with_name(final.name + ".tmp")
-        header = _HEADER.pack(MAGIC, VERSION, self.fp, len(payload), _digest(payload))
+        write_block_file(final, final.with_name(final.name + ".tmp"), self.fp, payload)
+
+    def read(self, slot: int) -> bytearray:
+        """Slot `slot`'s payload, checked; raises DiskBlockError if it cannot be trusted."""
+        return read_block_file(self.path(slot), self.fp, self.payload_bytes, f"disk block {slot}")
+
+
+def write_block_file(final: Path, tmp: Path, fp: bytes, payload: bytes | memoryview) -> None:
+    """Write one block file under `tmp`, then rename it to `final` (atomic: a
+    reader sees the whole file or none). Raises OSError."""
+    header = _HEADER.pack(MAGIC, VERSION, fp, len(payload), _digest(payload))
+    try:
         with open(tmp, "wb") as f:
             f.write(header)
             f.write(payload)
         os.replace(tmp, final)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
-    def read(self, slot: int) -> bytearray:
-        """Slot `slot`'s payload, checked; raises DiskBlockError if it cannot be trusted."""
-        payload = bytearray(self.payload_bytes)  # read into in place: no second copy of 2 MB blocks
-        try:
-            with open(self.path(slot), "rb") as f:
-                header = f.read(HEADER_BYTES)
-                got = f.readinto(payload) if len(header) == HEADER_BYTES else 0
-                extra = len(f.read(1))
-        except OSError as e:
-            raise DiskBlockError(f"cannot read disk block {slot}: {e}") from None
-        if len(header) < HEADER_BYTES:
-            raise DiskBlockError(f"disk block {slot}: short file ({len(header)} bytes)")
-        magic, version, fp, size, digest = _HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION:
-            raise DiskBlockError(f"disk block {slot}: not a KV block file of this format")
-        if fp != self.fp:
-            raise DiskBlockError(f"disk block {slot}: written for another model or KV layout")
-        if size != self.payload_bytes or got != size or extra:
-            raise DiskBlockError(f"disk block {slot}: torn ({got + extra} of {size} payload bytes)")
-        if _digest(payload) != digest:
-            raise DiskBlockError(f"disk block {slot}: payload checksum mismatch")
-        return payload
+
+def read_block_file(path: Path, fp: bytes, payload_bytes: int, what: str) -> bytearray:
+    """The payload of the block file at `path`, checked against fingerprint `fp`;
+    raises DiskBlockError (naming `what`) if it cannot be trusted."""
+    payload = bytearray(payload_bytes)  # read into in place: no second copy of 2 MB blocks
+    try:
+        with open(path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+            got = f.readinto(payload) if len(header) == HEADER_BYTES else 0
+            extra = len(f.read(1))
+    except OSError as e:
+        raise DiskBlockError(f"cannot read {what}: {e}") from None
+    if len(header) < HEADER_BYTES:
+        raise DiskBlockError(f"{what}: short file ({len(header)} bytes)")
+    magic, version, got_fp, size, digest = _HEADER.unpack(header)
+    if magic != MAGIC or version != VERSION:
+        raise DiskBlockError(f"{what}: not a KV block file of this format")
+    if got_fp != fp:
+        raise DiskBlockError(f"{what}: written for another model, KV layout or prefix")
+    if size != payload_bytes or got != size or extra:
+        raise DiskBlockError(f"{what}: torn ({got + extra} of {size} payload bytes)")
+    if _digest(payload) != digest:
+        raise DiskBlockError(f"{what}: payload checksum mismatch")
+    return payload

@@ -1,0 +1,179 @@
+"""A KV directory two servers share (runner/shared_kv.py, kv/shared_chain.py):
+a program's turn on server A is written through; server B, given the
+program's next turn, reloads the prefix from the directory and answers as a
+fresh computation does, token for token. A corrupt file, a file renamed to
+another tenant's name and a file of another model are misses, never loaded;
+each server evicts only its own files within its budget."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentserve.cli import main as cli_main
+from agentserve.engine.sampling_params import SamplingParams
+from agentserve.kv.shared_chain import OwnedFiles, chain_keys
+from agentserve.llm import LLM
+from tiny_models import DEVICE, hf_greedy, hf_llama, loaded, prompt
+
+N_NEW = 8
+GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_llama()
+
+
+def make_llm(hf, tmp_path, **kw) -> LLM:
+    opts = dict(dtype="float32", device=DEVICE, kv_cache_tokens=160, block_size=4, policy="continuum",
+                host_kv_tokens=128, disk_kv_bytes=10**6, disk_kv_dir=str(tmp_path), disk_kv_shared=True)
+    opts.update(kw)
+    return LLM(loaded(hf), **opts)
+
+
+def shared_files(tmp_path):
+    return sorted(tmp_path.glob("agentserve-kvs-*.blk"))
+
+
+def first_turn(llm, program="P", salt=None):
+    p1 = prompt(11, 37)
+    if salt is None:
+        out = llm.generate([p1], GREEDY, program_ids=[program])[0]
+    else:
+        req = llm.engine.add_request(p1, GREEDY, program_id=program, cache_salt=salt)
+        out = llm._run([req.request_id])[0]
+    return p1 + out.token_ids + prompt(12, 5)
+
+
+def second_turn(llm, turn2, program="P", salt=None):
+    before = llm.scheduler.stats.loaded_tokens
+    req = llm.engine.add_request(turn2, GREEDY, program_id=program, cache_salt=salt)
+    out = llm._run([req.request_id])[0]
+    return out, llm.scheduler.stats.loaded_tokens - before
+
+
+# --- the names and the budget (no engine) ---
+
+def test_chain_keys_are_stable_and_split_by_salt_model_and_prefix():
+    toks = list(range(40))
+    a = chain_keys(toks, 4, 10)
+    assert a == chain_keys(toks, 4, 10) and len(set(a)) == 10
+    assert chain_keys(toks[:20], 4, 5) == a[:5]  # a prefix's keys are its extension's first keys
+    assert chain_keys(toks, 4, 10, salt=("t1", None))[0] != a[0]
+    assert chain_keys(toks, 4, 10, namespace="other-model")[0] != a[0]
+    changed = toks[:]
+    changed[1] = 99
+    assert all(x != y for x, y in zip(chain_keys(changed, 4, 10), a))  # every later key depends on block 0
+    with pytest.raises(ValueError, match="need 44 tokens"):
+        chain_keys(toks, 4, 11)
+
+
+def test_owned_files_evict_oldest_first_within_the_budget():
+    own = OwnedFiles(2)
+    assert own.add("a") == [] and own.add("b") == []
+    assert own.add("c") == ["a"] and "a" not in own and len(own) == 2
+    own.discard("b")
+    assert own.add("d") == [] and own.num_evicted == 1
+    with pytest.raises(ValueError, match="at least one file"):
+        OwnedFiles(0)
+
+
+# --- two servers on one directory ---
+
+def test_a_moved_program_reloads_its_prefix_from_the_shared_directory(hf, tmp_path):
+    a = make_llm(hf, tmp_path)
+    turn2 = first_turn(a)
+    assert a.shared_kv.num_written >= 10 and len(shared_files(tmp_path)) == a.shared_kv.num_written
+    b = make_llm(hf, tmp_path)
+    out, loaded_tokens = second_turn(b, turn2)
+    assert b.shared_kv.num_imported >= 10 and loaded_tokens >= 40
+    assert out.num_cached_tokens >= 40
+    assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
+    assert b.scheduler.stats.reload_failed_blocks == 0
+    a.check_integrity()
+    b.check_integrity()
+    # B found A's files there: it writes only the blocks of its own turn that were new
+    assert b.shared_kv.num_written <= (len(turn2) + N_NEW) // 4 - a.shared_kv.num_written + 1
+
+
+def test_a_corrupt_file_is_a_miss_and_the_turn_recomputes(hf, tmp_path):
+    a = make_llm(hf, tmp_path)
+    turn2 = first_turn(a)
+    key = chain_keys(turn2, 4, 3, None, "tiny-llama")[2]
+    path = tmp_path / f"agentserve-kvs-{key}.blk"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    b = make_llm(hf, tmp_path)
+    out, loaded_tokens = second_turn(b, turn2)
+    assert b.shared_kv.num_rejected == 1 and b.shared_kv.num_imported == 2  # up to the bad file, not past it
+    assert loaded_tokens == 8
+    assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
+    b.check_integrity()
+
+
+def test_another_tenants_file_is_a_miss(hf, tmp_path):
+    a = make_llm(hf, tmp_path)
+    turn2 = first_turn(a, salt=("tenant-a", None))
+    b = make_llm(hf, tmp_path)
+    out, loaded_tokens = second_turn(b, turn2, salt=("tenant-b", None))  # same tokens, another tenant
+    assert b.shared_kv.num_imported == 0 and loaded_tokens == 0
+    # a file renamed to the name tenant B looks up is foreign, not loaded
+    ka = chain_keys(turn2, 4, 1, ("tenant-a", None), "tiny-llama")[0]
+    c = make_llm(hf, tmp_path)
+    kc = chain_keys(turn2, 4, 1, ("tenant-c", None), "tiny-llama")[0]
+    os.replace(tmp_path / f"agentserve-kvs-{ka}.blk", tmp_path / f"agentserve-kvs-{kc}.blk")
+    out, loaded_tokens = second_turn(c, turn2, program="Q", salt=("tenant-c", None))
+    assert c.shared_kv.num_rejected == 1 and c.shared_kv.num_imported == 0 and loaded_tokens == 0
+    assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
+    c.check_integrity()
+
+
+def test_a_file_of_another_kv_layout_is_foreign(hf, tmp_path):
+    a = make_llm(hf, tmp_path)
+    turn2 = first_turn(a)
+    b = make_llm(hf, tmp_path, kv_dtype="bfloat16")  # one model, another KV dtype: same names, other bytes
+    out, loaded_tokens = second_turn(b, turn2)
+    assert b.shared_kv.num_imported == 0 and b.shared_kv.num_rejected == 1 and loaded_tokens == 0
+    b.check_integrity()
+
+
+def test_each_server_evicts_only_its_own_files(hf, tmp_path):
+    other = tmp_path / "agentserve-kvs-0123456789abcdef0123456789abcdef.blk"
+    other.write_bytes(b"another server's block")
+    budget = 5 * (a_file := make_llm(hf, tmp_path).shared_kv.file_bytes)
+    a = make_llm(hf, tmp_path, disk_kv_bytes=budget)
+    first_turn(a)
+    assert a.shared_kv.num_written >= 10 and len(a.shared_kv.owned) == 5
+    assert len(shared_files(tmp_path)) == 5 + 1 and other.exists()
+    assert a_file > 0
+    a.check_integrity()
+
+
+def test_stale_files_and_temporaries_are_swept_at_start(hf, tmp_path):
+    old = tmp_path / "agentserve-kvs-00000000000000000000000000000000.blk"
+    tmp = tmp_path / ".agentserve-kvs-00000000000000000000000000000001.99-ab.tmp"
+    fresh = tmp_path / "agentserve-kvs-00000000000000000000000000000002.blk"
+    keep = tmp_path / "notes.txt"
+    for p in (old, tmp, fresh, keep):
+        p.write_bytes(b"x")
+    os.utime(old, (1, 1))
+    os.utime(tmp, (1, 1))
+    llm = make_llm(hf, tmp_path)
+    assert llm.shared_kv.num_swept == 2 and not old.exists() and not tmp.exists()
+    assert fresh.exists() and keep.exists()
+
+
+def test_shared_needs_a_host_tier_and_a_budget(hf, tmp_path):
+    with pytest.raises(ValueError, match="needs a host tier"):
+        make_llm(hf, tmp_path, host_kv_tokens=0)
+    with pytest.raises(ValueError, match="at least one file"):
+        make_llm(hf, tmp_path, disk_kv_bytes=10)
+
+
+def test_cli_rejects_shared_without_a_directory_in_one_line(tmp_path, capsys):
+    assert cli_main(["generate", "hi", "--model", str(tmp_path / "no-model"), "--disk-kv-shared"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--disk-kv-shared needs --disk-kv-dir" in err and len(err.splitlines()) == 1
