@@ -96,6 +96,13 @@ def test_a_moved_program_reloads_its_prefix_from_the_shared_directory(hf, tmp_pa
     b.check_integrity()
     # B found A's files there: it writes only the blocks of its own turn that were new
     assert b.shared_kv.num_written <= (len(turn2) + N_NEW) // 4 - a.shared_kv.num_written + 1
+    # /metrics says what came from the directory
+    from agentserve.policy.toolcall_stream import ValidatorCounts
+    from agentserve.server.engine_snapshot import take_snapshot
+    from agentserve.server.metrics import ServerMetrics
+    text = ServerMetrics("m").render(take_snapshot(b.scheduler, ValidatorCounts(), shared_kv=b.shared_kv)).decode()
+    assert f'agentserve:shared_kv_blocks_imported_total{{model_name="m"}} {float(b.shared_kv.num_imported)}' in text
+    assert "agentserve:shared_kv_files_owned{" in text
 
 
 def test_a_corrupt_file_is_a_miss_and_the_turn_recomputes(hf, tmp_path):
@@ -150,6 +157,50 @@ def test_each_server_evicts_only_its_own_files(hf, tmp_path):
     assert len(shared_files(tmp_path)) == 5 + 1 and other.exists()
     assert a_file > 0
     a.check_integrity()
+
+
+def test_a_reader_never_sees_a_torn_file_while_another_process_writes(tmp_path):
+    """Writers rename whole files into place: a concurrent reader gets one
+    writer's whole payload or a miss, never a mix; a writer that writes in
+    place (not this format's way) is caught as torn or corrupt."""
+    import threading
+
+    from agentserve.runner.disk_store import DiskBlockError, read_block_file, write_block_file
+    fp, n = b"f" * 16, 1 << 16
+    final = tmp_path / "agentserve-kvs-ab.blk"
+    payloads = [bytes([i]) * n for i in range(4)]
+    done = threading.Event()
+
+    def writer(i):
+        while not done.is_set():
+            write_block_file(final, tmp_path / f".agentserve-kvs-ab.{i}.tmp", fp, payloads[i])
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    seen = set()
+    try:
+        for _ in range(300):
+            try:
+                got = bytes(read_block_file(final, fp, n, "block"))
+            except DiskBlockError as e:
+                assert "cannot read" in str(e)  # not there yet
+                continue
+            assert got in payloads[:2]
+            seen.add(got[0])
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert seen
+    with open(final, "r+b") as f:  # a writer in place, caught half way
+        f.seek(n // 2)
+        f.write(b"\x07" * 16)
+    with pytest.raises(DiskBlockError, match="checksum"):
+        read_block_file(final, fp, n, "block")
+    with open(final, "r+b") as f:
+        f.truncate(n // 2)
+    with pytest.raises(DiskBlockError, match="torn"):
+        read_block_file(final, fp, n, "block")
 
 
 def test_stale_files_and_temporaries_are_swept_at_start(hf, tmp_path):

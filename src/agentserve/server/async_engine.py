@@ -410,4 +410,5 @@ class AsyncEngine:
     def _snapshot(self) -> EngineSnapshot:
         copier = self.llm.executor.copier
         return take_snapshot(self.scheduler, self.tool_stats.counts(), self.render_cache, self.response_cache,
-                             self.integrity.failures, copier.backlog.num_waits if copier is not None else 0)
+                             self.integrity.failures, copier.backlog.num_waits if copier is not None else 0,
+                             getattr(self.llm, "shared_kv", None))

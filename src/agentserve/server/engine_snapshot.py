@@ -69,6 +69,8 @@ class EngineSnapshot:
     tier_copy_failures: int = 0
     # batches of spills that waited for the disk tier's writes to catch up (kv/disk_tier.py SpillBacklog)
     spill_backlog_waits: int = 0
+    # the shared KV directory's counters (runner/shared_kv.py `stats`; None: no shared directory)
+    shared_kv: dict[str, int] | None = None
     # the hybrid cache's window parts (kv/window_parts.py): blocks a part takes, parts in all, parts no
     # request or pin holds (free, evictable), parts evicted so far (0 each without the hybrid cache)
     window_part_blocks: int = 0
@@ -105,10 +107,10 @@ class EngineSnapshot:
 
 def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cache: Any = None,
                   response_cache: Any = None, kv_integrity_failures: int = 0,
-                  spill_backlog_waits: int = 0) -> EngineSnapshot:
+                  spill_backlog_waits: int = 0, shared_kv: Any = None) -> EngineSnapshot:
     """The snapshot of `scheduler` (and its KV manager) now; on the engine thread.
-    The caches are objects with `stats()` (None: off); `spill_backlog_waits`
-    is the copy engine's count (runner/copy_engine.py)."""
+    The caches and `shared_kv` are objects with `stats()` (None: off);
+    `spill_backlog_waits` is the copy engine's count (runner/copy_engine.py)."""
     s, kv = scheduler.stats, scheduler.kv
     return EngineSnapshot(
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
@@ -123,7 +125,7 @@ def take_snapshot(scheduler: Scheduler, tool_calls: ValidatorCounts, render_cach
         speculation=replace(scheduler.speculator.stats),
         render_cache=None if render_cache is None else render_cache.stats(),
         response_cache=None if response_cache is None else response_cache.stats(),
-        kv_integrity_failures=kv_integrity_failures,
+        kv_integrity_failures=kv_integrity_failures, shared_kv=None if shared_kv is None else shared_kv.stats(),
         host_blocks=kv.host.num_slots, host_blocks_used=kv.host.num_used, disk_blocks=kv.disk.num_slots,
         disk_blocks_used=kv.disk.num_used, disk_blocks_written=kv.disk_copies.num_spilled,
         tier_copy_failures=kv.copies.num_failed + kv.disk_copies.num_failed, spill_backlog_waits=spill_backlog_waits,

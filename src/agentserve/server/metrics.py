@@ -34,6 +34,19 @@ _JCT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 4
 _TTL_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+SHARED_KV_HELP = {  # the shared KV directory's counters (runner/shared_kv.py), and one gauge
+    "shared_kv_blocks_imported": "Blocks a prompt reloaded from the shared KV directory (--disk-kv-shared) "
+                                 "instead of recomputing them.",
+    "shared_kv_files_rejected": "Shared KV files found and rejected (corrupt, or of another model, layout or "
+                                "tenant): recomputed, never read.",
+    "shared_kv_blocks_written": "Blocks of finished turns this server wrote through to the shared KV directory.",
+    "shared_kv_write_failures": "Writes to the shared KV directory that failed.",
+    "shared_kv_blocks_skipped": "Blocks not written through because the writes waiting were at their bound.",
+    "shared_kv_files_owned": "Files in the shared KV directory this server wrote and keeps (its byte budget "
+                             "counts these; it evicts only these).",
+}
+
+
 class _SnapshotCollector(Collector):
     """Engine state from the latest snapshot, as gauges and counters."""
 
@@ -138,6 +151,10 @@ class _SnapshotCollector(Collector):
         yield counter("kv_spill_backlog_waits", "Batches of copies held up because the spills to the disk tier "
                       "waiting in memory were at their bound: the disk writes slower than the host tier evicts.",
                       s.spill_backlog_waits)
+        if s.shared_kv is not None:
+            for name, doc in SHARED_KV_HELP.items():
+                make = gauge if name.endswith("_owned") else counter
+                yield make(name, doc, s.shared_kv[name])
         yield counter("engine_steps", "Scheduler steps.", s.steps)
         yield counter("kv_integrity_failures", "Block-accounting checks (run each time the engine goes idle) "
                       "that failed: a bug, logged with its details; should stay 0.", s.kv_integrity_failures)
