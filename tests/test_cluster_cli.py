@@ -70,6 +70,31 @@ def test_replica_resources_and_kv_share():
     assert actor_options(gpu) == {"num_cpus": 1, "num_gpus": 0.5}
 
 
+def test_replicas_share_one_disk_kv_directory_and_split_its_budget(tmp_path):
+    pytest.importorskip("ray")
+    from agentserve.router.cluster_app import replica_args
+
+    args = build_parser().parse_args(["cluster", "--replicas", "2", "--host-kv-tokens", "4096",
+                                      "--disk-kv-dir", str(tmp_path), "--disk-kv-bytes", "1000000"])
+    per = replica_args(args, 2)
+    assert (per.disk_kv_shared, per.disk_kv_dir, per.disk_kv_bytes) == (True, str(tmp_path), 500000)
+    assert not replica_args(build_parser().parse_args(["cluster"]), 2).disk_kv_shared
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--disk-kv-dir", "D"], "--disk-kv-dir needs --disk-kv-bytes"),
+    (["--disk-kv-dir", "D", "--disk-kv-bytes", "1000000"], "needs --host-kv-tokens"),
+    (["--disk-kv-dir", "D", "--disk-kv-bytes", "1", "--host-kv-tokens", "64", "--replicas", "2"],
+     "gives no byte to each of 2 replicas"),
+])
+def test_cluster_refuses_bad_disk_flags_in_one_line(flags, msg, capsys, tmp_path):
+    pytest.importorskip("ray")
+    flags = [str(tmp_path / f) if f == "D" else f for f in flags]
+    assert main(["cluster", *flags]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("flags, msg", [(["--gpus-per-replica", "-1"], "--gpus-per-replica must be 0 or more"),
                                         (["--gpus-per-replica", "1", "--device", "cpu"], "--device cpu")])
 def test_cluster_refuses_bad_gpu_flags(flags, msg, capsys):

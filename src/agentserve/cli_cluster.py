@@ -11,6 +11,7 @@ import signal
 import threading
 
 from agentserve.cli_errors import CliError
+from agentserve.cli_model import check_disk_args
 from agentserve.cli_serve import (HelpFormatter, add_server_options, api_keys, build_server, check_serve_args,
                                   setup_logging)
 
@@ -30,7 +31,10 @@ def add_cluster(sub) -> None:
                     "every replica is. A program's turns go to the replica that holds its KV unless that "
                     "replica is overloaded; new programs are placed by free KV; requests without a program id "
                     "follow their prompt's prefix. Each replica takes --threads CPUs (default 1) and its share "
-                    "of --kv-cache-tokens (the cluster's total). A replica that dies is restarted by Ray; "
+                    "of --kv-cache-tokens (the cluster's total). With --disk-kv-dir (and --disk-kv-bytes, the "
+                    "cluster's total) the replicas share one disk KV directory: a finished turn's KV is written "
+                    "there, and a program that moves to another replica reloads it instead of recomputing it. "
+                    "A replica that dies is restarted by Ray; "
                     "requests it had not answered yet are retried on another replica, and a stream it had "
                     "begun ends with an error event. Needs `pip install 'agentserve[cluster]'`.",
         formatter_class=HelpFormatter)
@@ -72,6 +76,10 @@ def cmd_cluster(args) -> int:
         raise CliError(f"--gpus-per-replica must be 0 or more, got {args.gpus_per_replica:g}")
     if args.gpus_per_replica and args.device == "cpu":
         raise CliError("--gpus-per-replica with --device cpu: the replicas would hold GPUs they do not use")
+    args.disk_kv_shared = args.disk_kv_shared or bool(args.disk_kv_dir)  # one directory: shared by all replicas
+    check_disk_args(args)
+    if args.disk_kv_bytes and args.disk_kv_bytes // args.replicas < 1:
+        raise CliError(f"--disk-kv-bytes {args.disk_kv_bytes} gives no byte to each of {args.replicas} replicas")
     keys = api_keys(args)
     setup_logging(args)
     from agentserve.router import cluster_app

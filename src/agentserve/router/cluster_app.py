@@ -6,7 +6,9 @@ Each replica asks Ray for `--threads` CPUs (default 1), and for
 `--gpus-per-replica` GPUs when given (Ray then names them in the replica's
 CUDA_VISIBLE_DEVICES, so its `--device auto` is its own GPU), and gets its share of
 the KV cache: `--kv-cache-tokens` is the cluster's total, split evenly (without
-it, on the CPU, the single server's default is split). Ray restarts a replica
+it, on the CPU, the single server's default is split). `--disk-kv-dir` is one
+directory all replicas share (runner/shared_kv.py), `--disk-kv-bytes` the
+cluster's total of it, split alike. Ray restarts a replica
 whose actor dies or whose health check fails (the engine thread stopped)."""
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def replica_args(args: Any, n: int) -> Any:
     else:
         out.kv_cache_tokens_split = n  # the replica splits its device's default (cli_cluster.py)
     out.threads = args.threads or 1
+    if getattr(args, "disk_kv_dir", None):  # one directory for all: shared, each its share of the bytes
+        out.disk_kv_shared = True
+        out.disk_kv_bytes = args.disk_kv_bytes // n
     return out
 
 
