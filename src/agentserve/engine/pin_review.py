@@ -13,6 +13,7 @@ from agentserve.engine.scheduler_config import SchedulerStats
 from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy
+from agentserve.policy.pressure import pin_to_reclaim
 
 
 class PinReview:
@@ -50,16 +51,10 @@ class PinReview:
         block to the free set: a pin whose blocks others also hold frees
         nothing, and dropping it would only cost its program the retention.
         True if one was released."""
-        pins = self.kv.pins
-        if not pins:
+        pin = pin_to_reclaim(self.kv.pins.values(), req.program_id, req.program.arrival_time, any_program,
+                             lambda p: self.kv.reclaimable_blocks(p.program_id))
+        if pin is None:
             return False
-        mine = req.program.arrival_time
-        candidates = [pin for pid, pin in pins.items()
-                      if pid != req.program_id and (any_program or pin.program_arrival > mine)]
-        candidates.sort(key=lambda p: p.program_arrival, reverse=True)
-        for pin in candidates:
-            if self.kv.reclaimable_blocks(pin.program_id):
-                self._unpin(pin.program_id, now)
-                self.stats.pins_reclaimed += 1
-                return True
-        return False
+        self._unpin(pin.program_id, now)
+        self.stats.pins_reclaimed += 1
+        return True

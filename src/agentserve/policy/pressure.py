@@ -69,3 +69,17 @@ class TurnoverMeter:
     def residency(self) -> float:
         """Seconds a copy written now is expected to stay (inf: no turnover yet)."""
         return self.num_slots / self._rate if self._rate > 0.0 else math.inf
+
+
+def pin_to_reclaim(pins, own_program: str | None, own_arrival: float, any_program: bool, frees_a_block):
+    """The pin to give up for a request that cannot get KV: the latest-arriving
+    program's (later than the request's own, unless `any_program`) among those
+    whose release returns at least one block (`frees_a_block(pin)`): a pin whose
+    blocks others also hold frees nothing, and dropping it would only cost its
+    program the retention. `pins` holds objects with `program_id` and
+    `program_arrival`; None when no pin qualifies. The engine and the vLLM
+    plugin both reclaim by this rule."""
+    candidates = [pin for pin in pins if pin.program_id != own_program
+                  and (any_program or pin.program_arrival > own_arrival)]
+    candidates.sort(key=lambda p: p.program_arrival, reverse=True)
+    return next((pin for pin in candidates if frees_a_block(pin)), None)

@@ -18,7 +18,7 @@ from typing import Any
 
 from agentserve.clock import Clock
 from agentserve.policy.base import PolicyContext
-from agentserve.policy.pressure import PressureMeter
+from agentserve.policy.pressure import PressureMeter, pin_to_reclaim
 from agentserve.policy.program import ProgramState, ProgramTable
 from agentserve.policy.registry import make_policy, parse_policy_spec
 
@@ -320,17 +320,14 @@ class ProgramKeeper:
         """Release one pin so that `turn` can get KV: the latest-arriving program's, later
         than `turn`'s own unless `any_program`, among pins whose release frees a block.
         True if one was released."""
-        mine = turn.program.arrival_time if turn is not None else math.inf
-        own = turn.program_id if turn is not None else None
-        candidates = [pin for pid, pin in self.pins.items()
-                      if pid != own and (any_program or pin.program_arrival > mine)]
-        candidates.sort(key=lambda p: p.program_arrival, reverse=True)
-        for pin in candidates:
-            if self._frees_any(pin.blocks):
-                self._drop(pin.program_id)
-                self.counts.pins_reclaimed += 1
-                return True
-        return False
+        pin = pin_to_reclaim(self.pins.values(), turn.program_id if turn is not None else None,
+                             turn.program.arrival_time if turn is not None else math.inf, any_program,
+                             lambda p: self._frees_any(p.blocks))
+        if pin is None:
+            return False
+        self._drop(pin.program_id)
+        self.counts.pins_reclaimed += 1
+        return True
 
     def release_all(self) -> None:
         for pid in list(self.pins):
