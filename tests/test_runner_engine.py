@@ -295,3 +295,19 @@ def test_kv_cache_copies_report_failures():
     cache.host_kv = torch.zeros(3, 2, 2, 1, 2, cfg.head_dim + 1)  # a copy that cannot run
     assert cache.offload([(1, 0), (2, 1)]) == [0, 1]
     assert cache.load([(0, 2)]) == [0]
+
+
+def test_a_profile_names_the_models_layer_kinds():
+    from agentserve.runner.config import FULL, SLIDING, ModelConfig
+    from agentserve.runner.profiling import model_spec
+
+    def cfg(**kw):
+        return ModelConfig(num_layers=6, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                           vocab_size=10, **kw)
+
+    gemma = model_spec(cfg(sliding_window=512, layer_types=[SLIDING] * 5 + [FULL], arch="gemma3"), 2)
+    assert (gemma.global_layers, gemma.window_layers, gemma.sliding_window) == (1, 5, 512)
+    mistral = model_spec(cfg(sliding_window=4096), 2)  # every layer windowed
+    assert (mistral.global_layers, mistral.window_layers, mistral.sliding_window) == (0, 6, 4096)
+    llama = model_spec(cfg(), 2)
+    assert (llama.num_global_layers, llama.window_layers, llama.sliding_window) == (None, 0, 0)

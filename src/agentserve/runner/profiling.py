@@ -241,8 +241,7 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
     prof = Profile(
         name=name, description=f"{cfg.name} ({llm.model_source}) in {dtype_name(llm.dtype)} on {dev}",
         derivation=derivation,
-        model=ModelSpec(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
-                        float(cfg.num_params()), elt),
+        model=model_spec(cfg, elt),
         kv_bytes_per_token=cfg.kv_bytes_per_token(elt),
         kv_capacity_tokens=llm.kv_cache.num_blocks * llm.kv_cache.block_size,
         host_kv_capacity_tokens=0, host_copy_bandwidth_bytes_s=bw,
@@ -252,6 +251,15 @@ def measure_profile(llm: ModelHost, prefill_lengths: list[int], batch_sizes: lis
         decode_weight_read_s=base, kv_read_s_per_token=kv_per_token, per_seq_overhead_s=per_seq,
         host_copy_latency_s=latency, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "", **disk)
     return prof, raw
+
+
+def model_spec(cfg, elt: int) -> ModelSpec:
+    """The profile's model, with its layer kinds where some layers have a sliding window (so the
+    simulator and the TTL model price those layers' attention and KV up to the window)."""
+    windowed = sum(1 for i in range(cfg.num_layers) if cfg.is_sliding(i))
+    return ModelSpec(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                     float(cfg.num_params()), elt, num_global_layers=cfg.num_layers - windowed if windowed else None,
+                     sliding_window=cfg.sliding_window if windowed else 0)
 
 
 def profile_name(llm: ModelHost) -> str:
