@@ -82,12 +82,14 @@ def test_replicas_share_one_disk_kv_directory_and_split_its_budget(tmp_path):
 
 
 @pytest.mark.parametrize("flags, msg", [
+    (["--tool-stats-interval", "-1"], "--tool-stats-interval must be 0 (off)"),
+    (["--tool-stats-interval", "nan"], "--tool-stats-interval must be 0 (off)"),
     (["--disk-kv-dir", "D"], "--disk-kv-dir needs --disk-kv-bytes"),
     (["--disk-kv-dir", "D", "--disk-kv-bytes", "1000000"], "needs --host-kv-tokens"),
     (["--disk-kv-dir", "D", "--disk-kv-bytes", "1", "--host-kv-tokens", "64", "--replicas", "2"],
      "gives no byte to each of 2 replicas"),
 ])
-def test_cluster_refuses_bad_disk_flags_in_one_line(flags, msg, capsys, tmp_path):
+def test_cluster_refuses_bad_disk_and_tool_stats_flags_in_one_line(flags, msg, capsys, tmp_path):
     pytest.importorskip("ray")
     flags = [str(tmp_path / f) if f == "D" else f for f in flags]
     assert main(["cluster", *flags]) == 2

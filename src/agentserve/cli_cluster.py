@@ -53,6 +53,10 @@ def add_cluster(sub) -> None:
                    help="GPUs Ray gives each replica (e.g. 1, or 0.5 to share one); Ray names them in the "
                         "replica's CUDA_VISIBLE_DEVICES, so --device auto runs each replica on its own GPU "
                         "(0: CPU replicas)")
+    c.add_argument("--tool-stats-interval", type=float, default=5.0, metavar="S",
+                   help="seconds between a replica's exchanges of learned tool durations with the others "
+                        "(merged in one place, each replica's TTL model then learns from every replica's tool "
+                        "calls); 0: each replica learns alone")
     c.add_argument("--retries", type=int, default=2,
                    help="times a request whose replica failed before any output is retried on another one")
     add_server_options(p)
@@ -68,6 +72,8 @@ def cmd_cluster(args) -> int:
     check_serve_args(args)
     if args.replicas < 1:
         raise CliError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 <= args.tool_stats_interval < float("inf"):
+        raise CliError(f"--tool-stats-interval must be 0 (off) or a number of seconds, got {args.tool_stats_interval}")
     if args.retries < 0:
         raise CliError(f"--retries must be 0 or more, got {args.retries}")
     if args.threads is not None and args.threads < 1:

@@ -163,6 +163,8 @@ class ToolDurationStats:
         self.evicted_tools = 0
         self.dropped_pending = 0
         self.shifts = 0  # times a tool's latency shift made its older samples be dropped
+        # the samples recorded here, (tool, seconds), while a cluster shares them (policy/shared_tool_stats.py)
+        self.journal: list[tuple[str, float]] | None = None
 
     # ------------------------------------------------------------------ events
 
@@ -246,6 +248,8 @@ class ToolDurationStats:
         else:
             self._tools.move_to_end(tool)
         win.add(duration, tool, tick)
+        if self.journal is not None:
+            self.journal.append((tool, duration))
         if tool != NO_TOOL_CALL:
             self._global.add(duration, tool, tick)
         if self._shifted(win):

@@ -25,12 +25,14 @@ from ray.serve.config import RequestRouterConfig
 from agentserve.router.ingress import Ingress
 from agentserve.router.ray_router import AgentserveRequestRouter
 from agentserve.router.replica import EngineReplica
+from agentserve.router.shared_tools import start_hub
 
 APP_NAME = "agentserve"
 REPLICA_DEPLOYMENT = "EngineReplica"
 RAY_DEFAULT = "ray-default"  # Ray Serve's own power-of-two-choices router, for comparison
 STATS_PERIOD_S = 0.5
 POLL_S = 0.5  # how often the start checks the replicas' state
+_hub: Any = None  # the tool statistics' hub actor (shared_tools.py)
 
 
 def replica_args(args: Any, n: int) -> Any:
@@ -115,6 +117,9 @@ def run(args: Any, n: int, router: str, api_keys: dict[str, str], build: Any, ll
     Raises RuntimeError with `start_failure`'s line when one never becomes healthy (its
     constructor failed twice per replica, or `timeout_s` passed)."""
 
+    global _hub
+    if getattr(args, "tool_stats_interval", 0) > 0:
+        _hub = start_hub()  # held: the hub lives as long as this driver
     app = build_application(args, n, router, api_keys, build, llm_factory, retries)
     serve._run(app, name=APP_NAME, route_prefix="/", _blocking=False)
     for _ in range(max(1, round(timeout_s / POLL_S))):  # (polls, not the clock: router/ reads no clock)

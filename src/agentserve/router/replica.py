@@ -10,10 +10,12 @@ body as a streaming call; the replica answers with the app's response head
 app writes them. Ray calls `check_health` (the engine thread is alive) and
 `record_routing_stats` (the replica's KV and queue load, `ReplicaLoad`, which
 the request router reads). `probe` answers GET /metrics or /health for the
-ingress's fan-out to every replica."""
+ingress's fan-out to every replica. With `--tool-stats-interval`, the replica
+shares its tool statistics with the others' (shared_tools.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ from typing import Any
 from ray import serve
 
 from agentserve.router.asgi_bridge import AsgiBridge
+from agentserve.router.shared_tools import find_hub, share_loop
 
 log = logging.getLogger("agentserve.router")
 
@@ -50,6 +53,12 @@ class EngineReplica:
         app, self.llm, self.config = build(args, llm_factory)
         self.bridge = AsgiBridge(app)
         await self.bridge.start()  # starts the engine loop on this replica's event loop
+        self._share = None
+        interval = getattr(args, "tool_stats_interval", 0)
+        if interval > 0 and find_hub() is not None:
+            self._share = asyncio.get_running_loop().create_task(share_loop(
+                self.replica_id, self.bridge.app.state.server.engine, self.llm.scheduler.policy.tool_stats,
+                self.llm.clock, interval))
         kv = self.llm.scheduler.kv
         log.info("replica %s ready: KV cache %d tokens (%d blocks of %d), policy %s", self.replica_id,
                  kv.num_blocks * kv.block_size, kv.num_blocks, kv.block_size, self.llm.scheduler.policy.name)
@@ -84,5 +93,7 @@ class EngineReplica:
         return replica_load(self.llm.engine, self.replica_id).to_dict()
 
     async def __del__(self) -> None:
+        if self._share is not None:
+            self._share.cancel()
         await self.bridge.stop()
 
