@@ -20,6 +20,14 @@ would; with 0 the cut turn ends its program);
 the ingress's /metrics counters (retried, cut, 503) over the run; and the
 re-prefill cost: prompt tokens not served from cache in turns sent after the
 kill, against the same turns (program, turn) of the baseline run, with both mean JCTs.
+
+`--shared-disk-kv` runs the kill twice, on two clusters that differ in one
+thing: the first as today, the second with one disk KV directory the replicas
+share (`agentserve cluster --disk-kv-dir`, a temporary directory); both with
+the host tier that directory needs (`--host-kv-tokens`). A program moved off
+the killed replica reloads its context from the directory instead of
+re-prefilling it; the report sets the uncached prompt tokens after each kill
+side by side, with the blocks the replicas reloaded from the directory.
 """
 
 from __future__ import annotations
@@ -96,8 +104,28 @@ def build_report(killed: dict, kill_t: float | None, victim: str | None, before:
     return rep
 
 
+SHARED_COUNTERS = ("shared_kv_blocks_imported", "shared_kv_blocks_written", "shared_kv_files_rejected")
+
+
+def shared_report(rep: dict, result: dict, kill_t: float | None, before: dict, after: dict,
+                  metrics: dict[str, float]) -> dict:
+    """`rep` with the run on the cluster with a shared disk KV directory (`shared`) beside
+    today's kill run: its counts, the uncached prompt tokens after its kill, the ingress
+    counters over it, and the replicas' shared_kv counters (`metrics`: parse_prometheus of
+    /metrics after the run; a replica that was restarted counts from its restart)."""
+    t = kill_t if kill_t is not None else float("inf")
+    rep["shared"] = {**turn_counts(result), "mean_jct": result["mean_jct"], "kill_t_s": kill_t,
+                     "after_kill": uncached_after(result, t),
+                     "ingress": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS},
+                     **{k: metrics.get("agentserve:" + k, 0.0) for k in SHARED_COUNTERS}}
+    rep["shared_saved_tokens"] = (rep["killed"]["after_kill"]["uncached_tokens"]
+                                  - rep["shared"]["after_kill"]["uncached_tokens"])
+    return rep
+
+
 def format_report(rep: dict) -> str:
     runs = [("kill", rep["killed"])] + ([("baseline", rep["baseline"])] if "baseline" in rep else [])
+    runs += [("kill+shared", rep["shared"])] if "shared" in rep else []
     rows = [("programs completed", lambda r: f"{r['completed']}/{r['programs']}"),
             ("turns sent / planned", lambda r: f"{r['turns_sent']}/{r['turns_planned']}"),
             ("turns with errors", lambda r: str(r["turns_error"])),
@@ -125,6 +153,13 @@ def format_report(rep: dict) -> str:
     if "extra_uncached_tokens" in rep:
         lines.append(f"re-prefill cost: {rep['extra_uncached_tokens']:+d} uncached prompt tokens after the kill "
                      "against the baseline")
+    if "shared" in rep:
+        sh = rep["shared"]
+        lines.append(f"with a shared disk KV directory: {sh['after_kill']['uncached_tokens']} uncached prompt tokens "
+                     f"after its kill against {rep['killed']['after_kill']['uncached_tokens']} without "
+                     f"({rep['shared_saved_tokens']:+d} fewer); {sh['shared_kv_blocks_imported']:.0f} blocks reloaded "
+                     f"from the directory, {sh['shared_kv_blocks_written']:.0f} written, "
+                     f"{sh['shared_kv_files_rejected']:.0f} files rejected")
     if rep["killed"]["streams_cut"] and not rep.get("client_retries"):
         lines.append("the replay client did not resend a cut turn (--client-retries 0): it ended its program")
     return "\n".join(lines)
@@ -193,6 +228,51 @@ def _replay(programs, cfg, url: str, kill_after: float | None, victim_index: int
     return result, kill_t, killed.get("name"), before
 
 
+def _cluster_runs(a, programs, extra_args: list[str], baseline: bool) -> dict:
+    """Start the cluster (with `extra_args`), replay (first without a kill if `baseline`),
+    then replay with a kill; stop it. What each replay and /metrics gave."""
+    import ray
+
+    from agentserve.bench.peers.running import start_server
+    from agentserve.bench.peers.specs import server_spec
+    from agentserve.bench.replay_client import ReplayConfig
+
+    ray_tmp = tempfile.mkdtemp(prefix="asfo", dir="/tmp")  # short: Ray's socket paths live under it
+    logs = Path(tempfile.gettempdir()) / "agentserve-failover"
+    spec = server_spec(f"cluster-{a.router}", a.kv_tokens, port=a.port, log_dir=logs,
+                       extra_env={"RAY_TMPDIR": ray_tmp}, extra_args=extra_args)
+    print(f"starting {spec.name} {' '.join(extra_args)} on port {spec.port} (log {spec.log_path})...",
+          file=sys.stderr)
+    server = start_server(spec)
+    out: dict = {"base": None}
+    try:
+        os.environ["RAY_TMPDIR"] = ray_tmp
+        ray.init(address="auto", logging_level="warning", log_to_driver=False)
+        print(f"replica actors: {[n for n, _ in replica_actors()]}", file=sys.stderr)
+
+        def cfg(label: str) -> ReplayConfig:
+            return ReplayConfig(url=server.base_url, workload=a.workload, rate=a.rate, seed=a.seed,
+                                token_scale=a.token_scale, time_scale=a.time_scale,
+                                request_timeout=a.request_timeout, label=label, progress=False,
+                                retry_failed_turns=a.client_retries)
+
+        if baseline:
+            print("baseline run (no kill)...", file=sys.stderr)
+            out["base"], _, _, _ = _replay(programs, cfg("baseline"), server.base_url, None, a.victim)
+        print(f"run with a kill at {a.kill_after:g} s...", file=sys.stderr)
+        out["res"], out["kill_t"], out["victim"], out["before"] = _replay(programs, cfg("kill"), server.base_url,
+                                                                          a.kill_after, a.victim)
+        page = http_text(server.base_url + "/metrics")
+        out["after"], out["metrics"] = parse_counters(page), parse_prometheus(page)
+        out["healthy"] = _wait_healthy(server.base_url, 120.0)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        server.stop()
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # Ray's session files (the cluster's own log stays)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks cluster-failover", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -208,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="store_true", help="first replay the same workload without a kill")
     ap.add_argument("--router", default="program")
     ap.add_argument("--kv-tokens", type=int, default=16384, help="the cluster's KV tokens (split over 2 replicas)")
+    ap.add_argument("--shared-disk-kv", action="store_true",
+                    help="then run the kill again on a cluster whose replicas share a disk KV directory, and set "
+                         "the re-prefilled tokens after each kill side by side")
+    ap.add_argument("--host-kv-tokens", type=int, default=None,
+                    help="with --shared-disk-kv, both clusters' host tier in tokens (default 4x --kv-tokens)")
+    ap.add_argument("--disk-kv-bytes", type=int, default=8 << 30,
+                    help="with --shared-disk-kv, the shared directory's budget, the cluster's total (default 8 GiB)")
     ap.add_argument("--port", type=int, default=None, help="default: a free port")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--client-retries", type=int, default=2,
@@ -215,12 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                          "framework's OpenAI client would; 0: a cut turn ends its program)")
     ap.add_argument("--json", default=None, help="write the report (and both runs' results) here")
     a = ap.parse_args(argv)
+    if a.shared_disk_kv and a.disk_kv_bytes < 1:
+        ap.error("--disk-kv-bytes must be > 0")
 
-    import ray
-
-    from agentserve.bench.peers.running import start_server
-    from agentserve.bench.peers.specs import server_spec
-    from agentserve.bench.replay_client import ReplayConfig
     from agentserve.bench.replay_results import write_json
     from agentserve.workload.load import load_workload
 
@@ -228,44 +312,29 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             a.port = s.getsockname()[1]
-    ray_tmp = tempfile.mkdtemp(prefix="asfo", dir="/tmp")  # short: Ray's socket paths live under it
-    logs = Path(tempfile.gettempdir()) / "agentserve-failover"
-    spec = server_spec(f"cluster-{a.router}", a.kv_tokens, port=a.port, log_dir=logs,
-                       extra_env={"RAY_TMPDIR": ray_tmp})
     programs = load_workload(a.workload, a.programs, a.rate, a.seed)
-    print(f"starting {spec.name} on port {spec.port} (log {spec.log_path})...", file=sys.stderr)
-    server = start_server(spec)
-    try:
-        os.environ["RAY_TMPDIR"] = ray_tmp
-        ray.init(address="auto", logging_level="warning", log_to_driver=False)
-        print(f"replica actors: {[n for n, _ in replica_actors()]}", file=sys.stderr)
-
-        def cfg(label: str) -> ReplayConfig:
-            return ReplayConfig(url=server.base_url, workload=a.workload, rate=a.rate, seed=a.seed,
-                                token_scale=a.token_scale, time_scale=a.time_scale,
-                                request_timeout=a.request_timeout, label=label, progress=False,
-                                retry_failed_turns=a.client_retries)
-
-        base = None
-        if a.baseline:
-            print("baseline run (no kill)...", file=sys.stderr)
-            base, _, _, _ = _replay(programs, cfg("baseline"), server.base_url, None, a.victim)
-        print(f"run with a kill at {a.kill_after:g} s...", file=sys.stderr)
-        res, kill_t, victim, before = _replay(programs, cfg("kill"), server.base_url, a.kill_after, a.victim)
-        after = parse_counters(http_text(server.base_url + "/metrics"))
-        healthy = _wait_healthy(server.base_url, 120.0)
-        rep = build_report(res, kill_t, victim, before, after, base, healthy, a.client_retries)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        server.stop()
-        shutil.rmtree(ray_tmp, ignore_errors=True)  # Ray's session files (the cluster's own log stays)
+    tiers = ["--host-kv-tokens", str(a.host_kv_tokens or 4 * a.kv_tokens)] if a.shared_disk_kv else []
+    today = _cluster_runs(a, programs, tiers, a.baseline)
+    res, base = today["res"], today["base"]
+    rep = build_report(res, today["kill_t"], today["victim"], today["before"], today["after"], base,
+                       today["healthy"], a.client_retries)
+    shared = None
+    if a.shared_disk_kv:
+        kv_dir = tempfile.mkdtemp(prefix="agentserve-shared-kv-")
+        try:
+            shared = _cluster_runs(a, programs, tiers + ["--disk-kv-dir", kv_dir, "--disk-kv-bytes",
+                                                         str(a.disk_kv_bytes)], False)
+        finally:
+            shutil.rmtree(kv_dir, ignore_errors=True)
+        shared_report(rep, shared["res"], shared["kill_t"], shared["before"], shared["after"], shared["metrics"])
     rep["settings"] = {k: v for k, v in vars(a).items() if k != "json"}
     print(format_report(rep))
     if a.json:
-        write_json({**rep, "runs": {"kill": res, "baseline": base}}, a.json)
+        write_json({**rep, "runs": {"kill": res, "baseline": base,
+                                    "kill+shared": shared["res"] if shared else None}}, a.json)
         print(f"wrote {a.json}", file=sys.stderr)
-    return 0 if rep["killed"]["completed"] == rep["killed"]["programs"] else 1
+    runs = [rep["killed"]] + ([rep["shared"]] if shared else [])
+    return 0 if all(r["completed"] == r["programs"] for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -63,3 +63,28 @@ def test_report_without_kill_or_baseline():
     rep = cf.build_report(r, None, None, {}, {})
     assert rep["killed"]["after_kill"]["turns"] == 0 and "baseline" not in rep
     assert "no replica was killed" in cf.format_report(rep)
+
+
+def test_shared_disk_run_beside_todays_kill():
+    """--shared-disk-kv: the second cluster's kill run (its replicas share a disk KV directory)
+    set beside today's: uncached tokens after each kill, the replicas' shared_kv counters."""
+    today = result([rec("a", 0, 0.0), rec("a", 1, 5.0, cached=10), rec("b", 1, 6.0, cached=20)],
+                   [{"turns": 2, "completed": True}, {"turns": 2, "completed": True}])
+    shared = result([rec("a", 0, 0.0), rec("a", 1, 5.2, cached=90), rec("b", 1, 6.1, cached=80)],
+                    [{"turns": 2, "completed": True}, {"turns": 2, "completed": True}], mean_jct=1.8)
+    rep = cf.build_report(today, 4.0, "v", {}, {})
+    metrics = cf.parse_prometheus(
+        'agentserve:shared_kv_blocks_imported_total{replica="r1",model_name="m"} 6.0\n'
+        'agentserve:shared_kv_blocks_imported_total{replica="r2",model_name="m"} 4.0\n'
+        'agentserve:shared_kv_blocks_written_total{replica="r1",model_name="m"} 30.0\n')
+    cf.shared_report(rep, shared, 4.1, {"retries": 0.0}, {"retries": 1.0}, metrics)
+    assert rep["killed"]["after_kill"]["uncached_tokens"] == 170
+    assert rep["shared"]["after_kill"] == {"turns": 2, "prompt_tokens": 200, "uncached_tokens": 30}
+    assert rep["shared_saved_tokens"] == 140 and rep["shared"]["ingress"]["retries"] == 1.0
+    assert (rep["shared"]["shared_kv_blocks_imported"], rep["shared"]["shared_kv_blocks_written"],
+            rep["shared"]["shared_kv_files_rejected"]) == (10.0, 30.0, 0.0)
+    text = cf.format_report(rep)
+    assert "kill+shared" in text.splitlines()[0]
+    assert "30 uncached prompt tokens after its kill against 170 without (+140 fewer)" in text
+    assert "10 blocks reloaded" in text
+    json.dumps(rep)
