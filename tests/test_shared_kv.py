@@ -108,7 +108,7 @@ def test_a_moved_program_reloads_its_prefix_from_the_shared_directory(hf, tmp_pa
 def test_a_corrupt_file_is_a_miss_and_the_turn_recomputes(hf, tmp_path):
     a = make_llm(hf, tmp_path)
     turn2 = first_turn(a)
-    key = chain_keys(turn2, 4, 3, None, "tiny-llama")[2]
+    key = chain_keys(turn2, 4, 3, None, a.shared_kv.namespace)[2]
     path = tmp_path / f"agentserve-kvs-{key}.blk"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -119,6 +119,11 @@ def test_a_corrupt_file_is_a_miss_and_the_turn_recomputes(hf, tmp_path):
     assert loaded_tokens == 8
     assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
     b.check_integrity()
+    b.shared_kv.flush()  # the bad file went; B wrote the block again, whole
+    assert path.exists() and b.shared_kv.num_written >= 1
+    c = make_llm(hf, tmp_path)
+    _, loaded_tokens = second_turn(c, turn2)
+    assert c.shared_kv.num_rejected == 0 and loaded_tokens >= 40
 
 
 def test_another_tenants_file_is_a_miss(hf, tmp_path):
@@ -128,22 +133,28 @@ def test_another_tenants_file_is_a_miss(hf, tmp_path):
     out, loaded_tokens = second_turn(b, turn2, salt=("tenant-b", None))  # same tokens, another tenant
     assert b.shared_kv.num_imported == 0 and loaded_tokens == 0
     # a file renamed to the name tenant B looks up is foreign, not loaded
-    ka = chain_keys(turn2, 4, 1, ("tenant-a", None), "tiny-llama")[0]
+    ns = a.shared_kv.namespace
+    ka = chain_keys(turn2, 4, 1, ("tenant-a", None), ns)[0]
     c = make_llm(hf, tmp_path)
-    kc = chain_keys(turn2, 4, 1, ("tenant-c", None), "tiny-llama")[0]
+    kc = chain_keys(turn2, 4, 1, ("tenant-c", None), ns)[0]
     os.replace(tmp_path / f"agentserve-kvs-{ka}.blk", tmp_path / f"agentserve-kvs-{kc}.blk")
     out, loaded_tokens = second_turn(c, turn2, program="Q", salt=("tenant-c", None))
     assert c.shared_kv.num_rejected == 1 and c.shared_kv.num_imported == 0 and loaded_tokens == 0
     assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
+    d = make_llm(hf, tmp_path)  # the renamed file went; C wrote tenant C's blocks, which D reads
+    _, loaded_tokens = second_turn(d, turn2, program="R", salt=("tenant-c", None))
+    assert d.shared_kv.num_rejected == 0 and loaded_tokens >= 40
     c.check_integrity()
 
 
-def test_a_file_of_another_kv_layout_is_foreign(hf, tmp_path):
+def test_another_kv_layout_names_its_blocks_apart(hf, tmp_path):
     a = make_llm(hf, tmp_path)
     turn2 = first_turn(a)
-    b = make_llm(hf, tmp_path, kv_dtype="bfloat16")  # one model, another KV dtype: same names, other bytes
+    b = make_llm(hf, tmp_path, kv_dtype="bfloat16")  # one model, another KV dtype: other bytes, other names
     out, loaded_tokens = second_turn(b, turn2)
-    assert b.shared_kv.num_imported == 0 and b.shared_kv.num_rejected == 1 and loaded_tokens == 0
+    assert b.shared_kv.num_imported == 0 and b.shared_kv.num_rejected == 0 and loaded_tokens == 0
+    both = a.shared_kv.num_written + b.shared_kv.num_written
+    assert b.shared_kv.num_written > 0 and len(shared_files(tmp_path)) == both
     b.check_integrity()
 
 

@@ -3,9 +3,9 @@
 
 A block's file is named by its chain key: the hash of its parent's key and its
 own tokens, as the prefix index chains its nodes, under a root key made of the
-model's identity and the request's salt (a tenant, a `cache_salt`). So two
-servers of one model name one prefix alike, and two tenants never name a
-block alike. The prefix index's own keys are Python hashes, which differ from
+model's identity and KV layout and the request's salt (a tenant, a
+`cache_salt`). So two servers of one model and layout name one prefix alike,
+and two tenants, models or layouts never name a block alike. The prefix index's own keys are Python hashes, which differ from
 process to process; these are BLAKE2b, which every process computes alike.
 
 A server counts against its budget only the files it wrote, and deletes only
@@ -16,6 +16,7 @@ next server that starts on the directory."""
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -31,12 +32,11 @@ def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt:
         raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens, "
                          f"got {len(token_ids)}")
     key = hashlib.blake2b(f"{namespace}\x00{salt!r}".encode(), digest_size=KEY_BYTES).digest()
+    size = 4 * block_size
+    data = struct.pack(f"<{num_blocks * block_size}i", *token_ids[:num_blocks * block_size])
     keys = []
     for i in range(num_blocks):
-        h = hashlib.blake2b(key, digest_size=KEY_BYTES)
-        for t in token_ids[i * block_size:(i + 1) * block_size]:
-            h.update(t.to_bytes(4, "little", signed=True))
-        key = h.digest()
+        key = hashlib.blake2b(key + data[i * size:(i + 1) * size], digest_size=KEY_BYTES).digest()
         keys.append(key.hex())
     return keys
 

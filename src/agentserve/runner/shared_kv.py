@@ -8,9 +8,10 @@ at once (the step loop reads them before the next step can reuse them) and
 written by a writer thread, each under its chain key (kv/shared_chain.py), in
 the disk tier's checked format (runner/disk_store.py) with the key folded into
 the fingerprint: a file renamed to another prefix's or tenant's name is
-foreign. A file is written under a temporary name of this process and renamed
-into place, so a reader in any process sees a whole file or none; an existing
-file is not written again. The budget counts the files this server wrote and
+foreign, and removed when found (nobody can have written it under that name).
+A file is written under a temporary name of this process and renamed into
+place, so a reader in any process sees a whole file or none; an existing file
+is not written again. The budget counts the files this server wrote and
 evicts only those.
 
 Read: when a request arrives whose prompt runs past what this server holds
@@ -47,6 +48,7 @@ log = logging.getLogger("agentserve")
 
 PREFIX = "agentserve-kvs-"
 TMP_STALE_S = 600.0  # a temporary no writer renamed within this long: its writer died
+KNOWN_MAX = 1 << 20  # keys remembered as written or read, at most
 BACKLOG_BYTES = 1 << 30  # copied off the device, not written yet, at most: beyond, a turn is not written
 
 
@@ -58,7 +60,7 @@ class SharedKVDir:
         self.cache = cache
         self.kv = kv
         self.dir = Path(directory)
-        self.namespace = namespace
+        self.namespace = f"{namespace}\x00{cache.fingerprint.hex()}"  # the model and its KV layout
         self.payload_bytes = cache.block_bytes
         self.file_bytes = HEADER_BYTES + self.payload_bytes
         self.owned = OwnedFiles(budget_bytes // self.file_bytes)  # raises ValueError below one file
@@ -157,8 +159,12 @@ class SharedKVDir:
             payload = read_block_file(path, self._fp(key), self.payload_bytes, f"shared KV block {key}")
         except DiskBlockError as e:
             if path.exists():  # (else it was evicted meanwhile: an ordinary miss)
+                # Under this name only this model and layout write this prefix: a file that fails the
+                # check is nobody's block. It goes, so that the next server to compute it writes it.
                 self.num_rejected += 1
-                log.warning("shared KV directory: %s; recomputing from there", e)
+                log.warning("shared KV directory: %s; recomputing from there and removing it", e)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             return False
         slot = self.kv.host.store(node, protect)
         if slot is None:
@@ -194,6 +200,8 @@ class SharedKVDir:
         if len(nodes) * bs > len(token_ids) or tuple(token_ids[(len(nodes) - 1) * bs:len(nodes) * bs]) != last.tokens:
             return 0
         keys = chain_keys(token_ids, bs, len(nodes), salt, self.namespace)
+        if len(self._known) > KNOWN_MAX:
+            self._known.clear()  # the writer finds the files that exist
         todo = [(k, n.block.block_id) for k, n in zip(keys, nodes)
                 if k not in self._known and n.block is not None and not self.kv.is_loading(n.block)]
         if not todo:
