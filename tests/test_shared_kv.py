@@ -239,3 +239,14 @@ def test_cli_rejects_shared_without_a_directory_in_one_line(tmp_path, capsys):
     assert cli_main(["generate", "hi", "--model", str(tmp_path / "no-model"), "--disk-kv-shared"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--disk-kv-shared needs --disk-kv-dir" in err and len(err.splitlines()) == 1
+
+
+def test_close_writes_what_is_queued_and_then_nothing_more(hf, tmp_path):
+    a = make_llm(hf, tmp_path)
+    turn2 = first_turn(a)
+    a.shared_kv.close()
+    written = a.shared_kv.num_written
+    assert written >= 10 and len(shared_files(tmp_path)) == written
+    second_turn(a, turn2 + prompt(13, 20))  # a turn after the server stopped writing: not queued
+    assert a.shared_kv.num_written == written and a.shared_kv.flush(timeout=1.0)
+    a.check_integrity()

@@ -233,8 +233,8 @@ class LLM:
                 if o.finished and o.request_id in want:
                     done[o.request_id] = o
         self.settle_copies()
-        if self.shared_kv is not None:
-            self.shared_kv.flush()
+        if self.shared_kv is not None:  # the turns written through, as `settle_copies` does for the tiers
+            self.shared_kv.flush(timeout=60.0)
         return [done[r] for r in request_ids]
 
     def settle_copies(self) -> None:

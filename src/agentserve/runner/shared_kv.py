@@ -71,6 +71,7 @@ class SharedKVDir:
         self._jobs: queue.SimpleQueue[tuple[list[str], torch.Tensor] | None] = queue.SimpleQueue()
         self._backlog = 0  # bytes queued for the writer
         self._lock = threading.Lock()
+        self._closed = False
         self._idle = threading.Condition(self._lock)
         self.num_imported = 0  # blocks read into the host tier
         self.num_rejected = 0  # files found and rejected (corrupt, foreign)
@@ -204,7 +205,7 @@ class SharedKVDir:
             self._known.clear()  # the writer finds the files that exist
         todo = [(k, n.block.block_id) for k, n in zip(keys, nodes)
                 if k not in self._known and n.block is not None and not self.kv.is_loading(n.block)]
-        if not todo:
+        if not todo or self._closed:
             return 0
         size = len(todo) * self.payload_bytes
         with self._lock:
@@ -222,7 +223,12 @@ class SharedKVDir:
         while (job := self._jobs.get()) is not None:
             keys, blocks = job
             for i, key in enumerate(keys):
-                self._write(key, blocks[i])
+                try:
+                    self._write(key, blocks[i])
+                except Exception:  # a bug must not stop the writer (flush would wait for ever)
+                    self.num_write_failed += 1
+                    self._gone.put(key)
+                    log.exception("shared KV directory: writing block %s failed", key)
             with self._lock:
                 self._backlog -= len(keys) * self.payload_bytes
                 self._idle.notify_all()
@@ -250,9 +256,13 @@ class SharedKVDir:
         with self._lock:
             return self._idle.wait_for(lambda: self._backlog == 0, timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (within `timeout`) and stop the writer; later turns are not written."""
+        if self._closed:
+            return
+        self._closed = True
         self._jobs.put(None)
-        self._writer.join(timeout=30)
+        self._writer.join(timeout=timeout)
 
     def stats(self) -> dict[str, int]:
         return {"shared_kv_blocks_imported": self.num_imported, "shared_kv_files_rejected": self.num_rejected,

@@ -100,6 +100,9 @@ def create_app(llm: Any, config: ServerConfig, *, engine: AsyncEngine | None = N
             yield
         finally:
             await run_in_threadpool(state.engine.stop)
+            shared = getattr(llm, "shared_kv", None)
+            if shared is not None:  # the turns written through, on disk for the servers that go on
+                await run_in_threadpool(shared.close)
 
     routes = [
         Route("/health", health, methods=["GET"]),
