@@ -250,3 +250,41 @@ def test_close_writes_what_is_queued_and_then_nothing_more(hf, tmp_path):
     second_turn(a, turn2 + prompt(13, 20))  # a turn after the server stopped writing: not queued
     assert a.shared_kv.num_written == written and a.shared_kv.flush(timeout=1.0)
     a.check_integrity()
+
+
+def test_two_servers_over_http_a_moved_programs_turn_reloads_from_the_directory(tmp_path):
+    """A program's first turn on server A, its second on server B (as the cluster's router moves it):
+    B answers from A's written-through blocks, under the tenant the API key names."""
+    import httpx
+
+    from agentserve.server.app import ServerConfig, create_app
+    from server_fixtures import ServerThread, tiny_llm
+
+    def server():
+        llm = tiny_llm(host_kv_tokens=2048, disk_kv_bytes=10**7, disk_kv_dir=str(tmp_path), disk_kv_shared=True)
+        return ServerThread(create_app(llm, ServerConfig(["tiny"], api_key="k"))).start(), llm
+
+    (a, llm_a), (b, llm_b) = server(), server()
+    try:
+        headers = {"Authorization": "Bearer k", "X-Program-Id": "P"}
+        messages = [{"role": "user", "content": "list the files in the repository and read the README " * 3}]
+
+        def turn(srv):
+            r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=60,
+                           json={"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = turn(a)
+        assert llm_a.shared_kv.flush(timeout=30) and llm_a.shared_kv.num_written >= 10
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "now run the tests"}]
+        second = turn(b)
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 4 * 10 and llm_b.shared_kv.num_imported >= 10
+        page = httpx.get(b.url + "/metrics", headers=headers, timeout=10).text
+        want = f'agentserve:shared_kv_blocks_imported_total{{model_name="tiny"}} {float(llm_b.shared_kv.num_imported)}'
+        assert want in page
+    finally:
+        a.stop()
+        b.stop()

@@ -60,14 +60,14 @@ async def share_loop(replica_id: str, engine: Any, stats: Any, clock: Any, inter
             try:
                 if hub is None:
                     raise RuntimeError(f"no actor {HUB_NAME!r} in namespace {NAMESPACE!r}")
-                sent, before = await engine.call(lambda: (share.take(now), stats.global_count()))
+                sent, before = await engine.call(lambda: (share.take(now), _samples(stats)))
                 merged = await hub.exchange.remote(replica_id, sent)
                 tools, after = await engine.call(lambda: (share.apply(merged), len(stats.tools()),
-                                                          stats.global_count())[1:])
+                                                          _samples(stats))[1:])
                 warned = False
                 if sent["samples"] or after != before:
                     log.info("tool statistics merged with the cluster's (exchange %d): sent %d sample(s); now %d "
-                             "tool(s), %d sample(s) in the global window", share.exchanges, len(sent["samples"]),
+                             "tool(s), %d sample(s)", share.exchanges, len(sent["samples"]),
                              tools, after)
             except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
                 if not warned:
@@ -75,3 +75,7 @@ async def share_loop(replica_id: str, engine: Any, stats: Any, clock: Any, inter
                                 "until it works again", e)
                     warned = True
         await asyncio.sleep(max(0.05, share.interval - (clock.now() - now)))
+
+
+def _samples(stats: Any) -> int:
+    return sum(stats.count(t) for t in stats.tools())
