@@ -13,7 +13,7 @@ from agentserve.llm import LLM
 from agentserve.runner import native
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.layer_ops import LayerOps
-from agentserve.runner.model import rms_norm
+from agentserve.runner.model import gelu_tanh_mul, rms_norm
 from agentserve.runner.rope import RotaryTable, apply_rotary
 
 OPS = LayerOps.create(torch.bfloat16, torch.device("cpu"))
@@ -173,3 +173,105 @@ def test_float32_and_the_env_switch_keep_torch(monkeypatch):
     llm = LLM(loaded(hf_llama(layers=1)), dtype="bfloat16", device="cpu", kv_cache_tokens=64, max_model_len=64)
     assert llm.model.ops is None
     assert llm.generate([[1, 2, 3]])[0].token_ids  # the torch path still serves
+
+
+F32 = LayerOps.create(torch.float32, torch.device("cpu"), quantized=True)
+
+
+@needs_ops
+def test_float32_ops_only_for_gguf_kept_weights():
+    """float32 on dense weights is the path exact against transformers: torch's kernels."""
+    assert F32 is not None and F32.f32
+    assert LayerOps.create(torch.float32, torch.device("cpu")) is None
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma_norm_add_norm_in_one_call(dtype):
+    """h += RMSNorm(delta) * wd, out = RMSNorm(h) * w: Gemma's norm on a sublayer's
+    output, the residual add and the next norm; bfloat16 rounds as torch does."""
+    ops = OPS if dtype is torch.bfloat16 else F32
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(6, 640, generator=g) * 3).to(dtype)
+    delta = (torch.randn(6, 640, generator=g) * 50).to(dtype)
+    wd, w = ((1 + 0.1 * torch.randn(2, 640, generator=g)).to(dtype))
+    want_h = h + rms_norm(delta, wd, 1e-6)
+    want = rms_norm(want_h, w, 1e-6)
+    out = torch.empty_like(h)
+    ops.add_rms_norm(h, delta, w, 1e-6, out, wd)
+    if dtype is torch.bfloat16:
+        assert torch.equal(h, want_h) and torch.equal(out, want)
+    else:
+        torch.testing.assert_close(h, want_h, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    ops.add_rms_norm(h, None, w, 1e-6, out)
+    torch.testing.assert_close(out, rms_norm(h, w, 1e-6), rtol=1e-6 if dtype is torch.float32 else 0, atol=1e-6)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype,cache", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                         (torch.float32, torch.float32)])
+def test_rope_kv_with_qk_norm_equals_norm_then_rotary(dtype, cache):
+    heads, kv_heads, head_dim, T = 4, 1, 256, 5
+    cfg = ModelConfig(vocab_size=16, hidden_size=640, intermediate_size=32, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
+                      head_dim=head_dim)
+    rope = RotaryTable(cfg, 1024, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    qk_norm = (1 + 0.2 * torch.randn(heads + kv_heads, head_dim, generator=g)).to(dtype)
+    pos = torch.randint(0, 1024, (T,), generator=g)
+    k_cache = torch.zeros(kv_heads, 4, 16, head_dim, dtype=cache)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(64, generator=g)[:T]
+    ops = OPS if dtype is torch.bfloat16 else F32
+    q = ops.rope_kv(qkv, heads, kv_heads, head_dim, rope.cos, rope.sin, pos, k_cache, v_cache, slots, qk_norm, 1e-6)
+    assert q.dtype is cache
+    cos, sin = rope.lookup(pos)
+    qk = rms_norm(qkv[:, :(heads + kv_heads) * head_dim].view(T, heads + kv_heads, head_dim), qk_norm, 1e-6)
+    qk = apply_rotary(qk, cos, sin).to(cache)
+    flat = lambda c: c.view(kv_heads, -1, head_dim)[:, slots].transpose(0, 1)  # noqa: E731
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim).to(cache)
+    assert torch.equal(flat(v_cache), v)
+    if dtype is torch.bfloat16:
+        assert torch.equal(q, qk[:, :heads]) and torch.equal(flat(k_cache), qk[:, heads:])
+    else:  # the RMS sums in another order: at most a rounding apart
+        tol = dict(rtol=1e-5, atol=1e-5) if cache is torch.float32 else dict(rtol=2 ** -7, atol=1e-6)  # one bfloat16 step
+        torch.testing.assert_close(q, qk[:, :heads], **tol)
+        torch.testing.assert_close(flat(k_cache), qk[:, heads:], **tol)
+
+
+@needs_ops
+def test_gelu_tanh_mul_float32_near_torch():
+    g = torch.Generator().manual_seed(7)
+    gu = torch.randn(3, 2 * 2051, generator=g) * 4
+    gu[0, :8] = torch.tensor([0.0, -0.0, 1e-4, -1e-4, 20.0, -20.0, 9.0, -9.0])
+    ref = gelu_tanh_mul(gu)
+    torch.testing.assert_close(F32.gelu_tanh_mul(gu), ref, rtol=1e-5, atol=1e-6)  # where 1 + tanh cancels
+
+
+@needs_ops
+def test_float32_gguf_decode_takes_the_native_ops_and_stays_near_torch():
+    """A float32 model on GGUF-kept weights: decode-sized steps take the native ops
+    (the greedy choices of torch's ops on clear positions), prefill-sized ones
+    multiply the dense copies on torch's ops, equal to the dequantized model."""
+    from test_runner_kquant import tiny_kquant_model
+
+    llm = LLM(tiny_kquant_model(), weights="native", dtype="float32", device="cpu", kv_cache_tokens=256,
+              max_model_len=256, block_size=16)
+    model = llm.model
+    assert model.ops is not None and model.ops.f32 and model.codes_rows >= 1
+    ids = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    ops = model.ops
+    got = {rows: teacher_forced_logits(llm, ids, rows) for rows in (1, 48)}
+    model.ops = None
+    try:
+        ref = {rows: teacher_forced_logits(llm, ids, rows) for rows in (1, 48)}
+    finally:
+        model.ops = ops
+    assert torch.equal(got[48], ref[48])
+    top2 = ref[1].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert clear.sum() > 20
+    assert torch.equal(got[1].argmax(-1)[clear], ref[1].argmax(-1)[clear])
+    assert ((got[1] - ref[1]).pow(2).mean().sqrt() / ref[1].pow(2).mean().sqrt()) < 1e-3

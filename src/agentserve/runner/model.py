@@ -113,8 +113,9 @@ class LlamaModel:
             self.lm_head = self._linear(w, ["model.embed_tokens.weight"], dense=dense)
         else:
             self.lm_head = self._linear(w, ["lm_head.weight"])
-        # bfloat16 on the CPU: norms, rotary + KV write and SiLU as one native call each
-        self.ops = LayerOps.create(dtype, self.device)
+        # on the CPU (bfloat16, or float32 on GGUF-kept weights): norms, rotary + KV write and the
+        # activation as one native call each
+        self.ops = LayerOps.create(dtype, self.device, quantized)
         self.act = gelu_tanh_mul if cfg.gemma else silu_mul
         if self.ops is not None:
             self.fused_act = self.ops.gelu_tanh_mul if cfg.gemma else self.ops.silu_mul
@@ -126,6 +127,9 @@ class LlamaModel:
         self.int4_kernel = q4[0].kernel if q4 else None  # "agentserve" or "torch"
         self.int4_max_rows = q4[0].max_rows if q4 else 0
         self.num_linears = len(linears)
+        # float32 takes the native small ops only on steps whose every projection runs on GGUF codes
+        # (quantized activations): above, a step multiplies the dense float32 copies, exact against transformers
+        self.codes_rows = min(getattr(x, "max_rows", 0) for x in linears)
         # what `--weights` calls it: native when any projection runs on GGUF codes
         self.weight_format = "native" if self.int4_linears or self.q8_linears or self.block_linears else \
             {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
@@ -208,7 +212,8 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [len(logit_rows), vocab]."""
-        if self.ops is not None and meta.kernel and not meta.prefills:
+        if self.ops is not None and meta.kernel and not meta.prefills and \
+                (not self.ops.f32 or input_ids.shape[0] <= self.codes_rows):
             return self._forward_fused(input_ids, positions, meta, kv, logit_rows)
         cfg = self.cfg
         T = input_ids.shape[0]
@@ -248,12 +253,11 @@ class LlamaModel:
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """forward() with the small operations as native calls (self.ops): each
-        residual add is folded into the next norm; rotary, the KV write and the
-        q copy are one pass over the fused projection (after the q/k norm, where
-        the model has one)."""
+        residual add is folded into the next norm (with Gemma's norm on the
+        sublayer output before it); the q/k norm, rotary, the KV write and the q
+        copy are one pass over the fused projection."""
         cfg, ops = self.cfg, self.ops
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk_size = (H + KVH) * D
         eps = cfg.rms_norm_eps
         positions = positions.to(torch.int64).contiguous()
         if positions.numel() and int(positions.max()) >= self.rope.max_positions:
@@ -265,25 +269,19 @@ class LlamaModel:
         ops.add_rms_norm(h, None, self.layers[0].input_norm, eps, x)
         for i, L in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            qkv = L.qkv(x)
-            if L.qk_norm is not None:
-                T = qkv.shape[0]
-                qkv[:, :qk_size] = rms_norm(qkv[:, :qk_size].view(T, H + KVH, D), L.qk_norm, eps).view(T, -1)
             m = groups[i]
-            q = ops.rope_kv(qkv, H, KVH, D, L.rope.cos, L.rope.sin, positions, k_cache, v_cache, m.slot_mapping)
-            attn = L.o(attend_native(q, None, None, k_cache, v_cache, m, self.scale, window=L.window))
-            if L.attn_out_norm is not None:
-                attn = ops.add_rms_norm(attn, None, L.attn_out_norm, eps, torch.empty_like(attn))
-            ops.add_rms_norm(h, attn, L.post_norm, eps, x)
+            q = ops.rope_kv(L.qkv(x), H, KVH, D, L.rope.cos, L.rope.sin, positions, k_cache, v_cache,
+                            m.slot_mapping, L.qk_norm, eps)
+            attn = attend_native(q, None, None, k_cache, v_cache, m, self.scale, window=L.window)
+            attn = L.o(attn if attn.dtype is h.dtype else attn.to(h.dtype))
+            # Gemma's norm on the attention output, the residual add and the next norm: one call
+            ops.add_rms_norm(h, attn, L.post_norm, eps, x, L.attn_out_norm)
             down = L.down(self.fused_act(L.gate_up(x)))
-            if L.mlp_out_norm is not None:
-                down = ops.add_rms_norm(down, None, L.mlp_out_norm, eps, torch.empty_like(down))
-            if i + 1 < len(self.layers):
-                ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, eps, x)
-            else:
-                h.add_(down)
-        h = h[logit_rows].contiguous()
-        return self.lm_head(ops.add_rms_norm(h, None, self.norm, eps, torch.empty_like(h))).float()
+            last = i + 1 == len(self.layers)
+            ops.add_rms_norm(h, down, self.norm if last else self.layers[i + 1].input_norm, eps, x,
+                             L.mlp_out_norm)
+        # the norm is per row: the final norm of every row, then the rows sampled
+        return self.lm_head(x[logit_rows].contiguous()).float()
 
 
 class _Weights:

@@ -137,10 +137,15 @@ def _load() -> ctypes.CDLL:
     lib.agentserve_block_fast.restype = ctypes.c_int
     lib.agentserve_block_matmul.argtypes = [i, i, p, L, L, p, L, p, p, L, i]
     lib.agentserve_block_matmul.restype = ctypes.c_int
-    lib.agentserve_add_rms_norm.argtypes = [p, p, p, p, L, L, f, i]
-    lib.agentserve_add_rms_norm.restype = None
-    lib.agentserve_rope_kv.argtypes = [p, L, i, i, i, p, p, p, p, p, L, p, p, i]
+    for name in ("agentserve_add_rms_norm", "agentserve_add_rms_norm_f32"):
+        getattr(lib, name).argtypes = [p, p, p, p, p, L, L, f, i]
+        getattr(lib, name).restype = None
+    lib.agentserve_rope_kv.argtypes = [p, L, i, i, i, p, f, p, p, p, p, p, L, p, p, i]
     lib.agentserve_rope_kv.restype = None
+    lib.agentserve_rope_kv_f32.argtypes = [p, L, i, i, i, p, f, p, p, p, p, p, i, L, p, p, i]
+    lib.agentserve_rope_kv_f32.restype = None
+    lib.agentserve_gelu_tanh_mul_f32.argtypes = [p, L, L, p, i]
+    lib.agentserve_gelu_tanh_mul_f32.restype = None
     lib.agentserve_silu_mul.argtypes = [p, L, L, p, i]
     lib.agentserve_silu_mul.restype = None
     lib.agentserve_gelu_tanh_mul.argtypes = [p, L, L, p, i]

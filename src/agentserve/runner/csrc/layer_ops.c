@@ -1,6 +1,6 @@
 /* The small per-layer operations of a bfloat16 forward, one call each:
  * residual add + RMSNorm, rotary embedding + KV-cache write, SiLU-and-multiply,
- * tanh-GELU-and-multiply (Gemma's GeGLU).
+ * tanh-GELU-and-multiply (Gemma's GeGLU); float32 forms of the ones Gemma 3 uses.
  *
  * In torch each of these is 3-10 small kernels (casts, powers, means, cats,
  * index copies), and at decode sizes their dispatch, about 2-5 us a kernel,
@@ -11,8 +11,7 @@
  * RMSNorm: the normalized value is cast to bfloat16 before the weight
  * multiplies it; rotate-half rotary: x*cos and rotate(x)*sin each rounded,
  * then their sum; SiLU or GELU rounded, then the product), so results equal torch's
- * up to the order of the RMS sum. Only bfloat16 is handled: float32 keeps
- * torch's kernels, the path that must match transformers bit for bit. */
+ * up to the order of the RMS sum. */
 
 #include <math.h>
 #include <stdint.h>
@@ -23,20 +22,38 @@
 
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* h [T, dim] (+)= delta (when not NULL), then out = weight * bf16(h * rsqrt(mean(h^2) + eps)). */
-void agentserve_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weight, bf16_t *out, long T, long dim,
-                             float eps, int nthreads) {
+/* h [T, dim] (+)= delta (when not NULL; first normed by delta_weight when that
+ * is not NULL, Gemma's norm on a sublayer's output before its residual add),
+ * then out = weight * bf16(h * rsqrt(mean(h^2) + eps)). */
+void agentserve_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *delta_weight, const bf16_t *weight,
+                             bf16_t *out, long T, long dim, float eps, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * dim >= 65536)
     for (long t = 0; t < T; t++) {
         bf16_t *x = h + t * dim;
         float ss = 0.0f;
         if (delta) {
             const bf16_t *dl = delta + t * dim;
-            #pragma omp simd reduction(+:ss)
-            for (long j = 0; j < dim; j++) {
-                float v = rnd(bf16_to_f32(x[j]) + bf16_to_f32(dl[j]));
-                x[j] = f32_to_bf16(v);
-                ss += v * v;
+            float rd = 0.0f;
+            if (delta_weight) {
+                float sd = 0.0f;
+                #pragma omp simd reduction(+:sd)
+                for (long j = 0; j < dim; j++) sd += bf16_to_f32(dl[j]) * bf16_to_f32(dl[j]);
+                rd = 1.0f / sqrtf(sd / (float)dim + eps);
+            }
+            if (delta_weight) {
+                #pragma omp simd reduction(+:ss)
+                for (long j = 0; j < dim; j++) {
+                    float v = rnd(bf16_to_f32(x[j]) + rnd(bf16_to_f32(delta_weight[j]) * rnd(bf16_to_f32(dl[j]) * rd)));
+                    x[j] = f32_to_bf16(v);
+                    ss += v * v;
+                }
+            } else {
+                #pragma omp simd reduction(+:ss)
+                for (long j = 0; j < dim; j++) {
+                    float v = rnd(bf16_to_f32(x[j]) + bf16_to_f32(dl[j]));
+                    x[j] = f32_to_bf16(v);
+                    ss += v * v;
+                }
             }
         } else {
             #pragma omp simd reduction(+:ss)
@@ -52,12 +69,50 @@ void agentserve_add_rms_norm(bf16_t *h, const bf16_t *delta, const bf16_t *weigh
     }
 }
 
-/* qkv [T, (H + 2 KVH) * D] rows of a fused q/k/v projection. Rotates q and k
+/* The float32 forms, for float32 compute on GGUF-kept weights (where the
+ * projections' activations are quantized anyway): torch's float32 expressions,
+ * rounded where they round, the sums in another order. The dense float32 path,
+ * which must match transformers bit for bit, keeps torch's own kernels. */
+
+static inline float rms_scale_f32(const float *x, long n, float eps) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (long j = 0; j < n; j++) ss += x[j] * x[j];
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* agentserve_add_rms_norm in float32: h += delta_weight * (delta * rsqrt(...)) (or
+ * + delta), out = weight * (h * rsqrt(mean(h^2) + eps)). */
+void agentserve_add_rms_norm_f32(float *h, const float *delta, const float *delta_weight, const float *weight,
+                                 float *out, long T, long dim, float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * dim >= 65536)
+    for (long t = 0; t < T; t++) {
+        float *x = h + t * dim;
+        if (delta) {
+            const float *dl = delta + t * dim;
+            if (delta_weight) {
+                float rd = rms_scale_f32(dl, dim, eps);
+                #pragma omp simd
+                for (long j = 0; j < dim; j++) x[j] = x[j] + delta_weight[j] * (dl[j] * rd);
+            } else {
+                #pragma omp simd
+                for (long j = 0; j < dim; j++) x[j] = x[j] + dl[j];
+            }
+        }
+        float r = rms_scale_f32(x, dim, eps);
+        float *o = out + t * dim;
+        #pragma omp simd
+        for (long j = 0; j < dim; j++) o[j] = weight[j] * (x[j] * r);
+    }
+}
+
+/* qkv [T, (H + 2 KVH) * D] rows of a fused q/k/v projection. Norms q and k per
+ * head when qk_norm ([H + KVH, D] weights) is not NULL, rotates them
  * (rotate-half, cos/sin tables [positions, D]) and writes q to q_out [T, H, D],
  * k and v to the cache [KVH, cache_tokens, D] at slots[t]. */
-void agentserve_rope_kv(const bf16_t *qkv, long T, int H, int KVH, int D, const bf16_t *cos_t, const bf16_t *sin_t,
-                        const int64_t *positions, bf16_t *k_cache, bf16_t *v_cache, long cache_tokens,
-                        const int64_t *slots, bf16_t *q_out, int nthreads) {
+void agentserve_rope_kv(const bf16_t *qkv, long T, int H, int KVH, int D, const bf16_t *qk_norm, float eps,
+                        const bf16_t *cos_t, const bf16_t *sin_t, const int64_t *positions, bf16_t *k_cache,
+                        bf16_t *v_cache, long cache_tokens, const int64_t *slots, bf16_t *q_out, int nthreads) {
     const long width = (long)(H + 2 * KVH) * D;
     const int half = D / 2;
     #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T >= 64)
@@ -65,18 +120,79 @@ void agentserve_rope_kv(const bf16_t *qkv, long T, int H, int KVH, int D, const 
         const bf16_t *row = qkv + t * width;
         const bf16_t *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
         const long slot = slots[t];
+        float xn[D];
         for (int h = 0; h < H + KVH; h++) {
             const bf16_t *x = row + (long)h * D;
             bf16_t *dst = h < H ? q_out + (t * H + h) * (long)D : k_cache + ((long)(h - H) * cache_tokens + slot) * D;
+            if (qk_norm) {
+                const bf16_t *w = qk_norm + (long)h * D;
+                float ss = 0.0f;
+                #pragma omp simd reduction(+:ss)
+                for (int j = 0; j < D; j++) ss += bf16_to_f32(x[j]) * bf16_to_f32(x[j]);
+                float r = 1.0f / sqrtf(ss / (float)D + eps);
+                #pragma omp simd
+                for (int j = 0; j < D; j++) xn[j] = rnd(bf16_to_f32(w[j]) * rnd(bf16_to_f32(x[j]) * r));
+            } else {
+                #pragma omp simd
+                for (int j = 0; j < D; j++) xn[j] = bf16_to_f32(x[j]);
+            }
             #pragma omp simd
             for (int j = 0; j < half; j++) {
-                float a = bf16_to_f32(x[j]), b = bf16_to_f32(x[j + half]);
+                float a = xn[j], b = xn[j + half];
                 dst[j] = f32_to_bf16(rnd(a * bf16_to_f32(c[j])) + rnd(-b * bf16_to_f32(s[j])));
                 dst[j + half] = f32_to_bf16(rnd(b * bf16_to_f32(c[j + half])) + rnd(a * bf16_to_f32(s[j + half])));
             }
         }
         for (int h = 0; h < KVH; h++)
             memcpy(v_cache + ((long)h * cache_tokens + slot) * D, row + (long)(H + KVH + h) * D, sizeof(bf16_t) * D);
+    }
+}
+
+/* agentserve_rope_kv for float32 activations (tables and q/k norm weights float32):
+ * the cache and q_out in bfloat16 (cache_bf16, the dtype the attention kernel
+ * then reads q in) or float32. */
+void agentserve_rope_kv_f32(const float *qkv, long T, int H, int KVH, int D, const float *qk_norm, float eps,
+                            const float *cos_t, const float *sin_t, const int64_t *positions, void *k_cache,
+                            void *v_cache, int cache_bf16, long cache_tokens, const int64_t *slots, void *q_out,
+                            int nthreads) {
+    const long width = (long)(H + 2 * KVH) * D;
+    const int half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T >= 64)
+    for (long t = 0; t < T; t++) {
+        const float *row = qkv + t * width;
+        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        const long slot = slots[t];
+        float xn[D], y[D];
+        for (int h = 0; h < H + 2 * KVH; h++) {
+            const float *x = row + (long)h * D;
+            long at = h < H ? (t * H + h) * (long)D : ((long)((h - H) % KVH) * cache_tokens + slot) * D;
+            void *base = h < H ? q_out : h < H + KVH ? k_cache : v_cache;
+            if (h >= H + KVH) {
+                memcpy(y, x, sizeof(float) * D);
+            } else {
+                if (qk_norm) {
+                    const float *w = qk_norm + (long)h * D;
+                    float r = rms_scale_f32(x, D, eps);
+                    #pragma omp simd
+                    for (int j = 0; j < D; j++) xn[j] = w[j] * (x[j] * r);
+                } else {
+                    memcpy(xn, x, sizeof(float) * D);
+                }
+                #pragma omp simd
+                for (int j = 0; j < half; j++) {
+                    float a = xn[j], b = xn[j + half];
+                    y[j] = a * c[j] + -b * s[j];
+                    y[j + half] = b * c[j + half] + a * s[j + half];
+                }
+            }
+            if (cache_bf16) {
+                bf16_t *dst = (bf16_t *)base + at;
+                #pragma omp simd
+                for (int j = 0; j < D; j++) dst[j] = f32_to_bf16(y[j]);
+            } else {
+                memcpy((float *)base + at, y, sizeof(float) * D);
+            }
+        }
     }
 }
 
@@ -215,5 +331,20 @@ void agentserve_gelu_tanh_mul(const bf16_t *gu, long T, long inter, bf16_t *out,
         }
 #endif
         for (; j < inter; j++) o[j] = f32_to_bf16(rnd(gelu_tanh(bf16_to_f32(g[j]))) * bf16_to_f32(u[j]));
+    }
+}
+
+/* gu [T, 2 * inter] float32 (gate then up) -> out [T, inter] = gelu_tanh(gate) * up, unrounded. */
+void agentserve_gelu_tanh_mul_f32(const float *gu, long T, long inter, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (T * inter >= 65536)
+    for (long t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * inter, *u = g + inter;
+        float *o = out + t * inter;
+        long j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 8 <= inter; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(gelu_tanh8(_mm256_loadu_ps(g + j)), _mm256_loadu_ps(u + j)));
+#endif
+        for (; j < inter; j++) o[j] = gelu_tanh(g[j]) * u[j];
     }
 }
