@@ -228,7 +228,13 @@ def _replay(programs, cfg, url: str, kill_after: float | None, victim_index: int
     return result, kill_t, killed.get("name"), before
 
 
-def _cluster_runs(a, programs, extra_args: list[str], baseline: bool) -> dict:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_runs(a, programs, extra_args: list[str], baseline: bool, port: int) -> dict:
     """Start the cluster (with `extra_args`), replay (first without a kill if `baseline`),
     then replay with a kill; stop it. What each replay and /metrics gave."""
     import ray
@@ -239,7 +245,7 @@ def _cluster_runs(a, programs, extra_args: list[str], baseline: bool) -> dict:
 
     ray_tmp = tempfile.mkdtemp(prefix="asfo", dir="/tmp")  # short: Ray's socket paths live under it
     logs = Path(tempfile.gettempdir()) / "agentserve-failover"
-    spec = server_spec(f"cluster-{a.router}", a.kv_tokens, port=a.port, log_dir=logs,
+    spec = server_spec(f"cluster-{a.router}", a.kv_tokens, port=port, log_dir=logs,
                        extra_env={"RAY_TMPDIR": ray_tmp}, extra_args=extra_args)
     print(f"starting {spec.name} {' '.join(extra_args)} on port {spec.port} (log {spec.log_path})...",
           file=sys.stderr)
@@ -295,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --shared-disk-kv, both clusters' host tier in tokens (default 4x --kv-tokens)")
     ap.add_argument("--disk-kv-bytes", type=int, default=8 << 30,
                     help="with --shared-disk-kv, the shared directory's budget, the cluster's total (default 8 GiB)")
-    ap.add_argument("--port", type=int, default=None, help="default: a free port")
+    ap.add_argument("--port", type=int, default=None,
+                    help="default: a free port (with --shared-disk-kv, the second cluster takes the next one)")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--client-retries", type=int, default=2,
                     help="times the replay client sends a turn the server failed again (default 2, as an agent "
@@ -308,13 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     from agentserve.bench.replay_results import write_json
     from agentserve.workload.load import load_workload
 
-    if a.port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            a.port = s.getsockname()[1]
     programs = load_workload(a.workload, a.programs, a.rate, a.seed)
     tiers = ["--host-kv-tokens", str(a.host_kv_tokens or 4 * a.kv_tokens)] if a.shared_disk_kv else []
-    today = _cluster_runs(a, programs, tiers, a.baseline)
+    today = _cluster_runs(a, programs, tiers, a.baseline, a.port or _free_port())
     res, base = today["res"], today["base"]
     rep = build_report(res, today["kill_t"], today["victim"], today["before"], today["after"], base,
                        today["healthy"], a.client_retries)
@@ -322,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.shared_disk_kv:
         kv_dir = tempfile.mkdtemp(prefix="agentserve-shared-kv-")
         try:
+            # (another port: Serve's proxy of the first cluster may hold its port a while after the stop)
             shared = _cluster_runs(a, programs, tiers + ["--disk-kv-dir", kv_dir, "--disk-kv-bytes",
-                                                         str(a.disk_kv_bytes)], False)
+                                                         str(a.disk_kv_bytes)], False,
+                                   a.port + 1 if a.port else _free_port())
         finally:
             shutil.rmtree(kv_dir, ignore_errors=True)
         shared_report(rep, shared["res"], shared["kill_t"], shared["before"], shared["after"], shared["metrics"])
