@@ -4,9 +4,10 @@
  * of gguf_matmul.c, and the types that kernel does not take.
  *
  * Every type is, per run of 32 weights j of a row, w = f_j * c + mn_j with c
- * a small signed integer code times an integer sub-block scale (Q4_K, Q5_K:
- * 6 bits; Q6_K: int8 per 16 weights), f_j the block's fp16 scale and mn_j
- * its minimum (Q4_1, Q5_1: m; Q4_K, Q5_K: -dmin * min; else 0). Activations
+ * a small signed integer code (Q6_K: times its int8 scale per 16 weights),
+ * f_j the block's fp16 scale (Q4_K, Q5_K: times the run's 6-bit scale, exact
+ * in float32) and mn_j its minimum (Q4_1, Q5_1: m; Q4_K, Q5_K: -dmin * min;
+ * else 0). Activations
  * are quantized per 32 elements to int16 codes in -16383..16383,
  * x ~ dx_j * x16 (abs error <= max|x| / 32766 per element: finer than the
  * bfloat16 activations' own rounding except far below their block's
@@ -46,18 +47,12 @@ static inline float bw_half(const uint8_t *p) {
 
 static inline __m256i bw_widen_u8(__m128i v) { return _mm256_cvtepu8_epi16(v); }
 
-/* the 16 bits of `bits` as 0 or 16 in int16 lanes 0..15 */
-static inline __m256i bw_fifth(uint32_t bits) {
-    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          (short)0x8000);
-    __m256i b = _mm256_set1_epi16((short)(bits & 0xffffu));
-    return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(b, sel), sel), _mm256_set1_epi16(16));
-}
-
-/* the low (hi = 0) or high nibbles of 16 bytes, widened to int16 */
-static inline __m256i bw_nibbles16(__m128i v, int hi) {
-    __m128i n = hi ? _mm_srli_epi16(v, 4) : v;
-    return bw_widen_u8(_mm_and_si128(n, _mm_set1_epi8(15)));
+/* byte i = 0xff where bit i of `bits` is set, else 0 (llama.cpp's bytes_from_bits_32) */
+static inline __m256i bw_bits32(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
 }
 
 /* Q4_K/Q5_K: the 6-bit scales and mins of 8 sub-blocks from the 12 bytes */
@@ -108,27 +103,33 @@ static inline __attribute__((always_inline)) void bw_small_block(int qt, const u
     int five = qt == BW_Q5_0 || qt == BW_Q5_1;
     const uint8_t *qs = b + 2 + 2 * with_min + 4 * five;
     __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    *w0 = bw_nibbles16(v, 0);
-    *w1 = bw_nibbles16(v, 1);
+    /* the 32 codes as bytes (low nibbles: weights 0..15, high: 16..31), widened once at the end */
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
     if (five) {
         uint32_t qh;
         memcpy(&qh, b + 2 + 2 * with_min, 4);
-        *w0 = _mm256_or_si256(*w0, bw_fifth(qh));
-        *w1 = _mm256_or_si256(*w1, bw_fifth(qh >> 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(bw_bits32(qh), _mm256_set1_epi8(16)));
     }
     if (with_min) {
         *mn = bw_half(b + 2);
+        *w0 = bw_widen_u8(_mm256_castsi256_si128(q));
+        *w1 = bw_widen_u8(_mm256_extracti128_si256(q, 1));
     } else {
-        __m256i off = _mm256_set1_epi16(five ? 16 : 8);
-        *w0 = _mm256_sub_epi16(*w0, off);
-        *w1 = _mm256_sub_epi16(*w1, off);
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(five ? 16 : 8));
+        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
     }
 }
 
 /* how far ahead of the block being read the weight stream is prefetched: the
  * hardware prefetcher alone leaves a one-row product at about 65% of the rate
  * it reaches on cached weights */
+#ifndef BW_PREFETCH
 #define BW_PREFETCH 1024
+#endif
+#ifndef BW_HINT
+#define BW_HINT _MM_HINT_T0
+#endif
 
 /* out[r] = row `w` (k weights of type qt) . activation row r, r < R */
 static inline __attribute__((always_inline)) void bw_row(int qt, int R, const uint8_t *w, long k, const int16_t *x,
@@ -147,7 +148,7 @@ static inline __attribute__((always_inline)) void bw_row(int qt, int R, const ui
         long j = 0;
         for (; j + 2 <= nb; j += 2) {
             const uint8_t *b = w + j * size;
-            _mm_prefetch((const char *)(b + BW_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
             __m256i w0, w1, v0, v1;
             float f, mn, g, mm;
             bw_small_block(qt, b, &w0, &w1, &f, &mn);
@@ -165,9 +166,9 @@ static inline __attribute__((always_inline)) void bw_row(int qt, int R, const ui
         const int size = bw_bytes[qt];
         for (long sb = 0; sb < k / 256; sb++) {
             const uint8_t *b = w + sb * size;
-            _mm_prefetch((const char *)(b + BW_PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + BW_PREFETCH + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + BW_PREFETCH + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
+            _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
+            _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
             if (qt == BW_Q6_K) {
                 const uint8_t *ql = b, *qh = b + 128;
                 const int8_t *sc = (const int8_t *)(b + 192);
@@ -212,11 +213,10 @@ static inline __attribute__((always_inline)) void bw_row(int qt, int R, const ui
                             __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
                             q = _mm256_or_si256(q, _mm256_and_si256(on, _mm256_set1_epi8(16)));
                         }
-                        __m256i scale = _mm256_set1_epi16((short)sc[s]);
-                        __m256i w0 = _mm256_mullo_epi16(bw_widen_u8(_mm256_castsi256_si128(q)), scale);
-                        __m256i w1 = _mm256_mullo_epi16(bw_widen_u8(_mm256_extracti128_si256(q, 1)), scale);
-                        bw_step(R, mins, w0, w1, d, -dmin * (float)mn[s], 8 * sb + s, x, k, dx, xs, nb,
-                                acc + BW_ROWS * half, macc);
+                        __m256i w0 = bw_widen_u8(_mm256_castsi256_si128(q));
+                        __m256i w1 = bw_widen_u8(_mm256_extracti128_si256(q, 1));
+                        bw_step(R, mins, w0, w1, d * (float)sc[s], -dmin * (float)mn[s], 8 * sb + s, x, k, dx, xs,
+                                nb, acc + BW_ROWS * half, macc);
                     }
                 }
             }
