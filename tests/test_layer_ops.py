@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import hf_llama, loaded, teacher_forced_logits
+from tiny_models import hf_gemma3, hf_llama, hf_qwen3, loaded, loaded_as, teacher_forced_logits
 
 from agentserve.llm import LLM
 from agentserve.runner import native
@@ -134,10 +134,16 @@ def test_rope_kv_equals_rotary_and_cache_write(heads, kv_heads, head_dim):
 
 
 @needs_ops
-def test_fused_forward_agrees_with_torch_forward():
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_fused_forward_agrees_with_torch_forward(arch):
     """Exact through the first layers (the ops are exact; only the RMS sums are
-    added in another order), and the same greedy choices at the end."""
-    llm = LLM(loaded(hf_llama(layers=4)), dtype="bfloat16", device="cpu", kv_cache_tokens=512, max_model_len=512)
+    added in another order), and the same greedy choices at the end; Gemma 3
+    and Qwen3 with their q/k norms (and Gemma's norms on the sublayer outputs)
+    in the native calls."""
+    hf = {"llama": lambda: hf_llama(layers=4), "gemma3": lambda: hf_gemma3(window=32),
+          "qwen3": lambda: hf_qwen3(layers=3)}[arch]()
+    llm = LLM(loaded_as(hf, arch) if arch != "llama" else loaded(hf), dtype="bfloat16", device="cpu",
+              kv_cache_tokens=512, max_model_len=512)
     model = llm.model
     assert model.ops is not None
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)).tolist()
