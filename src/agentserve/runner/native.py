@@ -146,6 +146,8 @@ def _load() -> ctypes.CDLL:
     lib.agentserve_rope_kv_f32.restype = None
     lib.agentserve_gelu_tanh_mul_f32.argtypes = [p, L, L, p, i]
     lib.agentserve_gelu_tanh_mul_f32.restype = None
+    lib.agentserve_argmax_rows.argtypes = [p, L, L, p]
+    lib.agentserve_argmax_rows.restype = None
     lib.agentserve_silu_mul.argtypes = [p, L, L, p, i]
     lib.agentserve_silu_mul.restype = None
     lib.agentserve_gelu_tanh_mul.argtypes = [p, L, L, p, i]

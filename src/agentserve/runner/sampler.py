@@ -22,8 +22,22 @@ from __future__ import annotations
 import torch
 
 from agentserve.engine.sampling_params import SamplingParams
+from agentserve.runner import native
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """logits.argmax(-1) as a list: on the CPU the native vector pass
+    (csrc/argmax.c, the same choices), else torch's."""
+    lib = native.layer_ops() if logits.device.type == "cpu" and logits.dtype is torch.float32 \
+        and logits.dim() == 2 and logits.shape[1] > 0 else None
+    if lib is None:
+        return logits.argmax(dim=-1).tolist()
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.agentserve_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out.tolist()
 
 
 class Sampler:
@@ -83,7 +97,7 @@ class Sampler:
         drafts = drafts if drafts is not None else [None] * len(params)
         self._constrain(logits, params, request_ids, drafts)
         if all(p.greedy for p in params):
-            return self._accept(logits.argmax(dim=-1).tolist(), params, request_ids, drafts)
+            return self._accept(greedy_ids(logits), params, request_ids, drafts)
         rows = logits.shape[0]
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
         temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
