@@ -110,9 +110,11 @@ class FakeExecutor(Executor):
 class Harness:
     def __init__(self, policy: str = "vllm-fcfs", num_blocks: int = 64, budget: int = 32,
                  max_seqs: int = 256, host: int = 0, eviction: str = "lru",
-                 reload_cost=None, step_time: float = STEP, cost=None, protected: int = 0, **config) -> None:
+                 reload_cost=None, step_time: float = STEP, cost=None, protected: int = 0,
+                 window: int | None = None, window_pages: int = 0, **config) -> None:
         self.clock = SimClock()
-        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host, protected_blocks=protected)
+        self.kv = KVCacheManager(num_blocks, BS, eviction=eviction, host_blocks=host, protected_blocks=protected,
+                                 window=window, window_pages=window_pages)
         name, options = parse_policy_spec(policy)  # a spec with options, e.g. "agentserve:retire=off"
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **config),
                            self.kv, name, self.clock, reload_cost, policy_options=options)
@@ -1313,3 +1315,20 @@ def test_random_agent_workload_completes_with_correct_outputs(policy, host, seed
         h.s.release_program(pid)
     h.s.check_integrity()
     assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def test_hybrid_late_turn_waits_for_its_prompt_instead_of_preempting_itself():
+    """Under the hybrid cache a turn admitted without the headroom (late: only KV holds it back)
+    on its first chunk alone found its next chunk's blocks and window parts taken by a growing
+    decode and preempted itself, again and again (14 times here); it now waits until its own
+    prompt fits, the running requests' reserves aside."""
+    h = Harness("agentserve", num_blocks=28, budget=8, window=6, window_pages=2)
+    h.s.policy.skips_headroom = lambda req, now: True  # every turn is admitted as a late one
+    a = h.req("a", "pa", prompt_of(1, 8), max_tokens=40)
+    for _ in range(3):
+        h.step()
+    b = h.req("b", "pb", prompt_of(2, 40), max_tokens=2)  # five chunks
+    h.run()
+    assert a.status is b.status is RequestStatus.FINISHED_LENGTH
+    assert (a.num_preemptions, b.num_preemptions, h.s.stats.preemptions) == (0, 0, 0)
+    assert b.output_token_ids == expected(prompt_of(2, 40), 2)

@@ -118,7 +118,8 @@ class Admission:
         policy keeps none or nothing runs) leave."""
         if held is None:
             return True
-        return self.kv.admit_need(match, self._ahead(req) - match.num_tokens) + held <= self.kv.num_free_blocks
+        need = self.kv.admit_need(match, self._ahead(req) - match.num_tokens, self.config.max_num_batched_tokens)
+        return need + held <= self.kv.num_free_blocks
 
     def _within_running_share(self, req: Request, held: int | None, now: float) -> bool:
         """The running requests' blocks and reserves, with `req`'s, stay within the

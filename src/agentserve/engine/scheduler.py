@@ -348,6 +348,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         self.waiting.order(now)
         admitted: list[Request] = []
         reserving = self.policy.decode_reserve_tokens > 0
+        hybrid = self.kv.parts is not None
         bs = self.kv.block_size
         # (decoding requests never lead: they have one token left)
         leaders = prefill_leaders(prefilling, bs) if self.config.group_prefill else None
@@ -363,9 +364,14 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
                     req.followed = True
                     self.stats.grouped_requests += 1
                 continue  # admitted once its leader has computed (and indexed) the shared blocks
-            # blocks the running requests may still take (None: no headroom applies)
-            # (the policy may hold a late request back only for KV: no headroom, as vLLM admits)
-            held = self._held if reserving and self.running and not self.policy.skips_headroom(req, now) else None
+            # blocks the running requests may still take (None: no headroom applies). The policy may
+            # hold a late request back only for KV (no headroom, as vLLM admits); under the hybrid
+            # cache it still needs room for its own prompt: admitted on its first chunk alone, it
+            # preempted itself at its next one (whose window parts take `pages` blocks a block), again
+            # and again (4,046 times in 200 SWE-bench programs in the simulator)
+            held = None
+            if reserving and self.running:
+                held = self._held if not self.policy.skips_headroom(req, now) else (0 if hybrid else None)
             if not self._admit(req, step, now, match, held):
                 break
             admitted.append(req)

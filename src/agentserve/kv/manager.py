@@ -116,14 +116,14 @@ class KVCacheManager(DeadChains):
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         return self.admit_need(match, num_new_tokens) <= self.pool.num_free
 
-    def admit_need(self, match: PrefixMatch, num_new_tokens: int) -> int:
-        """Free blocks an admission consumes: new blocks, plus matched blocks
-        that are free now (taking a reference removes them from the free set)."""
+    def admit_need(self, match: PrefixMatch, num_new_tokens: int, chunk_tokens: int | None = None) -> int:
+        """Free blocks admitting `match` takes: new ones, and matched ones free now (window_parts.admit_need)."""
         total = self.blocks_for(match.num_tokens + num_new_tokens)
         new = total - len(match.nodes) + match.num_host_blocks
         revived = sum(1 for n in match.nodes if n.block is not None and n.block.ref_cnt == 0)
         if self.parts is not None:
-            new += self.parts.admit_need(match, total - len(match.nodes))
+            chunk = None if chunk_tokens is None else self.blocks_for(chunk_tokens) + 1
+            new += self.parts.admit_need(match, total - len(match.nodes), chunk)
         return new + revived
 
     def admit(self, match: PrefixMatch, num_new_tokens: int, now: float, checkpoint: int = 0) -> BlockTable | None:

@@ -173,19 +173,26 @@ class WindowParts:
             k = missing  # any hit reaching past `missing` would see it
         return 0
 
-    def admit_need(self, match, num_new_blocks: int) -> int:
+    def admit_need(self, match, num_new_blocks: int, chunk_blocks: int | None = None) -> int:
         """Pages admitting `match` (a PrefixMatch) with `num_new_blocks` more
         takes for parts: the new blocks', and the matched window's unheld ones
-        (holding them takes them from the free count)."""
+        (holding them takes them from the free count). With `chunk_blocks` (the
+        most a step writes), the new blocks' parts are counted only as many as
+        the sequence holds at once (`most_pages`): what its prompt and reserved
+        output will take, not what its first chunk takes."""
         self.check_match([n.block for n in match.nodes])
         lo = self.first_needed(match.num_tokens)
         revived = sum(1 for n in match.nodes[lo:] if n.block.wpart is not None and n.block.wrefs == 0)
-        return self.pages * (num_new_blocks + revived)
+        new = self.pages * num_new_blocks if chunk_blocks is None else self.most_pages(num_new_blocks, chunk_blocks)
+        return new + self.pages * revived
 
-    def most_pages(self, num_blocks: int) -> int:
-        """Pages of parts a sequence of `num_blocks` holds at most: two windows'
-        (its current one and its prompt's) and the block it writes."""
-        return self.pages * min(num_blocks, 2 * self.window_blocks() + 1)
+    def most_pages(self, num_blocks: int, chunk_blocks: int = 1) -> int:
+        """Pages of parts a sequence of `num_blocks` holds at most at once:
+        while prefilling, the window before a chunk and the chunk's blocks
+        (`chunk_blocks`); while decoding, two windows (its current one and its
+        prompt's) and the block it writes."""
+        wb = self.window_blocks()
+        return self.pages * min(num_blocks, max(wb + chunk_blocks, 2 * wb + 1))
 
     def check_integrity(self, tables: Iterable[BlockTable], pins: Iterable) -> Counter[int]:
         """Every part's holds equal its holders (`tables`, the live block tables;
