@@ -225,6 +225,49 @@ static inline __attribute__((always_inline)) void bw_row(int qt, int R, const ui
     for (int r = 0; r < R; r++) out[r] = bw_hsum(_mm256_add_ps(acc[r], acc[BW_ROWS + r])) + macc[r];
 }
 
+/* One activation row against two consecutive weight rows of a 32-weight-block
+ * type (a decode row's product): the activation codes loaded once for both,
+ * each row's sum its own chain, one call and one store per two outputs. */
+static inline __attribute__((always_inline)) void bw_pair(int qt, const uint8_t *w, long row_bytes, long k,
+                                                          const int16_t *x, const float *dx, const float *xs,
+                                                          float *out) {
+    const long nb = k / 32;
+    const int size = bw_bytes[qt], mins = qt == BW_Q4_1 || qt == BW_Q5_1;
+    const uint8_t *v = w + row_bytes;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    for (long j = 0; j < nb; j++) {
+        /* the pair's rows are one contiguous run, read at twice the pace of j */
+        _mm_prefetch((const char *)(w + 2 * j * size + BW_PREFETCH), BW_HINT);
+        __m256i p0, p1, q0, q1;
+        float f, g, mn, mm;
+        bw_small_block(qt, w + j * size, &p0, &p1, &f, &mn);
+        bw_small_block(qt, v + j * size, &q0, &q1, &g, &mm);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 32 * j + 16));
+        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(p0, x0), _mm256_madd_epi16(p1, x1));
+        __m256i t = _mm256_add_epi32(_mm256_madd_epi16(q0, x0), _mm256_madd_epi16(q1, x1));
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f * dx[j]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(g * dx[j]), a1);
+        if (mins) {
+            m0 += mn * xs[j];
+            m1 += mm * xs[j];
+        }
+    }
+    out[0] = bw_hsum(a0) + m0;
+    out[1] = bw_hsum(a1) + m1;
+}
+
+typedef void (*bw_pair_fn)(const uint8_t *, long, long, const int16_t *, const float *, const float *, float *);
+#define BW_PAIR(T)                                                                                         \
+    static void bw_pair_##T(const uint8_t *w, long rb, long k, const int16_t *x, const float *dx,           \
+                            const float *xs, float *out) {                                                  \
+        bw_pair(T, w, rb, k, x, dx, xs, out);                                                              \
+    }
+BW_PAIR(BW_Q4_0) BW_PAIR(BW_Q4_1) BW_PAIR(BW_Q8_0) BW_PAIR(BW_Q5_0) BW_PAIR(BW_Q5_1)
+static const bw_pair_fn bw_pairs[BW_Q5_1 + 1] = {bw_pair_BW_Q4_0, bw_pair_BW_Q4_1, bw_pair_BW_Q8_0,
+                                                 bw_pair_BW_Q5_0, bw_pair_BW_Q5_1};
+
 typedef void (*bw_row_fn)(const uint8_t *, long, const int16_t *, const float *, const float *, float *);
 #define BW_FN(T, R)                                                                                        \
     static void bw_row_##T##_##R(const uint8_t *w, long k, const int16_t *x, const float *dx, const float *xs, \
@@ -311,8 +354,20 @@ int agentserve_block_matmul(int qt, int dtype, const void *x, long rows, long k,
         for (long j = 0; j < nb; j++) sum += xs[r * nb + j];
         carry[r] = 0.0f * sum;
     }
-    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
-    for (long o = 0; o < n; o++) {
+    /* outputs 0 .. 2 pairs - 1 by twos (Q8_0 decodes its codes in one step: its single rows measured faster) */
+    const long pairs = rows == 1 && qt <= BW_Q5_1 && qt != BW_Q8_0 ? n / 2 : 0;
+    if (pairs) {
+        #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+        for (long p = 0; p < pairs; p++) {
+            float out[2];
+            bw_pairs[qt](w + 2 * p * row_bytes, row_bytes, k, x16, dx, xs, out);
+            for (int i = 0; i < 2; i++)
+                bw_store_y(dtype, y, 2 * p + i, out[i] + (bias ? bias[2 * p + i] : 0.0f) + carry[0]);
+        }
+    }
+    /* every other product, and an odd last output after the pairs (one row: no thread team) */
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (!pairs)
+    for (long o = 2 * pairs; o < n; o++) {
         const uint8_t *wr = w + o * row_bytes;
         float b = bias ? bias[o] : 0.0f;
         for (long r0 = 0; r0 < rows; r0 += BW_ROWS) {
