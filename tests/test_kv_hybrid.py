@@ -185,9 +185,9 @@ def test_pages_for_counts_two_windows_of_parts():
     assert kv.pages_for(4000) == 1000 + PAGES * (2 * wb + 1)
 
 
-def test_tiers_are_refused_under_the_hybrid_cache():
-    with pytest.raises(ValueError, match="no host or disk tier"):
-        KVCacheManager(16, BS, host_blocks=4, window=W, window_pages=PAGES)
+def test_the_disk_tier_is_refused_under_the_hybrid_cache():
+    with pytest.raises(ValueError, match="no disk tier"):
+        KVCacheManager(16, BS, host_blocks=4, disk_blocks=8, window=W, window_pages=PAGES)
 
 
 # ---------------------------------------------------------------- the state machine, with window parts
@@ -198,11 +198,49 @@ class HybridModel(KVModel):
     pages of each block's part (`wdev`), and every step checks that the window
     positions it reads are there, in the parts its table holds."""
 
-    def __init__(self, eviction: str, collisions: bool, num_blocks: int = 48, zone: int = 0) -> None:
-        super().__init__(eviction, 0, collisions, num_blocks=num_blocks, zone=zone)
+    def __init__(self, eviction: str, collisions: bool, num_blocks: int = 48, zone: int = 0, host: int = 0,
+                 fail: float = 0.0) -> None:
+        super().__init__(eviction, host, collisions, num_blocks=num_blocks, zone=zone, fail=fail)
         self.kv = Named(KVCacheManager(num_blocks, BS, eviction=eviction, key_fn=collide if collisions else None,
-                                       protected_blocks=zone, window=W, window_pages=PAGES))
+                                       protected_blocks=zone, host_blocks=host, window=W, window_pages=PAGES))
         self.wdev: dict[int, list] = {}
+        self.whost: dict[int, list] = {}  # host slot -> the window KV written there
+
+    def flush(self):
+        """The fake executor's copies, of both kinds of KV: a copy moves whatever
+        its source holds (a block's global KV, a part page's window KV); a failed
+        one leaves garbage. Then every indexed block, host copy and part copy must
+        hold its own tokens."""
+        kv = self.kv.kv
+        off, ld = kv.take_copies()
+        failed_off = [i for i in range(len(off)) if self.rng.random() < self.fail]
+        failed_ld = [i for i in range(len(ld)) if self.rng.random() < self.fail]
+        for i, (d, h) in enumerate(off):
+            self.host[h] = ["torn"] * BS if i in failed_off else list(self.dev.get(d, [None] * BS))
+            self.whost[h] = ["torn"] * BS if i in failed_off else list(self.wdev.get(d, [None] * BS))
+        for i, (h, d) in enumerate(ld):
+            assert h in self.host, "load from a slot nothing was written to"
+            self.dev[d] = ["torn"] * BS if i in failed_ld else list(self.host[h])
+            self.wdev[d] = ["torn"] * BS if i in failed_ld else list(self.whost[h])
+        unloaded = kv.finish_copies(failed_off, failed_ld)
+        assert bool(unloaded) == bool(failed_ld)
+        for rid, r in self.reqs.items():
+            kept = kv.cut_unloaded(self.kv.tables[rid], unloaded, self.now)
+            if kept is not None:
+                assert kept < r["computed"]
+                r["computed"] = kept
+        tier = kv.window_tier
+        for node in self.kv.index.iter_nodes():
+            if node.block is not None:
+                assert tuple(self.dev[node.block.block_id]) == node.tokens
+                for page in node.block.wpart or ():
+                    assert tuple(self.wdev[page.block_id]) == node.tokens, "an indexed block's part is not its KV"
+            if node.host_slot is not None:
+                assert node not in kv.host.pending
+                assert tuple(self.host[node.host_slot]) == node.tokens
+                if tier.readable(node):
+                    for slot in tier.copies_of[node].slots:
+                        assert tuple(self.whost[slot]) == node.tokens, "a part copy is not its block's KV"
 
     def allocate(self, toks, program):
         super().allocate(toks, program)
@@ -220,12 +258,14 @@ class HybridModel(KVModel):
         r = self.reqs.get(rid)
         if r is None:
             return
+        self.flush()  # the reloads its admission queued land first (a failed one cuts it back)
         toks = r["tokens"]
         start = r["computed"]
         n = max(1, round((len(toks) - start) * frac)) if len(toks) > start else 0
         end = start + n
         if not self.kv.allocate_slots(rid, end):
             return
+        self.flush()  # as the executor runs a step's copies (offloads of what it evicted) before its forward pass
         st = self.kv.tables[rid]
         for pos in range(max(0, start - W + 1), start):  # what the window layers read
             b = st.blocks[pos // BS]
@@ -247,19 +287,22 @@ class HybridModel(KVModel):
             holders.update(kv.block_ids(rid))
         for p in kv.pins.values():
             holders.update(set(b.block_id for b in p.blocks))
+        holders.update(kv.copies.held_blocks())  # a reload holds its block until it lands
         held_parts = sum(1 for b in kv.pool.blocks if b.wpart is not None and b.wrefs > 0)
         assert kv.num_free_blocks + len(holders) + PAGES * held_parts == kv.num_blocks
         # a hit never needs a window part that is gone
         for toks in PREFIXES:
             m = kv.match(toks + [0])
             lo = kv.parts.first_needed(m.num_tokens)
-            assert all(n.block.wpart is not None for n in m.nodes[lo:])
+            assert all(n.block.wpart is not None if n.block is not None else kv.window_tier.readable(n)
+                       for n in m.nodes[lo:])
 
 
 class HybridMachine(KVMachine):
-    @initialize(eviction=st.sampled_from(ALL_STRATEGIES), collisions=st.booleans(), zone=st.sampled_from([0, 6]))
-    def setup(self, eviction, collisions, zone):
-        self.m = HybridModel(eviction, collisions, zone=zone)
+    @initialize(eviction=st.sampled_from(ALL_STRATEGIES), collisions=st.booleans(), zone=st.sampled_from([0, 6]),
+                host=st.sampled_from([0, 30]), fail=st.sampled_from([0.0, 0.3]))
+    def setup(self, eviction, collisions, zone, host, fail):
+        self.m = HybridModel(eviction, collisions, zone=zone, host=host, fail=fail)
 
 
 HybridMachine.TestCase.settings = settings(
@@ -270,14 +313,16 @@ TestHybridMachine = HybridMachine.TestCase
 
 
 @pytest.mark.parametrize("eviction", ALL_STRATEGIES)
-@pytest.mark.parametrize("zone", [0, 6])
-def test_long_randomized_sequences_hybrid(eviction, zone):
-    rng = random.Random(f"hybrid-{eviction}-{zone}")
-    m = HybridModel(eviction, collisions=False, num_blocks=40, zone=zone)
+@pytest.mark.parametrize("zone,host,fail", [(0, 0, 0.0), (6, 0, 0.0), (0, 30, 0.0), (6, 30, 0.2)])
+def test_long_randomized_sequences_hybrid(eviction, zone, host, fail):
+    rng = random.Random(f"hybrid-{eviction}-{zone}-{host}-{fail}")
+    m = HybridModel(eviction, collisions=False, num_blocks=40, zone=zone, host=host, fail=fail)
     for step in range(2500):
         ops = ["allocate", "expire", "pressure"]
         if m.reqs:
             ops += ["allocate_like", "grow", "compute", "compute", "compute", "compute", "free", "pin"]
+            if host:
+                ops += ["swap_out", "flush"]
         if m.kv.pins:
             ops.append("unpin")
         if m.history:
@@ -305,9 +350,108 @@ def test_long_randomized_sequences_hybrid(eviction, zone):
             m.unpin(rng.choice(sorted(m.kv.pins)))
         elif op == "expire":
             m.expire(rng.uniform(0, 2))
+        elif op == "swap_out":
+            m.swap_out(rid)
+        elif op == "flush":
+            m.flush()
         else:
             m.supersede(rng.choice(sorted(m.history)), rng.random(), [rng.randrange(4) for _ in range(rng.randrange(6))])
         m.check()
         if step % 500 == 499:
             m.drain()
     m.drain()
+    if host:  # the host tier was used: parts went there and came back with their blocks
+        assert m.kv.window_tier.num_stored and m.kv.window_tier.num_reloaded
+        assert not fail or m.kv.copies.num_failed
+
+
+# ---------------------------------------------------------------- the host tier under the hybrid cache
+
+
+def _swapped_out_turn(kv: Named, toks, checkpoint: int, unheld_gone: bool = False):
+    """A turn computed, swapped out to the host, its device blocks and parts evicted by other traffic.
+    `unheld_gone`: the parts it no longer held were evicted before it was swapped out."""
+    run(kv, "t1", toks, checkpoint=checkpoint)
+    while unheld_gone and kv.parts.num_free_pages:
+        kv.parts.evict_one()
+    kv.swap_out("t1", 1.0)
+    kv.take_copies()  # every copy succeeds
+    other = [7] * (kv.num_free_blocks // (1 + PAGES) * BS)  # other traffic takes every free page
+    table = kv.kv.admit(kv.match(other), len(other), 1.5)
+    kv.kv.free(table, 1.5)
+    kv.take_copies()
+    assert all(b.node is None for b in kv.pool.blocks)  # nothing of t1 on the device
+    kv.check_integrity()
+
+
+def test_a_swapped_out_turn_is_hit_through_the_host_with_its_window():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))  # 20 blocks; the prompt ended at 40 tokens
+    _swapped_out_turn(kv, t1, 40)
+    t2 = t1 + [5, 5, 5]
+    m = kv.match(t2)
+    assert m.num_tokens == 80 and m.num_host_blocks == 20  # the whole history, its window from part copies
+    table = kv.kv.admit(m, len(t2) - 80, 2.0)
+    off, ld = kv.kv.take_copies()
+    wb = kv.parts.window_blocks()
+    # every block, and the parts of the blocks the first new token reads
+    assert len(ld) == 20 + PAGES * (20 - kv.parts.first_needed(80)) and len(ld) <= 20 + PAGES * wb
+    assert sorted(table.window) == list(range(kv.parts.first_needed(80), len(table.blocks)))
+    kv.kv.check_integrity([table])
+    kv.kv.finish_copies()
+    kv.kv.free(table, 3.0)
+    kv.check_integrity()
+
+
+def test_parts_evicted_before_their_blocks_are_written_back_with_them():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _swapped_out_turn(kv, t1, 40, unheld_gone=True)
+    # the parts the turn no longer held went first, each copied to the host with its block:
+    # a next turn that re-renders the reply (sharing t1 up to token 60) still finds block 15's window
+    m = kv.match(t1[:60] + [9] * 8)
+    assert m.num_tokens == 60 and m.num_host_blocks == 15
+    assert len(kv.window_tier.copies_of) == 20  # every block's part: held ones at the swap-out, the rest before
+
+
+def test_a_hit_through_the_host_stops_before_a_part_copy_that_is_gone():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _swapped_out_turn(kv, t1, 40)
+    for node in [n for n in kv.window_tier.copies_of if n.tokens == tuple(t1[52:56])]:
+        kv.window_tier.forget(node)  # block 13's part copy is gone (its host entry stays)
+    m = kv.match(t1[:60] + [9] * 8)
+    assert m.num_tokens == 52 and m.num_host_blocks == 13  # block 15's window lacks it: up to block 13
+    kv.check_integrity()
+
+
+def test_a_failed_part_reload_cuts_the_request_back_before_its_window():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _swapped_out_turn(kv, t1, 40)
+    t2 = t1 + [5, 5, 5]
+    table = kv.kv.admit(kv.match(t2), 3, 2.0)
+    _, ld = kv.kv.take_copies()
+    page_ids = {p.block_id for b in table.blocks for p in b.wpart or ()}
+    failed = [i for i, (_, d) in enumerate(ld) if d in page_ids][-1:]  # one page of the last block's part
+    bad = kv.kv.finish_copies(failed_loads=failed)
+    assert bad == {table.blocks[19].block_id}
+    kept = kv.kv.cut_unloaded(table, bad, 3.0)
+    # block 19 is recomputed, and so from where its window (blocks 17-18's parts) is whole: token 76
+    assert kept == kv.parts.valid_hit(table.blocks[:19]) * BS and kept <= 76
+    assert len(table.blocks) == kept // BS
+    kv.kv.check_integrity([table])
+    assert kv.match(t2).num_tokens == kept  # the failed node's copies are not trusted again
+    kv.kv.free(table, 4.0)
+    kv.check_integrity()
+
+
+def test_a_part_copy_is_freed_with_its_host_entry():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _swapped_out_turn(kv, t1, 40)
+    assert kv.host.num_lent == PAGES * len(kv.window_tier.copies_of) > 0
+    for node in list(kv.window_tier.copies_of):
+        kv.host.drop(node)
+    assert kv.host.num_used == 0 and kv.host.num_lent == 0
+    kv.check_integrity()

@@ -82,10 +82,12 @@ def run_all_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn, spill: C
 
 
 def readable(chunks: list[ScheduledChunk], unloaded: set[int]) -> list[ScheduledChunk]:
-    """The chunks whose request holds none of the `unloaded` device blocks."""
+    """The chunks whose request holds none of the `unloaded` device blocks (a
+    block, or a page of a window part its table holds: kv/window_tier.py)."""
     if not unloaded:
         return chunks
-    return [c for c in chunks if unloaded.isdisjoint(c.request.block_table.block_ids)]
+    return [c for c in chunks if unloaded.isdisjoint(c.request.block_table.block_ids)
+            and not any(p.block_id in unloaded for b in c.request.block_table.window.values() for p in b.wpart or ())]
 
 
 class Executor(abc.ABC):

@@ -19,6 +19,12 @@ batch counts by its latest write; a reload's device block stays referenced by
 the reload until it finishes, so a request preempted or aborted meanwhile
 cannot hand the block to anyone else while the copy still writes it.
 
+Under the hybrid cache (kv/window_tier.py) a node's host copy may carry its
+block's window part: more writes, keyed by the part's copy (which settles once
+all its pages ran: one failed page drops the part's copy, not the block's), and
+more reloads into the pages of a fresh part, which succeed or fail with their
+node's reload (`load_page`).
+
 `TierCopies` is that mechanism for any tier of slots (kv/slot_tier.py): writes
 into the tier's slots, reloads from them into device blocks. `CopyQueue` is the
 host tier's (its writes: offloads of device blocks); kv/disk_tier.py's
@@ -43,11 +49,14 @@ class TierCopies:
         self.tier = tier
         self.writes: list[tuple[int, int]] = []  # (source, tier slot)
         self.loads: list[tuple[int, int]] = []  # (tier slot, device block)
-        self._write_nodes: list[Node] = []  # the node of each queued write
-        self._load_nodes: list[tuple[Node, Block]] = []  # the node and device block of each queued load
-        # taken, not finished, in the order taken: ticket -> (write nodes, (node, block) of each load)
-        self._inflight: dict[int, tuple[list[Node], list[tuple[Node, Block]]]] = {}
-        self._writer: dict[Node, int] = {}  # node -> ticket of its latest write in flight
+        # the key of each queued write: its node, or a window part's copy (`settle(failed)`)
+        self._write_nodes: list = []
+        # the node and device block of each queued load, and whether it loads a page of the block's part
+        self._load_nodes: list[tuple[Node, Block, bool]] = []
+        # taken, not finished, in the order taken: ticket -> (write keys, (node, block, page) of each load)
+        self._inflight: dict[int, tuple[list, list[tuple[Node, Block, bool]]]] = {}
+        self._writer: dict = {}  # write key -> ticket of its latest write in flight
+        self.on_part_loaded = None  # called with a block and `now` once its part's pages' reloads ran
         self._auto = 0  # tickets of batches taken without one: -1, -2, ...
         self.loading: set[Node] = set()  # nodes whose reload is queued or in flight
         self._slot_pos: dict[int, int] = {}  # tier slot -> position of its queued write
@@ -60,7 +69,7 @@ class TierCopies:
         """Batches taken and not finished yet."""
         return len(self._inflight)
 
-    def write(self, source: int, slot: int, node: Node) -> None:
+    def write(self, source: int, slot: int, node) -> None:
         """Queue a copy of `source` into tier slot `slot`, just given to `node`. A
         queued copy into the same slot is dropped: the tier took the slot back
         from its node (a full tier evicts its oldest entry, pending or not), and
@@ -76,10 +85,17 @@ class TierCopies:
         """Queue a reload of `node`'s copy in this tier into device `block`; the
         reload holds a reference on `block` until it finishes."""
         self.loads.append((self.tier.slot(node), block.block_id))
-        self._load_nodes.append((node, block))
+        self._load_nodes.append((node, block, False))
         self.loading.add(node)
         self.pool.ref(block)
         self.tier.touch(node)
+
+    def load_page(self, node: Node, block: Block, slot: int, page: Block) -> None:
+        """Queue a reload of tier slot `slot` into `page`, a page of the window
+        part of `block` (whose own reload from `node` is queued): it counts with
+        that reload, and the part's holder is told when it ran (`on_part_loaded`)."""
+        self.loads.append((slot, page.block_id))
+        self._load_nodes.append((node, block, True))
 
     def take(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(writes, loads) queued since the last call: a batch under `ticket`
@@ -116,43 +132,55 @@ class TierCopies:
         fw, fl = set(failed_writes), set(failed_loads)
         self.num_failed += len(fw) + len(fl)
         tier = self.tier
-        for i, node in enumerate(writes):
-            if self._writer.get(node) != ticket:
+        outcome: dict = {}  # write key -> whether one of its writes failed (a part's copy has several)
+        for i, key in enumerate(writes):
+            outcome[key] = outcome.get(key, False) or i in fw
+        for key, failed in outcome.items():
+            if self._writer.get(key) != ticket:
                 continue  # a later batch writes the node again: that write counts
-            del self._writer[node]
-            if node in tier.pending:  # (else the tier took the slot back meanwhile)
-                if i in fw:
-                    tier.drop(node)
+            del self._writer[key]
+            if not isinstance(key, Node):
+                key.settle(failed)
+            elif key in tier.pending:  # (else the tier took the slot back meanwhile)
+                if failed:
+                    tier.drop(key)
                 else:
-                    tier.confirm(node)
+                    tier.confirm(key)
                     self.num_written += 1
         bad = set()
-        for i, (node, block) in enumerate(loads):
-            self.loading.discard(node)
+        for i, (node, block, page) in enumerate(loads):
+            if not page:
+                self.loading.discard(node)
             if i in fl:
                 bad.add(block.block_id)
                 if node.block is block:
                     self.pool.detach(block)
                 tier.drop(node)  # not trusted again; prunes the node too if nothing else holds it
-        if loads:
-            self.pool.release([b for _, b in loads], now)
+        for block in dict.fromkeys(b for _, b, page in loads if page):
+            self.on_part_loaded(block, now)
+        blocks = [b for _, b, page in loads if not page]
+        if blocks:
+            self.pool.release(blocks, now)
         return bad
 
     def held_blocks(self) -> list[int]:
         """Ids of the device blocks the queued and in-flight reloads hold."""
-        held = [b.block_id for _, b in self._load_nodes]
+        held = [b.block_id for _, b, page in self._load_nodes if not page]
         for _, loads in self._inflight.values():
-            held.extend(b.block_id for _, b in loads)
+            held.extend(b.block_id for _, b, page in loads if not page)
         return held
 
+    @property
+    def writers(self) -> set:
+        """The keys of the writes queued or in flight."""
+        return set(self._write_nodes) | set(self._writer)
+
     def check_integrity(self) -> None:
-        queued = {n for n, _ in self._load_nodes}
-        inflight = {n for _, loads in self._inflight.values() for n, _ in loads}
-        assert self.loading == queued | inflight, f"a {self.what} reload neither queued nor in flight"
-        assert len(self._load_nodes) + sum(len(ld) for _, ld in self._inflight.values()) == len(self.loading), \
-            f"two {self.what} reloads of one node at once"
-        writers = set(self._write_nodes) | set(self._writer)
-        assert self.tier.pending <= writers, f"a {self.what} copy neither queued nor in flight"
+        queued = [n for n, _, page in self._load_nodes if not page]
+        inflight = [n for _, loads in self._inflight.values() for n, _, page in loads if not page]
+        assert self.loading == set(queued) | set(inflight), f"a {self.what} reload neither queued nor in flight"
+        assert len(queued) + len(inflight) == len(self.loading), f"two {self.what} reloads of one node at once"
+        assert self.tier.pending <= self.writers, f"a {self.what} copy neither queued nor in flight"
 
 
 class CopyQueue(TierCopies):

@@ -23,13 +23,15 @@ from agentserve.kv.copies import CopyQueue
 from agentserve.kv.dead_chains import DeadChains
 from agentserve.kv.disk_tier import DiskCopies, DiskTier
 from agentserve.kv.eviction import make_strategy
+from agentserve.kv.executor_copies import ExecutorCopies
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.pins import PinTable
 from agentserve.kv.prefix_index import ChainHint, PrefixIndex
 from agentserve.kv.prefix_match import PrefixMatch
+from agentserve.kv.window_tier import WindowTier
 
 
-class KVCacheManager(DeadChains):
+class KVCacheManager(DeadChains, ExecutorCopies):
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru",
                  host_blocks: int = 0, disk_blocks: int = 0,
                  key_fn: Callable[[tuple[int, ...]], Hashable] | None = None, protected_blocks: int = 0,
@@ -53,10 +55,12 @@ class KVCacheManager(DeadChains):
         self.disk_copies = DiskCopies(self.pool, self.disk)
         if self.disk.enabled:
             self.host.on_evict = self.disk_copies.spill
-        if window is not None and (host_blocks or disk_blocks):
-            raise ValueError("the hybrid KV cache (sliding-window layers) has no host or disk tier: "
+        if window is not None and disk_blocks:
+            raise ValueError("the hybrid KV cache (sliding-window layers) has no disk tier (a host tier it has): "
                              "use the full cache to have one")
         self.parts = None if window is None else self.pool.enable_window_parts(window, window_pages, block_size)
+        # the host copies of window parts (kv/window_tier.py)
+        self.window_tier = WindowTier(self.parts, self.host, self.copies) if window and host_blocks else None
 
     # --- sizes ---
 
@@ -94,10 +98,10 @@ class KVCacheManager(DeadChains):
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         path = self.index.walk(token_ids, max_blocks, salt, hint)
-        if self.parts is not None:  # no tier under the hybrid cache: the hit ends at the first block gone
-            return PrefixMatch(path[:self.parts.valid_hit([n.block for n in path])], self.block_size, salt)
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         if not loading and not dloading and None not in [node.block for node in path]:
+            if self.parts is not None:  # the hybrid cache: as far as the window is there too
+                path = path[:self.parts.valid_nodes(path)]
             return PrefixMatch(path, self.block_size, salt)  # all on the device, none reloading: the common case
         nodes = []
         host = disk = 0
@@ -111,6 +115,9 @@ class KVCacheManager(DeadChains):
                     disk += 1
                 host += 1
             nodes.append(node)
+        if self.parts is not None:
+            nodes = nodes[:self.parts.valid_nodes(nodes)]
+            host = sum(1 for n in nodes if n.block is None)
         return PrefixMatch(nodes, self.block_size, salt, host, disk)
 
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
@@ -153,6 +160,7 @@ class KVCacheManager(DeadChains):
         n_new = self.blocks_for(match.num_tokens + num_new_tokens) - len(match.nodes)
         self._loading.update(n for n in loads if self.host.readable(n))  # not evicted by this allocation
         self.disk_copies.loading.update(n for n in loads if not self.host.readable(n))
+        parts = None if self.parts is None else self.window_tier.hold(st, match)  # before allocating
         fresh = self.pool.allocate(len(loads) + n_new)
         assert fresh is not None  # checked above
         it = iter(fresh)
@@ -170,6 +178,9 @@ class KVCacheManager(DeadChains):
         st.loads = [n.block for n in loads]
         st.num_indexed = len(match.nodes)
         st.last_node = match.nodes[-1] if match.nodes else self.index.root
+        if parts is not None:
+            self.window_tier.fill(st, parts)
+            self.parts.sync(st, len(st.blocks), now)
         return st
 
     def chain_hint(self, token_ids: Sequence[int], st: BlockTable) -> ChainHint | None:
@@ -278,6 +289,8 @@ class KVCacheManager(DeadChains):
                             continue
                         self.copies.offload(b, slot, node)
                         copied += 1
+                    if self.window_tier is not None:
+                        self.window_tier.store(node, b, self._loading)
                     if onward:
                         self.host.demote(node)
         self.free(st, now, protect)
@@ -323,69 +336,8 @@ class KVCacheManager(DeadChains):
             slot = self.host.store(node, self._loading)
             if slot is not None:
                 self.copies.offload(block, slot, node)
-
-    def take_copies(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(offloads, loads) queued since the last call, as the batch `ticket`
-        (kv/copies.py); offloads run first. They count once `finish_copies`
-        reports how they went."""
-        return self.copies.take(ticket)
-
-    def take_disk_copies(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(spills, disk reloads) queued since the last call (kv/disk_tier.py)."""
-        return self.disk_copies.take(ticket)
-
-    def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = (),
-                      failed_spills: Iterable[int] = (), failed_disk_loads: Iterable[int] = (),
-                      ticket: int | None = None, now: float = 0.0, tier: str | None = None) -> set[int]:
-        """The copies `take_copies` and `take_disk_copies` handed out under
-        `ticket` (None: the oldest batch in flight) ran; those at the positions
-        given (in their lists) failed. `tier` "host" or "disk": only that tier's
-        copies ran (an executor that reports the two links apart); None: both.
-        Returns the ids of the device blocks whose reload failed: the request
-        holding one must be cut back (`cut_unloaded`)."""
-        bad: set[int] = set()
-        if tier != "host":
-            bad |= self.disk_copies.finish(failed_spills, failed_disk_loads, ticket, now)
-        if tier != "disk":
-            bad |= self.copies.finish(failed_offloads, failed_loads, ticket, now)
-        return bad
-
-    @property
-    def copies_in_flight(self) -> bool:
-        """Batches of copies taken and not finished yet."""
-        return bool(self.copies.num_inflight or self.disk_copies.num_inflight)
-
-    def is_loading(self, block: Block) -> bool:
-        """A reload into `block` is queued or in flight: it holds no KV yet."""
-        node = block.node
-        return node is not None and (node in self._loading or node in self.disk_copies.loading)
-
-    def loads_pending(self, st: BlockTable) -> bool:
-        """`st` holds blocks whose reload has not landed yet (its request must
-        not compute: it waits for its own reloads, no one else's)."""
-        if st.loads:
-            st.loads = [b for b in st.loads if self.is_loading(b)]
-        return bool(st.loads)
-
-    def cut_unloaded(self, st: BlockTable, bad: set[int], now: float) -> int | None:
-        """If `st` holds a block of `bad` (a reload that failed), keep that block
-        as a private one to recompute into and give back every block after it;
-        returns the tokens still backed by KV (the request recomputes from there).
-        None: `st` holds none of them."""
-        for i, b in enumerate(st.blocks):
-            if b.block_id in bad:
-                break
-        else:
-            return None
-        tail = st.blocks[i + 1:]
-        if st.window:
-            self.parts.release_from(st, i + 1, now)
-        del st.blocks[i + 1:]
-        self.pool.release(tail, now)
-        st.num_indexed = min(st.num_indexed, i)
-        st.last_node = st.blocks[i - 1].node if i else self.index.root
-        assert st.last_node is not None
-        return i * self.block_size
+        if self.window_tier is not None and node is not None:
+            self.window_tier.store(node, block, self._loading)
 
     # --- checks ---
 
@@ -404,7 +356,8 @@ class KVCacheManager(DeadChains):
         holders.update(self.copies.held_blocks())  # reloads hold their device blocks until they land
         holders.update(self.disk_copies.held_blocks())
         if self.parts is not None:
-            holders.update(self.parts.check_integrity(tables, self.pins.values()))
+            filling = () if self.window_tier is None else self.window_tier.filling
+            holders.update(self.parts.check_integrity(tables, self.pins.values(), filling))
         self.pool.check_integrity(holders)
         n = 0
         for node in self.index.iter_nodes():
@@ -418,3 +371,5 @@ class KVCacheManager(DeadChains):
             self.host.check_integrity()
         self.copies.check_integrity()
         self.disk_copies.check_integrity()
+        if self.window_tier is not None:
+            self.window_tier.check_integrity()

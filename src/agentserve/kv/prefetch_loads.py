@@ -19,7 +19,9 @@ def tier_blocks(kv: KVCacheManager, path: list[Node]) -> list[Node]:
     those with no device block and a confirmed copy in the host or disk tier, up
     to the first node a match could not pass (no copy anywhere, or a reload of
     it already under way)."""
-    if not kv.host.enabled:
+    if not kv.host.enabled or kv.parts is not None:
+        # (the hybrid cache: a block brought back alone, without its window part,
+        # would end a hit that its host copies, reloaded with their parts, serve)
         return []
     loading, dloading = kv.copies.loading, kv.disk_copies.loading
     out = []

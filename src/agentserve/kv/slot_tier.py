@@ -36,6 +36,10 @@ class SlotTier:
         self.num_stored = 0  # slots given to nodes, ever (how fast the tier turns over)
         # called with a confirmed copy's node and slot as it is evicted, before the slot is freed
         self.on_evict: Callable[[Node, int], None] | None = None
+        # called with a node as it loses its slot (dropped or evicted): the slots
+        # lent for it (`take_slots`) go back too
+        self.on_forget: Callable[[Node], None] | None = None
+        self.num_lent = 0  # slots lent beside the nodes' own (kv/window_tier.py: window parts' copies)
 
     @property
     def enabled(self) -> bool:
@@ -43,7 +47,7 @@ class SlotTier:
 
     @property
     def num_used(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + self.num_lent
 
     def slot(self, node: Node) -> int | None:
         return getattr(node, self.slot_attr)
@@ -69,6 +73,30 @@ class SlotTier:
         self.pending.add(node)
         return slot
 
+    def take_slots(self, n: int, protect: frozenset[Node] | set[Node] = frozenset()) -> list[int] | None:
+        """Lend `n` free slots (evicting least recently used entries not in
+        `protect` to make room); the borrower gives them back (`give_back`), at
+        the latest when `on_forget` tells it their node lost its own slot. None
+        when eviction cannot make room."""
+        while len(self._free) < n:
+            before = len(self._free)
+            self._evict_one(protect)
+            if len(self._free) == before:
+                return None
+        self.num_lent += n
+        return [self._free.pop() for _ in range(n)]
+
+    def give_back(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+        self.num_lent -= len(slots)
+
+    def check_lent(self, slots: list[int]) -> None:
+        """`slots`: every slot lent out (`take_slots`), as their borrowers hold them."""
+        assert len(slots) == self.num_lent, f"{self.num_lent} {self.name} slots lent, {len(slots)} held"
+        assert len(set(slots)) == len(slots), f"a lent {self.name} slot held twice"
+        assert not set(slots) & (set(self._free) | {self.slot(n) for n in self._lru}), \
+            f"a lent {self.name} slot is also free or a node's"
+
     def readable(self, node: Node) -> bool:
         """`node` has a copy here whose write was confirmed."""
         return self.slot(node) is not None and node not in self.pending
@@ -88,6 +116,8 @@ class SlotTier:
         del self._lru[node]
         self._free.append(slot)
         setattr(node, self.slot_attr, None)
+        if self.on_forget is not None:
+            self.on_forget(node)
         self.index.prune(node)
 
     def touch(self, node: Node) -> None:
@@ -121,6 +151,8 @@ class SlotTier:
         self.dead.discard(victim)
         self._free.append(slot)
         setattr(victim, self.slot_attr, None)
+        if self.on_forget is not None:
+            self.on_forget(victim)
         self.num_evicted += 1
         self.index.prune(victim)
 
@@ -128,6 +160,6 @@ class SlotTier:
         slots = [self.slot(n) for n in self._lru]
         assert len(set(slots)) == len(slots), f"{self.name} slot used twice"
         assert not set(slots) & set(self._free), f"{self.name} slot both used and free"
-        assert len(slots) + len(self._free) == self.num_slots, f"{self.name} slots leaked"
+        assert len(slots) + len(self._free) + self.num_lent == self.num_slots, f"{self.name} slots leaked"
         assert all(n in self._lru for n in self.pending), "a pending copy without a slot"
         assert all(n in self._lru for n in self.dead), "a dead copy without a slot"

@@ -26,7 +26,9 @@ part of a block that is not indexed is freed at once.
 A prefix hit of k blocks needs the global blocks of all k and the window
 parts of the blocks its first new token can see (`first_needed`): the match
 stops where both are present (`valid_hit`), never answering from KV that is
-gone."""
+gone. With a host tier, a block's part may also have a host copy beside the
+block's (kv/window_tier.py): a block reloaded from the host counts as having
+its part when that copy is readable (`host_part`), and comes back with it."""
 
 from __future__ import annotations
 
@@ -60,6 +62,9 @@ class WindowParts:
         self._free: OrderedDict[int, tuple[Block, float]] = OrderedDict()
         self.num_parts = 0
         self.num_evicted = 0
+        # node -> whether its block, not on the device, can be reloaded with its part (kv/window_tier.py)
+        self.host_part = lambda node: False
+        self.on_evict = None  # called with an indexed block whose unheld part is evicted, before it goes
 
     @property
     def num_free_pages(self) -> int:
@@ -90,6 +95,14 @@ class WindowParts:
         owner.wrefs += 1
         return True
 
+    def adopt(self, owner: Block, pages: list[Block]) -> None:
+        """`pages` (just allocated) become `owner`'s part, held once by whoever
+        fills them (a reload from the host tier), who releases it after."""
+        assert owner.wpart is None and len(pages) == self.pages
+        owner.wpart = pages
+        owner.wrefs = 1
+        self.num_parts += 1
+
     def release(self, owner: Block, now: float) -> None:
         owner.wrefs -= 1
         if owner.wrefs < 0:
@@ -113,6 +126,8 @@ class WindowParts:
         """Free the oldest unheld part (the pool needs its pages)."""
         _, (owner, t) = self._free.popitem(last=False)
         self.num_evicted += 1
+        if self.on_evict is not None:
+            self.on_evict(owner)
         self._free_part(owner, t)
 
     def _free_part(self, owner: Block, now: float) -> None:
@@ -120,11 +135,11 @@ class WindowParts:
         self.num_parts -= 1
         self.pool.release(pages, now)
 
-    def check_match(self, blocks: Sequence[Block]) -> None:
-        """A match about to be admitted still has its window (`valid_hit`): else
+    def check_match(self, nodes: Sequence) -> None:
+        """A match about to be admitted still has its window (`valid_nodes`): else
         KVInconsistency, before anything changed (the caller recomputes)."""
-        if self.valid_hit(blocks) != len(blocks):
-            raise KVInconsistency("window", f"a prefix match of {len(blocks)} blocks lost a window part "
+        if self.valid_nodes(nodes) != len(nodes):
+            raise KVInconsistency("window", f"a prefix match of {len(nodes)} blocks lost a window part "
                                             "before its admission")
 
     def sync(self, st: BlockTable, upto: int, now: float) -> None:
@@ -163,11 +178,20 @@ class WindowParts:
         not on the device) on the device whose window is all present: k such
         that the blocks [first_needed(k * block_size), k) have their parts."""
         k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+        return self._valid(k, lambda i: blocks[i].wpart is not None)
+
+    def valid_nodes(self, nodes: Sequence) -> int:
+        """`valid_hit` of a match's nodes, each on the device or with a
+        readable copy in a tier below: one not on the device has its part where
+        `host_part` says so."""
+        return self._valid(len(nodes), lambda i: (nodes[i].block.wpart is not None if nodes[i].block is not None
+                                                  else self.host_part(nodes[i])))
+
+    def _valid(self, k: int, has_part) -> int:
         bs = self.block_size
         while k > 0:
             lo = self.first_needed(k * bs)
-            missing = next((i for i in range(k - 1, lo - 1, -1)
-                            if blocks[i] is None or blocks[i].wpart is None), None)
+            missing = next((i for i in range(k - 1, lo - 1, -1) if not has_part(i)), None)
             if missing is None:
                 return k
             k = missing  # any hit reaching past `missing` would see it
@@ -180,9 +204,11 @@ class WindowParts:
         most a step writes), the new blocks' parts are counted only as many as
         the sequence holds at once (`most_pages`): what its prompt and reserved
         output will take, not what its first chunk takes."""
-        self.check_match([n.block for n in match.nodes])
+        self.check_match(match.nodes)
         lo = self.first_needed(match.num_tokens)
-        revived = sum(1 for n in match.nodes[lo:] if n.block.wpart is not None and n.block.wrefs == 0)
+        # unheld parts it holds, and parts it reloads from the host (fresh pages)
+        revived = sum(1 for n in match.nodes[lo:] if n.block is None or (n.block.wpart is not None
+                                                                          and n.block.wrefs == 0))
         new = self.pages * num_new_blocks if chunk_blocks is None else self.most_pages(num_new_blocks, chunk_blocks)
         return new + self.pages * revived
 
@@ -194,10 +220,12 @@ class WindowParts:
         wb = self.window_blocks()
         return self.pages * min(num_blocks, max(wb + chunk_blocks, 2 * wb + 1))
 
-    def check_integrity(self, tables: Iterable[BlockTable], pins: Iterable) -> Counter[int]:
+    def check_integrity(self, tables: Iterable[BlockTable], pins: Iterable,
+                        filling: Iterable[Block] = ()) -> Counter[int]:
         """Every part's holds equal its holders (`tables`, the live block tables;
-        `pins`, the pins). Returns the references the parts' pages account for."""
-        holders: Counter[int] = Counter()
+        `pins`, the pins; `filling`, the blocks whose part a reload fills). Returns
+        the references the parts' pages account for."""
+        holders: Counter[int] = Counter(b.block_id for b in filling)
         for st in tables:
             for i, b in st.window.items():
                 assert st.blocks[i] is b, f"window part held for block {i} of a table that holds another"
