@@ -125,15 +125,15 @@ def test_layout_of_layers_onto_blocks():
 
 def test_layout_choices_and_refusals():
     windows = [8, None, 8]
-    assert kv_layout_for("auto", windows, tiers=False) is not None
-    assert kv_layout_for("full", windows, tiers=False) is None
-    assert kv_layout_for("auto", windows, tiers=True) is None
-    with pytest.raises(ValueError, match="no host or disk KV tier"):
-        kv_layout_for("hybrid", windows, tiers=True)
+    assert kv_layout_for("auto", windows, disk=False) is not None  # a host tier or not
+    assert kv_layout_for("full", windows, disk=False) is None
+    assert kv_layout_for("auto", windows, disk=True) is None
+    with pytest.raises(ValueError, match="no disk KV tier"):
+        kv_layout_for("hybrid", windows, disk=True)
     with pytest.raises(ValueError, match="1 global and 0 window layers"):
-        kv_layout_for("hybrid", [None], tiers=False)
+        kv_layout_for("hybrid", [None], disk=False)
     with pytest.raises(ValueError, match="auto, hybrid or full"):
-        kv_layout_for("paged", windows, tiers=False)
+        kv_layout_for("paged", windows, disk=False)
 
 
 def test_estimated_reprefill_cost_counts_attention_within_windows(hf, tmp_path, monkeypatch):
@@ -184,4 +184,36 @@ def test_a_match_that_lost_its_window_is_recomputed_not_answered(hf, caplog):
     assert "program B: window layers:" in caplog.text and "recomputed" in caplog.text
     assert out.num_cached_tokens == 0
     assert out.token_ids == hf_greedy(hf, turn2, 12)
+    llm.check_integrity()
+
+
+def test_host_tier_offloads_and_reloads_with_window_parts_change_no_token(hf):
+    """A small device cache over a host tier: turns evicted to the host (and
+    preempted ones swapped out) come back with their windows' parts; every
+    token equals the full cache's, and the last prompts transformers'."""
+    full = conversation(make(hf, "full"), programs=4, turns=4)
+    llm = make(hf, "hybrid", kv_cache_tokens=160, host_kv_tokens=4096)
+    assert llm.kv_cache.layout is not None  # a host tier keeps the hybrid layout
+    assert llm.kv_cache.host_kv.shape[2] == llm.kv_cache.layout.slots  # host slots of a pool block's layers
+    assert conversation(llm, programs=4, turns=4) == full
+    tier = llm.kv.window_tier
+    assert tier.num_stored > 0 and tier.num_reloaded > 0
+    assert llm.scheduler.stats.hit_tokens > 100
+    llm.check_integrity()
+
+
+def test_failed_host_reloads_of_window_parts_are_recomputed(hf, monkeypatch):
+    """Every other reload batch fails: the requests it was for are cut back to
+    where their window is whole and recompute; no token changes."""
+    full = conversation(make(hf, "full"), programs=4, turns=3)
+    llm = make(hf, "hybrid", kv_cache_tokens=160, host_kv_tokens=4096)
+    real_load, calls = llm.kv_cache.load, []
+
+    def flaky_load(pairs):
+        calls.append(len(pairs))
+        return list(range(len(pairs))) if len(calls) % 2 else real_load(pairs)
+
+    monkeypatch.setattr(llm.kv_cache, "load", flaky_load)
+    assert conversation(llm, programs=4, turns=3) == full
+    assert llm.scheduler.stats.reload_failed_blocks > 0
     llm.check_integrity()

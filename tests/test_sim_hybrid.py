@@ -143,10 +143,11 @@ def test_old_profiles_cost_as_before():
 
 def test_layout_choice():
     assert kv_layout(SimConfig(profile=GEMMA)) == "hybrid"  # auto: both kinds, no tier
-    assert kv_layout(SimConfig(profile=GEMMA, host_tier=True)) == "full"
+    assert kv_layout(SimConfig(profile=GEMMA, host_tier=True)) == "hybrid"  # a host tier it has
+    assert kv_layout(SimConfig(profile=GEMMA, disk_tier=True)) == "full"
     assert kv_layout(SimConfig(profile="llama3.1-8b-h100")) == "full"
-    with pytest.raises(ValueError, match="no host or disk KV tier"):
-        kv_layout(SimConfig(profile=GEMMA, kv_layout="hybrid", host_tier=True))
+    with pytest.raises(ValueError, match="no disk KV tier"):
+        kv_layout(SimConfig(profile=GEMMA, kv_layout="hybrid", disk_tier=True))
     with pytest.raises(ValueError, match="needs a model with both"):
         kv_layout(SimConfig(profile="llama3.1-8b-h100", kv_layout="hybrid"))
     with pytest.raises(ValueError, match="kv layout must be"):
@@ -211,10 +212,21 @@ def test_cli_old_profile_table_has_no_layout_column(capsys):
 @pytest.mark.parametrize("argv, msg", [
     (["--kv-layout", "paged"], "unknown --kv-layout 'paged'"),
     (["--kv-layout", "hybrid"], "needs a model with both global and sliding-window layers"),
-    (["--profile", GEMMA, "--kv-layout", "hybrid", "--host-tier"], "no host or disk KV tier"),
+    (["--profile", GEMMA, "--kv-layout", "hybrid", "--disk-tier"], "no disk KV tier"),
     (["--profile", GEMMA, "--kv-layout", "full,hybrid", "--replicas", "2"], "one layout with --replicas"),
 ])
 def test_cli_layout_errors_are_one_line(argv, msg, capsys):
     assert main(["sim", "--programs", "2", *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+def test_hybrid_with_a_host_tier_offloads_and_reloads_with_its_kv_intact():
+    """The hybrid cache over the profile's host tier in the simulator: turns go
+    to the host and come back (with their windows' parts), the KV checked every
+    50 steps."""
+    programs = generate_swebench(16, 0.3, seed=3)
+    r = simulate(programs, SimConfig(profile=GEMMA, policy="agentserve", kv_layout="auto", host_tier=True,
+                                     kv_tokens=20_000, check_integrity_every=50))
+    assert r.kv_layout == "hybrid" and r.completed == r.programs == 16 and r.rejected == 0
+    assert r.tiers["offloaded"] > 0 and r.tiers["loaded"] > 0

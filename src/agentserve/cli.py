@@ -50,8 +50,8 @@ def _add_sim(sub) -> None:
                         "num_global_layers and sliding_window, e.g. gemma3-27b-h100): full (every layer's KV of "
                         "every token) or hybrid (a block holds the global layers' KV, the window layers' KV kept "
                         "only while a token can read it), in the same bytes; auto: hybrid where the model has both "
-                        "kinds of layer and no tier is used, as `serve --kv-layout`. Comma-separated, e.g. "
-                        "full,hybrid, runs each")
+                        "kinds of layer and no disk tier is used (a host tier works with both), as `serve "
+                        "--kv-layout`. Comma-separated, e.g. full,hybrid, runs each")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--eviction", default="lru", help="prefix-cache eviction: lru, leaf-lru, lfu, arc")
     p.add_argument("--protected-kv-share", type=float, default=0.0, metavar="S",
@@ -231,8 +231,8 @@ def _kv_layouts(args) -> list[str]:
         except ValueError as e:
             raise CliError(str(e)) from None
         if choice == "auto" and layout == "full" and load_profile(args.profile).model.has_hybrid_layout:
-            print("--kv-layout auto: the full layout, since a host or disk tier is set (the hybrid cache has "
-                  "none)", file=sys.stderr)
+            print("--kv-layout auto: the full layout, since a disk tier is set (the hybrid cache has none)",
+                  file=sys.stderr)
         if layout not in out:
             out.append(layout)
     return out

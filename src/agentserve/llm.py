@@ -91,12 +91,12 @@ class LLM:
         per_token = cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
         if kv_cache_tokens is None:
             kv_cache_tokens = devices.auto_kv_tokens(self.device, per_token, self.model.weight_bytes)
-        layout = kv_layout_for(kv_layout, self.model.windows, tiers=host_kv_tokens > 0 or disk_kv_bytes > 0)
+        layout = kv_layout_for(kv_layout, self.model.windows, disk=disk_kv_bytes > 0)
         slots = cfg.num_layers if layout is None else layout.slots  # layers a block holds: fewer, more blocks
         num_blocks = kv_cache_tokens * cfg.num_layers // (slots * block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} gives no block of {block_size} tokens")
-        host_blocks = host_kv_tokens // block_size
+        host_blocks = host_kv_tokens * cfg.num_layers // (slots * block_size)  # the same bytes, in either layout
         self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, host_blocks, self.kv_dtype, self.device, layout)
         disk_blocks = 0 if disk_kv_shared else self._disk_tier(disk_kv_bytes, disk_kv_dir)
         if not 0.0 <= protected_kv_share <= 0.9:

@@ -60,7 +60,11 @@ __all__ = ["CostModel"]
 
 
 class CostModel:
-    def __init__(self, profile: Profile | str | os.PathLike[str], block_size: int = 16) -> None:
+    def __init__(self, profile: Profile | str | os.PathLike[str], block_size: int = 16,
+                 block_share: float = 1.0) -> None:
+        """`block_share`: the share of a block of every layer that one block of
+        the KV pool holds (the hybrid layout's blocks hold the global layers'
+        count of layers): what a block copy moves."""
         if not isinstance(profile, Profile):
             profile = load_profile(profile)
         if not isinstance(block_size, int) or block_size < 1:
@@ -76,8 +80,8 @@ class CostModel:
         self._kv_read = p.kv_read_s_per_token
         self._copy_latency = p.host_copy_latency_s
         self._copy_s_per_token = p.kv_bytes_per_token / p.host_copy_bandwidth_bytes_s
-        self._copy_s_per_block = self._copy_s_per_token * block_size
-        self.block_bytes = block_bytes = p.kv_bytes_per_token * block_size
+        self._copy_s_per_block = self._copy_s_per_token * block_size * block_share
+        self.block_bytes = block_bytes = round(p.kv_bytes_per_token * block_size * block_share)
         self._disk_write_s_per_block = block_bytes / p.disk_write_bandwidth_bytes_s
         self._disk_read_s_per_block = block_bytes / p.disk_read_bandwidth_bytes_s
         m = p.model

@@ -80,21 +80,22 @@ class HybridLayout:
         return self.slots * (1 + self.pages)
 
 
-def kv_layout_for(choice: str, windows, tiers: bool) -> HybridLayout | None:
+def kv_layout_for(choice: str, windows, disk: bool) -> HybridLayout | None:
     """The layout `--kv-layout` asks for (auto, hybrid, full) for layers with
-    these sliding windows; `tiers`: a host or disk tier is asked for, which the
-    hybrid cache has not (auto then takes the full cache, saying so)."""
+    these sliding windows; `disk`: a disk tier is asked for, which the hybrid
+    cache has not (auto then takes the full cache, saying so; a host tier it has)."""
     if choice not in ("auto", "hybrid", "full"):
         raise ValueError(f"kv layout must be auto, hybrid or full, not {choice!r}")
     layout = None if choice == "full" else HybridLayout.of(windows)
     if choice == "hybrid" and layout is None:
         raise ValueError("--kv-layout hybrid needs a model with both sliding-window and global layers "
                          "(one window size); this one has " + _kinds(windows))
-    if layout is not None and tiers:
+    if layout is not None and disk:
         if choice == "hybrid":
-            raise ValueError("--kv-layout hybrid has no host or disk KV tier: drop the tier or use --kv-layout full")
-        log.info("KV cache: full layout (every layer's KV of every token), since a host or disk tier is set; "
-                 "without a tier this model would use the hybrid layout")
+            raise ValueError("--kv-layout hybrid has no disk KV tier (a host tier it has): drop the disk tier "
+                             "or use --kv-layout full")
+        log.info("KV cache: full layout (every layer's KV of every token), since a disk tier is set; "
+                 "without it this model would use the hybrid layout")
         return None
     return layout
 
@@ -109,9 +110,8 @@ class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_host_blocks: int,
                  dtype: torch.dtype, device: torch.device, layout: HybridLayout | None = None) -> None:
         """`layout`: the hybrid cache's (then `num_blocks` blocks of `layout.slots`
-        layers each, and no host tier); None: blocks of every layer."""
-        if layout is not None and num_host_blocks:
-            raise ValueError("the hybrid KV cache has no host tier")
+        layers each, and host slots of as many: a window part's host copy takes
+        `layout.pages` of them, copied like blocks); None: blocks of every layer."""
         self.layout = layout
         n_slots = cfg.num_layers if layout is None else layout.slots
         shape = (2, n_slots, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
@@ -122,7 +122,7 @@ class PagedKVCache:
         self.device_kv = torch.zeros(shape, dtype=dtype, device=device)
         self.host_kv: torch.Tensor | None = None
         if num_host_blocks > 0:
-            hshape = (num_host_blocks, 2, cfg.num_layers, cfg.num_kv_heads, block_size, cfg.head_dim)
+            hshape = (num_host_blocks, 2, n_slots, cfg.num_kv_heads, block_size, cfg.head_dim)
             # pinned host memory makes the device<->host copies asynchronous DMA on CUDA
             pin = self.device.type == "cuda"
             self.host_kv = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
@@ -173,6 +173,8 @@ class PagedKVCache:
         """Use `directory` for the disk tier's files (cleaned of this server's old files)."""
         if self.host_kv is None:
             raise ValueError("the disk KV tier needs a host tier (it is filled from the host tier's evictions)")
+        if self.layout is not None:
+            raise ValueError("the hybrid KV cache has no disk tier: use the full layout to have one")
         store = DiskStore(directory, self.fingerprint, self.block_bytes)
         removed = store.clean()
         if removed:

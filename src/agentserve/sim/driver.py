@@ -62,7 +62,7 @@ class SimConfig:
     max_step_ms_with_decodes: float | None = SchedulerConfig.max_step_ms_with_decodes
     seed: int = 0
     # how the KV manager accounts a sliding-window model's KV: auto (hybrid where the profile's model
-    # has both global and window layers and no tier is used, as `serve`), hybrid or full
+    # has both global and window layers and no disk tier is used, as `serve`), hybrid or full
     kv_layout: str = "auto"
     check_integrity_every: int = 0  # steps; 0 = only at the end
     end_programs: bool = True  # the last turn says the program ended (False: programs end idle)
@@ -123,21 +123,21 @@ KV_LAYOUTS = ("auto", "hybrid", "full")
 
 def kv_layout(cfg: SimConfig) -> str:
     """The layout `cfg.kv_layout` asks for on its profile: hybrid or full
-    (auto: hybrid where the model has both kinds of layer and no tier is used).
+    (auto: hybrid where the model has both kinds of layer and no disk tier is used).
     ValueError, in one line, where hybrid cannot apply."""
     if cfg.kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv layout must be one of {', '.join(KV_LAYOUTS)}, not {cfg.kv_layout!r}")
     if cfg.kv_layout == "full":
         return "full"
     model = load_profile(cfg.profile).model
-    tiers = cfg.host_tier or cfg.disk_tier
     if cfg.kv_layout == "auto":
-        return "hybrid" if model.has_hybrid_layout and not tiers else "full"
+        return "hybrid" if model.has_hybrid_layout and not cfg.disk_tier else "full"
     if not model.has_hybrid_layout:
         raise ValueError(f"kv layout hybrid needs a model with both global and sliding-window layers; profile "
                          f"{cfg.profile}'s {model.name} has {model.global_layers} global of {model.num_layers}")
-    if tiers:
-        raise ValueError("kv layout hybrid has no host or disk KV tier: drop the tier or use the full layout")
+    if cfg.disk_tier:
+        raise ValueError("kv layout hybrid has no disk KV tier (a host tier it has): drop the disk tier or use "
+                         "the full layout")
     return "hybrid"
 
 
@@ -159,10 +159,13 @@ class SimReplica:
         if cfg.disk_kv_bytes is not None:
             profile = replace(profile, disk_kv_capacity_bytes=cfg.disk_kv_bytes)
         host_blocks = profile.host_num_blocks(bs) if host_tier else 0
+        if host_blocks and self.layout == "hybrid":  # the same bytes in the hybrid layout's smaller blocks
+            host_blocks = profile.model.hybrid_num_blocks(profile.host_kv_capacity_tokens, bs)
         disk_blocks = profile.disk_num_blocks(bs) if cfg.disk_tier else 0
         self.kv = kv = KVCacheManager(num_blocks, bs, cfg.eviction, host_blocks, disk_blocks,
                                       protected_blocks=int(cfg.protected_kv_share * num_blocks), **hybrid)
-        cost = CostModel(profile, block_size=bs)
+        m = profile.model
+        cost = CostModel(profile, block_size=bs, block_share=m.global_layers / m.num_layers if hybrid else 1.0)
         reload_cost = cost.reload_time if host_tier else cost.prefill_time
         self.config = sconf = SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens or profile.max_num_batched_tokens,
