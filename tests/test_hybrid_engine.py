@@ -187,18 +187,21 @@ def test_a_match_that_lost_its_window_is_recomputed_not_answered(hf, caplog):
     llm.check_integrity()
 
 
-def test_host_tier_offloads_and_reloads_with_window_parts_change_no_token(hf):
-    """A small device cache over a host tier: turns evicted to the host (and
-    preempted ones swapped out) come back with their windows' parts; every
-    token equals the full cache's, and the last prompts transformers'."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_host_tier_offloads_and_reloads_with_window_parts_change_no_token(hf, overlap):
+    """A small device cache over a host tier, with preemption: blocks and parts
+    evicted to the host come back with their windows' parts, the copies run in
+    the step or beside it (`overlap_copies`); every token equals the full
+    cache's (which test_multi_turn_programs_equal_the_full_cache_and_transformers
+    holds to transformers')."""
     full = conversation(make(hf, "full"), programs=4, turns=4)
-    llm = make(hf, "hybrid", kv_cache_tokens=160, host_kv_tokens=4096)
+    llm = make(hf, "hybrid", kv_cache_tokens=160, host_kv_tokens=4096, overlap_copies=overlap)
     assert llm.kv_cache.layout is not None  # a host tier keeps the hybrid layout
     assert llm.kv_cache.host_kv.shape[2] == llm.kv_cache.layout.slots  # host slots of a pool block's layers
     assert conversation(llm, programs=4, turns=4) == full
     tier = llm.kv.window_tier
     assert tier.num_stored > 0 and tier.num_reloaded > 0
-    assert llm.scheduler.stats.hit_tokens > 100
+    assert llm.scheduler.stats.hit_tokens > 100 and llm.scheduler.stats.preemptions > 0
     llm.check_integrity()
 
 
