@@ -11,7 +11,7 @@ import pytest
 from agentserve.engine.sampling_params import SamplingParams
 from agentserve.llm import LLM
 from agentserve.runner.kv_cache import HybridLayout, kv_layout_for
-from tiny_models import DEVICE, hf_gemma3, hf_greedy, loaded_as, prompt
+from tiny_models import DEVICE, hf_gemma3, hf_greedy, loaded_as, prompt, save_hf_folder
 
 LAYERS = {"3 layers": None, "5 layers, 2 global": ["sliding_attention", "sliding_attention", "full_attention",
                                                    "sliding_attention", "full_attention"]}
@@ -220,3 +220,27 @@ def test_failed_host_reloads_of_window_parts_are_recomputed(hf, monkeypatch):
     assert conversation(llm, programs=4, turns=3) == full
     assert llm.scheduler.stats.reload_failed_blocks > 0
     llm.check_integrity()
+
+
+def test_serve_builds_the_hybrid_cache_with_a_host_tier(hf, tmp_path):
+    """What `agentserve serve` builds from its flags: `--kv-layout hybrid` with
+    `--host-kv-tokens` starts, and `auto` with a host tier takes the hybrid
+    cache; a disk tier is refused under hybrid in one line."""
+    from agentserve.cli import build_parser
+    from agentserve.cli_errors import CliError
+    from agentserve.cli_model import build_llm
+
+    folder = tmp_path / "model"
+    save_hf_folder(hf, folder)
+    base = ["serve", "--model", str(folder), "--device", DEVICE, "--dtype", "float32", "--block-size", "4",
+            "--kv-cache-tokens", "1024", "--host-kv-tokens", "2048"]
+    for layout in ("hybrid", "auto"):
+        llm = build_llm(build_parser().parse_args([*base, "--kv-layout", layout]))
+        assert llm.kv_cache.layout is not None and llm.kv.window_tier is not None
+        # the host tier has the bytes of 2048 tokens of every layer, in the hybrid layout's blocks
+        assert llm.kv.host.num_slots * llm.kv_cache.layout.slots * 4 == 2048 * llm.config.num_layers
+        out = llm.generate([prompt(3, 30)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
+    disk = ["--disk-kv-bytes", "1000000", "--disk-kv-dir", str(tmp_path / "disk")]
+    with pytest.raises(CliError, match="no disk KV tier"):
+        build_llm(build_parser().parse_args([*base, "--kv-layout", "hybrid", *disk]))
