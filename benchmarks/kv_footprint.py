@@ -40,7 +40,7 @@ def make_manager(cfg, windows, layout_name: str, kv_tokens: int, block_size: int
     from agentserve.kv.manager import KVCacheManager
     from agentserve.runner.kv_cache import kv_layout_for
 
-    layout = kv_layout_for(layout_name, windows, tiers=False)
+    layout = kv_layout_for(layout_name, windows, disk=False)
     slots = cfg.num_layers if layout is None else layout.slots
     num_blocks = kv_tokens * cfg.num_layers // (slots * block_size)
     kv = KVCacheManager(num_blocks, block_size, window=layout and layout.window,
