@@ -143,7 +143,8 @@ def test_old_profiles_cost_as_before():
 
 def test_layout_choice():
     assert kv_layout(SimConfig(profile=GEMMA)) == "hybrid"  # auto: both kinds, no tier
-    assert kv_layout(SimConfig(profile=GEMMA, host_tier=True)) == "hybrid"  # a host tier it has
+    assert kv_layout(SimConfig(profile=GEMMA, host_tier=True)) == "full"  # auto: hybrid + host only when asked for
+    assert kv_layout(SimConfig(profile=GEMMA, kv_layout="hybrid", host_tier=True)) == "hybrid"
     assert kv_layout(SimConfig(profile=GEMMA, disk_tier=True)) == "full"
     assert kv_layout(SimConfig(profile="llama3.1-8b-h100")) == "full"
     with pytest.raises(ValueError, match="no disk KV tier"):
@@ -226,7 +227,7 @@ def test_hybrid_with_a_host_tier_offloads_and_reloads_with_its_kv_intact():
     to the host and come back (with their windows' parts), the KV checked every
     50 steps."""
     programs = generate_swebench(16, 0.3, seed=3)
-    r = simulate(programs, SimConfig(profile=GEMMA, policy="agentserve", kv_layout="auto", host_tier=True,
+    r = simulate(programs, SimConfig(profile=GEMMA, policy="agentserve", kv_layout="hybrid", host_tier=True,
                                      kv_tokens=20_000, check_integrity_every=50))
     assert r.kv_layout == "hybrid" and r.completed == r.programs == 16 and r.rejected == 0
     assert r.tiers["offloaded"] > 0 and r.tiers["loaded"] > 0
