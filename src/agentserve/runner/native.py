@@ -135,8 +135,9 @@ def _load() -> ctypes.CDLL:
     lib.agentserve_gguf_matmul.restype = ctypes.c_int
     lib.agentserve_block_fast.argtypes = []
     lib.agentserve_block_fast.restype = ctypes.c_int
-    lib.agentserve_block_matmul.argtypes = [i, i, p, L, L, p, L, p, p, L, i]
-    lib.agentserve_block_matmul.restype = ctypes.c_int
+    for name in ("agentserve_block_matmul", "agentserve_block_matmul8"):
+        getattr(lib, name).argtypes = [i, i, p, L, L, p, L, p, p, L, i]
+        getattr(lib, name).restype = ctypes.c_int
     for name in ("agentserve_add_rms_norm", "agentserve_add_rms_norm_f32"):
         getattr(lib, name).argtypes = [p, p, p, p, p, L, L, f, i]
         getattr(lib, name).restype = None

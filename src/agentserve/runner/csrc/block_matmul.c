@@ -322,6 +322,224 @@ static void bw_quantize_row(int dtype, const void *x, long off, long nb, int16_t
         }
     }
 }
+
+/* ---- int8 activation codes: the path for decode rows ----
+ *
+ * Activations per 32 as int8 codes in -127..127, x ~ dx_j * x8 (abs error <=
+ * max|x| / 254 per element, as llama.cpp's q8_0), the block sums of x kept
+ * exact in float32 as above. One vpmaddubsw (unsigned bytes times signed
+ * bytes, pairs summed into int16) takes 32 products where vpmaddwd takes 16,
+ * and the weight codes need no widening. Types whose codes are signed (Q4_0,
+ * Q8_0, Q5_0, Q6_K's q - 32) move the sign onto the activation (|c| times
+ * sign(c) x8); Q4_1, Q5_1, Q4_K and Q5_K codes are unsigned as stored. Bounds:
+ * |c| <= 128 (Q8_0's -128), |x8| <= 127: a pair <= 32512, no int16
+ * saturation; vpmaddwd then sums pairs into int32 by ones, or by Q6_K's int8
+ * scales per 16 weights (<= 128 * 2 * 8128 per lane). */
+
+#define BW_X8MAX 127.0f
+
+static void bw_quantize_row8(int dtype, const void *x, long off, long nb, int8_t *x8, float *dx, float *xs) {
+    for (long j = 0; j < nb; j++) {
+        float v[32], amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            v[i] = bw_load_x(dtype, x, off + 32 * j + i);
+            amax = fmaxf(amax, fabsf(v[i]));
+            sum += v[i];
+        }
+        float inv = amax > 0.0f ? BW_X8MAX / amax : 0.0f;
+        dx[j] = amax / BW_X8MAX;
+        xs[j] = sum;
+        for (int i = 0; i < 32; i++) {
+            float q = nearbyintf(v[i] * inv);
+            x8[32 * j + i] = (int8_t)fminf(fmaxf(q, -BW_X8MAX), BW_X8MAX);
+        }
+    }
+}
+
+/* Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: block b's 32 codes as bytes (signed, or unsigned
+ * for the types with a minimum), its scale and minimum */
+static inline __attribute__((always_inline)) __m256i bw8_small_block(int qt, const uint8_t *b, float *f, float *mn) {
+    *f = bw_half(b);
+    *mn = 0.0f;
+    if (qt == BW_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    int with_min = qt == BW_Q4_1 || qt == BW_Q5_1;
+    int five = qt == BW_Q5_0 || qt == BW_Q5_1;
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * with_min + 4 * five));
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    if (five) {
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * with_min, 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(bw_bits32(qh), _mm256_set1_epi8(16)));
+    }
+    if (with_min) {
+        *mn = bw_half(b + 2);
+        return q;
+    }
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(five ? 16 : 8));
+}
+
+/* the 16 pair sums of codes q (signed when sgn; |q| given as aq) times activation codes xv */
+static inline __attribute__((always_inline)) __m256i bw8_pairs(int sgn, __m256i q, __m256i aq, __m256i xv) {
+    return sgn ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(q, xv);
+}
+
+/* One run j of 32 codes q (pair sums weighted by wt into int32) against R rows */
+static inline __attribute__((always_inline)) void bw8_step(int R, int sgn, int with_min, __m256i q, __m256i wt,
+                                                           float f, float mn, long j, const int8_t *x, long k,
+                                                           const float *dx, const float *xs, long nb, __m256 *acc,
+                                                           float *macc) {
+    const __m256i aq = sgn ? _mm256_sign_epi8(q, q) : q;
+    for (int r = 0; r < R; r++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + 32 * j));
+        __m256i s = _mm256_madd_epi16(bw8_pairs(sgn, q, aq, xv), wt);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f * dx[r * nb + j]), acc[r]);
+        if (with_min) macc[r] += mn * xs[r * nb + j];
+    }
+}
+
+/* out[r] = row `w` (k weights of type qt) . activation row r (int8 codes), r < R */
+static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const uint8_t *w, long k, const int8_t *x,
+                                                          const float *dx, const float *xs, float *out) {
+    const long nb = k / 32;
+    const int mins = qt == BW_Q4_1 || qt == BW_Q5_1 || qt == BW_Q4_K || qt == BW_Q5_K;
+    const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
+    __m256 acc[2 * BW_ROWS];
+    float macc[BW_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = acc[BW_ROWS + r] = _mm256_setzero_ps();
+        macc[r] = 0.0f;
+    }
+    if (qt <= BW_Q5_1) {
+        const int size = bw_bytes[qt], sgn = !mins;
+        long j = 0;
+        for (; j + 2 <= nb; j += 2) {
+            const uint8_t *b = w + j * size;
+            _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
+            float f, mn, g, mm;
+            __m256i q = bw8_small_block(qt, b, &f, &mn), p = bw8_small_block(qt, b + size, &g, &mm);
+            bw8_step(R, sgn, mins, q, ones, f, mn, j, x, k, dx, xs, nb, acc, macc);
+            bw8_step(R, sgn, mins, p, ones, g, mm, j + 1, x, k, dx, xs, nb, acc + BW_ROWS, macc);
+        }
+        for (; j < nb; j++) {
+            float f, mn;
+            __m256i q = bw8_small_block(qt, w + j * size, &f, &mn);
+            bw8_step(R, sgn, mins, q, ones, f, mn, j, x, k, dx, xs, nb, acc, macc);
+        }
+    } else {
+        const int size = bw_bytes[qt];
+        for (long sb = 0; sb < k / 256; sb++) {
+            const uint8_t *b = w + sb * size;
+            _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
+            _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
+            _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
+            if (qt == BW_Q6_K) {
+                const uint8_t *ql = b, *qh = b + 128;
+                const int8_t *sc = (const int8_t *)(b + 192);
+                float d = bw_half(b + 208);
+                const __m256i m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+                for (int h = 0; h < 2; h++) {
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+                    __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hv, m3), 4));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m3), 4));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m3), 4));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m3), 4));
+                    for (int t = 0; t < 4; t++) {
+                        const int s = 8 * h + 2 * t;
+                        /* pair sums 0..7 are weights 0..15 (scale sc[s]), 8..15 weights 16..31 */
+                        const __m256i wt = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+                        bw8_step(R, 1, 0, _mm256_sub_epi8(q[t], b32), wt, d, 0.0f, 8 * sb + 4 * h + t, x, k, dx, xs,
+                                 nb, acc + BW_ROWS * (t & 1), macc);
+                    }
+                }
+            } else {
+                const int five = qt == BW_Q5_K;
+                float d = bw_half(b), dmin = bw_half(b + 2);
+                int sc[8], mn[8];
+                bw_k_scales(b + 4, sc, mn);
+                const uint8_t *qs = b + 16 + 32 * five;
+                __m256i hv = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+                    for (int half = 0; half < 2; half++) {
+                        const int s = 2 * i + half;
+                        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, m15);
+                        if (five) {
+                            __m256i bit = _mm256_set1_epi8((char)(1 << s));
+                            __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+                            q = _mm256_or_si256(q, _mm256_and_si256(on, _mm256_set1_epi8(16)));
+                        }
+                        bw8_step(R, 0, 1, q, ones, d * (float)sc[s], -dmin * (float)mn[s], 8 * sb + s, x, k, dx,
+                                 xs, nb, acc + BW_ROWS * half, macc);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = bw_hsum(_mm256_add_ps(acc[r], acc[BW_ROWS + r])) + macc[r];
+}
+
+/* One activation row against two consecutive weight rows of a 32-weight-block type */
+static inline __attribute__((always_inline)) void bw8_pair(int qt, const uint8_t *w, long row_bytes, long k,
+                                                           const int8_t *x, const float *dx, const float *xs,
+                                                           float *out) {
+    const long nb = k / 32;
+    const int size = bw_bytes[qt], mins = qt == BW_Q4_1 || qt == BW_Q5_1;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *v = w + row_bytes;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    for (long j = 0; j < nb; j++) {
+        _mm_prefetch((const char *)(w + 2 * j * size + BW_PREFETCH), BW_HINT);
+        float f, g, mn, mm;
+        __m256i p = bw8_small_block(qt, w + j * size, &f, &mn), q = bw8_small_block(qt, v + j * size, &g, &mm);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
+        __m256i s = _mm256_madd_epi16(bw8_pairs(!mins, p, _mm256_sign_epi8(p, p), xv), ones);
+        __m256i t = _mm256_madd_epi16(bw8_pairs(!mins, q, _mm256_sign_epi8(q, q), xv), ones);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f * dx[j]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(g * dx[j]), a1);
+        if (mins) {
+            m0 += mn * xs[j];
+            m1 += mm * xs[j];
+        }
+    }
+    out[0] = bw_hsum(a0) + m0;
+    out[1] = bw_hsum(a1) + m1;
+}
+
+typedef void (*bw8_pair_fn)(const uint8_t *, long, long, const int8_t *, const float *, const float *, float *);
+#define BW8_PAIR(T)                                                                                        \
+    static void bw8_pair_##T(const uint8_t *w, long rb, long k, const int8_t *x, const float *dx,          \
+                             const float *xs, float *out) {                                                 \
+        bw8_pair(T, w, rb, k, x, dx, xs, out);                                                             \
+    }
+BW8_PAIR(BW_Q4_0) BW8_PAIR(BW_Q4_1) BW8_PAIR(BW_Q8_0) BW8_PAIR(BW_Q5_0) BW8_PAIR(BW_Q5_1)
+static const bw8_pair_fn bw8_pairs_of[BW_Q5_1 + 1] = {bw8_pair_BW_Q4_0, bw8_pair_BW_Q4_1, bw8_pair_BW_Q8_0,
+                                                      bw8_pair_BW_Q5_0, bw8_pair_BW_Q5_1};
+
+typedef void (*bw8_row_fn)(const uint8_t *, long, const int8_t *, const float *, const float *, float *);
+#define BW8_FN(T, R)                                                                                       \
+    static void bw8_row_##T##_##R(const uint8_t *w, long k, const int8_t *x, const float *dx, const float *xs, \
+                                  float *out) {                                                            \
+        bw8_row(T, R, w, k, x, dx, xs, out);                                                               \
+    }
+#define BW8_TYPE(T) BW8_FN(T, 1) BW8_FN(T, 2) BW8_FN(T, 3) BW8_FN(T, 4)
+BW8_TYPE(BW_Q4_0) BW8_TYPE(BW_Q4_1) BW8_TYPE(BW_Q8_0) BW8_TYPE(BW_Q5_0)
+BW8_TYPE(BW_Q5_1) BW8_TYPE(BW_Q4_K) BW8_TYPE(BW_Q5_K) BW8_TYPE(BW_Q6_K)
+#define BW8_ENTRY(T) {0, bw8_row_##T##_1, bw8_row_##T##_2, bw8_row_##T##_3, bw8_row_##T##_4}
+static const bw8_row_fn bw8_rows[BW_NTYPES][BW_ROWS + 1] = {
+    BW8_ENTRY(BW_Q4_0), BW8_ENTRY(BW_Q4_1), BW8_ENTRY(BW_Q8_0), BW8_ENTRY(BW_Q5_0),
+    BW8_ENTRY(BW_Q5_1), BW8_ENTRY(BW_Q4_K), BW8_ENTRY(BW_Q5_K), BW8_ENTRY(BW_Q6_K)};
+
+/* BW_PAIRS8: a bit per type whose one-row product goes by pairs of weight rows */
+#ifndef BW_PAIRS8
+#define BW_PAIRS8 ((1 << BW_Q4_0) | (1 << BW_Q4_1) | (1 << BW_Q5_0) | (1 << BW_Q5_1))
+#endif
 #else
 #define BW_FAST 0
 #endif
@@ -378,6 +596,60 @@ int agentserve_block_matmul(int qt, int dtype, const void *x, long rows, long k,
         }
     }
     free(x16);
+    free(dx);
+    return 0;
+#else
+    (void)qt; (void)dtype; (void)x; (void)rows; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)ldy;
+    (void)nthreads;
+    return -1;
+#endif
+}
+
+/* agentserve_block_matmul with the activations as int8 codes (the coarser,
+ * faster path: see above); same arguments and return codes. */
+int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k, const uint8_t *w, long n,
+                             const float *bias, void *y, long ldy, int nthreads) {
+#if BW_FAST
+    if (qt < 0 || qt >= BW_NTYPES || rows < 0 || n < 0 || k <= 0 || k % bw_block[qt] || ldy < n) return -2;
+    if (rows == 0 || n == 0) return 0;
+    const long nb = k / 32, row_bytes = k / bw_block[qt] * bw_bytes[qt];
+    int8_t *x8 = malloc((size_t)(rows * k));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * rows * nb));
+    if (!x8 || !dx) {
+        free(x8);
+        free(dx);
+        return -3;
+    }
+    float *xs = dx + rows * nb;
+    float carry[rows];  /* 0, or NaN where a row has a non-finite activation, which its codes cannot carry */
+    for (long r = 0; r < rows; r++) {
+        bw_quantize_row8(dtype, x, r * k, nb, x8 + r * k, dx + r * nb, xs + r * nb);
+        float sum = 0.0f;
+        for (long j = 0; j < nb; j++) sum += xs[r * nb + j];
+        carry[r] = 0.0f * sum;
+    }
+    const long pairs = rows == 1 && qt <= BW_Q5_1 && ((BW_PAIRS8 >> qt) & 1) ? n / 2 : 0;
+    if (pairs) {
+        #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+        for (long p = 0; p < pairs; p++) {
+            float out[2];
+            bw8_pairs_of[qt](w + 2 * p * row_bytes, row_bytes, k, x8, dx, xs, out);
+            for (int i = 0; i < 2; i++)
+                bw_store_y(dtype, y, 2 * p + i, out[i] + (bias ? bias[2 * p + i] : 0.0f) + carry[0]);
+        }
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (!pairs)
+    for (long o = 2 * pairs; o < n; o++) {
+        const uint8_t *wr = w + o * row_bytes;
+        float b = bias ? bias[o] : 0.0f;
+        for (long r0 = 0; r0 < rows; r0 += BW_ROWS) {
+            int R = rows - r0 < BW_ROWS ? (int)(rows - r0) : BW_ROWS;
+            float out[BW_ROWS];
+            bw8_rows[qt][R](wr, k, x8 + r0 * k, dx + r0 * nb, xs + r0 * nb, out);
+            for (int r = 0; r < R; r++) bw_store_y(dtype, y, (r0 + r) * ldy + o, out[r] + b + carry[r0 + r]);
+        }
+    }
+    free(x8);
     free(dx);
     return 0;
 #else
