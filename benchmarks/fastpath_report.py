@@ -33,6 +33,7 @@ import statistics
 from typing import Any
 
 from agentserve.workload.trace import percentile
+from agentserve.text_table import aligned
 
 REFERENCE = "agentserve-continuum"
 KEYWORDS = ("spec", "draft", "accept", "early_stop", "response_cache", "generation_tokens", "steps",
@@ -190,9 +191,7 @@ def _pct(x: float | None) -> str:
 
 
 def text_table(head: list[str], rows: list[list[str]]) -> str:
-    lines = [head] + rows
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
+    return aligned([head] + rows, left=0, rule=False)
 
 
 NOVEL_HEAD = ["server", "runs", "turns", "median ms/turn", "p90 ms", "median TTFT ms", "out tok/turn",

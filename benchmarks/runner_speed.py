@@ -49,6 +49,7 @@ from benchmarks.runner_sweep import (
     main_sweep,
     parse_mixed,
 )
+from agentserve.text_table import aligned
 
 PREFILL = (512, 2048)
 BATCHES = (1, 8, 32)
@@ -99,8 +100,7 @@ def format_table(rows: list[dict]) -> str:
         + [(f"engine b{b}", f"engine_decode_b{b}_tok_s", "{:.1f}") for b in BATCHES] \
         + [("read GB/s", "read_bandwidth_gb_s", "{:.1f}"), ("roofline b1", "roofline_b1_tok_s", "{:.0f}")]
     lines = [[c[0] for c in cols]] + [[fmt.format(r[k]) for _, k, fmt in cols] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
+    return aligned(lines, left=0, rule=False)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from agentserve.text_table import aligned
 
 SWEEP_CONTEXTS = (512, 2048, 4096, 8192)
 SWEEP_BATCHES = (1, 8)
@@ -241,9 +242,7 @@ def format_sweep(rows: list[dict]) -> str:
         for n in names:
             line += [_fmt(r["peers"][n], ".1f"), _fmt(r["ratios"][n], ".2f")]
         lines.append(line)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return aligned(lines, rule=False)
 
 
 def peer_errors(result: dict) -> list[str]:

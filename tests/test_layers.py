@@ -33,13 +33,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = SRC / "agentserve"
 TORCH_FREE = ["policy", "kv", "engine", "cost", "workload", "sim", "bench", "server", "router",
-              "clock.py", "argtypes.py", "cli_errors.py"]
+              "clock.py", "argtypes.py", "cli_errors.py", "text_table.py"]
 NO_CLOCK = ["policy", "kv", "engine", "cost", "router"]
 
 # Lowest first. A package or top-level module imports only from lower layers
 # (and from itself); two names in one layer do not import each other.
 LAYERS = [
-    {"clock", "argtypes", "cli_errors", "cli_examples"},  # leaves: the injected clocks, argparse types, the CLI's error type and examples
+    {"clock", "argtypes", "cli_errors", "cli_examples", "text_table"},  # leaves: the injected clocks, argparse types, the CLI's error type and examples, tables
     {"kv"},
     {"policy"},
     {"engine"},

@@ -33,6 +33,7 @@ from agentserve.bench.peers.specs import (
     reserved_cpus_arg,
     server_specs,
 )
+from agentserve.text_table import aligned
 
 REFERENCE = "agentserve-continuum"
 DEFAULT_SERVERS = ("agentserve-agentserve", "agentserve-continuum", "vllm-cpu", "llama.cpp")
@@ -72,8 +73,7 @@ def format_compare(rows: list[dict]) -> str:
             down = r.get("restarted")
             lines[-1] += [r.get("after_done", "-"), f"{r.get('after_mean_jct', float('nan')):.2f}",
                           "-" if down is None else f"{down:.1f}"]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines)
+    return aligned(lines, left=0, rule=False)
 
 
 def add_compare_parser(subparsers) -> argparse.ArgumentParser:

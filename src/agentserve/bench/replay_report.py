@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from agentserve.bench.replay_plan import format_clamp
+from agentserve.text_table import aligned, markdown
 from agentserve.workload.trace import percentile
 
 
@@ -112,34 +113,17 @@ def time_rows(results: list[dict]) -> list[list[str]]:
 
 
 def format_time_table(results: list[dict]) -> str:
-    return _text_table(TIME_HEAD, time_rows(results))
-
-
-def _text_table(head: list[str], rows: list[list[str]]) -> str:
-    lines = [head] + rows
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    out = []
-    for j, row in enumerate(lines):
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def _md_table(head: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+    return aligned([TIME_HEAD] + time_rows(results))
 
 
 def format_table(results: list[dict]) -> str:
     """One row per result (JCT and TTFT in seconds)."""
-    return _text_table(SUMMARY_HEAD, summary_rows(results))
+    return aligned([SUMMARY_HEAD] + summary_rows(results))
 
 
 def format_turn_table(result: dict, max_turns: int = 30) -> str:
     head, rows = turn_rows(result, max_turns)
-    return _text_table(head, rows)
+    return aligned([head] + rows)
 
 
 # ---------------------------------------------------------------------------
@@ -264,22 +248,22 @@ def write_markdown(results: list[dict], path: str, plots: dict[str, str] | None 
         lines.append(f"  - {n}x {k}")
     lines += ["", "JCT = first request sent to last response received, tool time included; TTFT = request "
               "sent to first content token (queueing + prefill). Times in seconds.", "",
-              "## Summary", "", _md_table(SUMMARY_HEAD, summary_rows(results)), "",
+              "## Summary", "", markdown(SUMMARY_HEAD, summary_rows(results)), "",
               "## Where the time goes", "",
               "Per completed program (mean, seconds): waiting for first tokens (queueing and prefill), "
               "decoding the rest, in tools, and the remainder (the client between turns); then per turn, "
               "with the decode rate one stream saw (tokens after the first over the time after it; "
               "servers that report no usage show -).", "",
-              _md_table(TIME_HEAD, time_rows(results)), ""]
+              markdown(TIME_HEAD, time_rows(results)), ""]
     for res in results:
         head, rows = turn_rows(res)
-        lines += [f"## By turn: {res.get('server', '?')}", "", _md_table(head, rows), ""]
+        lines += [f"## By turn: {res.get('server', '?')}", "", markdown(head, rows), ""]
     lines += ["## Programs", ""]
     head = ["program", "turns", "JCT", "LLM time", "tool time", "clamp", "error"]
     rows = [[p["program_id"], f"{p['turns_done']}/{p['turns']}", _f(p["jct"]), _f(p["llm_time"]),
              _f(p["tool_time"]), _f(p.get("clamp", 1.0), 3), (p.get("error") or "").replace("|", "/")[:80]]
             for p in r["program_results"]]
-    lines += [_md_table(head, rows), ""]
+    lines += [markdown(head, rows), ""]
     if plots:
         lines += ["## Plots", ""]
         base = Path(path).resolve().parent

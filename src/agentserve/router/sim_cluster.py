@@ -12,7 +12,8 @@ from agentserve.router.registry import make_router
 from agentserve.router.replica_load import replica_load
 from agentserve.router.route_key import RouteKey, token_prefix_keys
 from agentserve.sim.driver import Arrival, SimConfig, SimReplica, SimResult, simulate
-from agentserve.sim.report import aligned, result_row
+from agentserve.sim.report import result_row
+from agentserve.text_table import aligned
 from agentserve.workload.trace import Program
 
 

@@ -6,6 +6,7 @@ import json
 import math
 
 from agentserve.sim.driver import SimResult, mean, percentile
+from agentserve.text_table import aligned
 
 ROW_KEYS = ("workload", "profile", "policy", "rate", "mean_jct", "p90_jct", "p95_jct", "throughput", "hit_ratio")
 
@@ -54,17 +55,6 @@ def format_table(rows: list[dict]) -> str:
             _f(r["pins"]["mean_ttl"], 2), _f(r["sched_overhead_us"], 0), _f(r["sim_wall_s"]),
         ])
     return aligned(lines, left=2 if kv else 1)
-
-
-def aligned(lines: list[list[str]], left: int = 1) -> str:
-    """A header row and rows as columns: the first `left` flush left, the rest right, a rule under the header."""
-    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
-    out = []
-    for j, row in enumerate(lines):
-        out.append("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 def ratio_lines(rows: list[dict], base: str = "vllm-fcfs") -> list[str]:
