@@ -26,7 +26,8 @@ from gguf import GGUFEndian, GGUFReader, GGUFValueType
 
 from agentserve.runner.config import UnsupportedModel
 from agentserve.runner.gguf_file import GGUFFile, GGUFFormatError
-from agentserve.runner.gguf_loader import _shortest_float32, load_gguf, open_gguf, read_metadata
+from agentserve.runner.gguf_config import _shortest_float32
+from agentserve.runner.gguf_loader import load_gguf, open_gguf, read_metadata
 from gguf_fixtures import write_spm_gguf, write_tiny_gguf
 
 

@@ -88,44 +88,26 @@ class ModelShape:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
 
 
-def _window_layers(meta: dict, arch: str, layers: int) -> tuple[int | None, int]:
-    """(window, layers with it) as llama.cpp reads them: a stored per-layer pattern, else
-    (Gemma 3) every sixth layer global; other architectures' windows are not served."""
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if not window or arch != "gemma3":
-        return None, 0
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        return int(window), sum(1 for p in pattern if p)
-    n = int(pattern or 6)
-    return int(window), sum(1 for i in range(layers) if (i + 1) % n)
-
-
 def shape_from_gguf(name: str, path: Path) -> ModelShape:
-    """A model's KV shape from its GGUF header (agentserve's own reader: the metadata only)."""
-    from agentserve.runner.gguf_file import GGUFFile
+    """A model's KV shape from its GGUF header, read as the runner reads it (a model the runner
+    refuses is refused here too)."""
+    from agentserve.runner.gguf_config import config_from_metadata, open_gguf, read_metadata
 
     try:
-        meta = GGUFFile(path).fields
-    except (OSError, ValueError) as e:
-        raise PeerServerError(f"{path} is not a readable GGUF file: {e}") from None
-    arch = meta.get("general.architecture", "llama")
-
-    def get(key: str, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
-    heads = int(get("attention.head_count"))
-    layers = int(get("block_count"))
-    window, n_window = _window_layers(meta, arch, layers)
+        f = open_gguf(path)
+        meta = read_metadata(f)
+        cfg = config_from_metadata(meta, {t.name: t for t in f.tensors})
+    except (OSError, ValueError) as e:  # UnsupportedModel is a ValueError
+        raise PeerServerError(f"{path}: {e}") from None
     ends = {meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.padding_token_id")} - {None}
     tokens = meta.get("tokenizer.ggml.tokens") or []
     ends |= {i for i, t in enumerate(tokens[:1024]) if t in ("<end_of_turn>", "<|endoftext|>", "<|im_end|>", "<|im_start|>")}
-    return ModelShape(name=name, gguf=Path(path), arch=arch, num_layers=layers,
-                      num_kv_heads=int(get("attention.head_count_kv", heads)),
-                      head_dim=int(get("attention.key_length", int(get("embedding_length")) // heads)),
-                      context=int(get("context_length", 4096)), vocab_size=len(tokens) or int(get("vocab_size", 0)),
-                      sliding_window=window, window_layers=n_window, end_token_ids=tuple(sorted(int(i) for i in ends)))
+    window_layers = sum(1 for i in range(cfg.num_layers) if cfg.is_sliding(i))
+    return ModelShape(name=name, gguf=Path(path), arch=cfg.arch, num_layers=cfg.num_layers,
+                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, context=cfg.max_position_embeddings,
+                      vocab_size=cfg.vocab_size, sliding_window=cfg.sliding_window if window_layers else None,
+                      window_layers=window_layers, end_token_ids=tuple(sorted(int(i) for i in ends)))
 
 
 def model_shape(name: str = DEFAULT_MODEL) -> ModelShape:
