@@ -6,13 +6,8 @@ the same seed and the same message text, stop it, and print one table with
 every server's figures and its mean-JCT ratio to agentserve-continuum (to the
 first server of the run when continuum is not in it).
 
-With `--restart-at SECONDS`, each server named with `+restart` is restarted
-that far into its replay (turns are held while it is down; a turn it cut is
-sent again), and every server's row adds the programs that arrived from then
-on: so `agentserve-agentserve,agentserve-agentserve+restart,
-agentserve-agentserve+state+restart` gives, in one sitting, the second half's
-mean JCT uninterrupted, after a cold restart and after a restart that took up
-what the server had learned (`+state`: `serve --state-dir`)."""
+`--restart-at` with servers named `+restart` (and `+state`): the docs' benchmarks page,
+"A restart in the middle"."""
 
 from __future__ import annotations
 
@@ -138,7 +133,6 @@ def cmd_compare(a) -> int:
     from agentserve.bench import replay_report as rr
     from agentserve.bench.replay import check_clamp_args
     from agentserve.bench.replay_client import ReplayConfig, replay
-    from agentserve.bench.replay_results import write_json
     from agentserve.bench.replay_stream import ReplayError
     from agentserve.cli_errors import CliError
     from agentserve.workload.load import load_workload
@@ -190,9 +184,6 @@ def cmd_compare(a) -> int:
     print(format_compare(rows))
     print("\nwhere a program's time goes (mean seconds; per turn after 'turns'):")
     print(rr.format_time_table(results))
-    plots = rr.write_plots(results, a.plot) if a.plot else {}
-    if a.json:
-        write_json({"rows": rows, "results": results}, a.json)
-    if a.report:
-        rr.write_markdown(results, a.report, plots)
+    rr.write_outputs(results, plot=a.plot, report=a.report, json_path=a.json,
+                     json_obj={"rows": rows, "results": results})
     return 0

@@ -16,7 +16,6 @@ import sys
 
 from agentserve.bench.replay_apis import API_NAMES
 from agentserve.bench.replay_client import ReplayConfig, replay
-from agentserve.bench.replay_results import write_json
 from agentserve.bench.replay_stream import ReplayError, base_url
 
 
@@ -68,8 +67,6 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, help="write a Markdown report here")
     p.add_argument("--plot", default=None,
                    help="PNG prefix: writes PREFIX_jct_cdf.png and PREFIX_timeline.png")
-    p.add_argument("--compare", nargs="+", default=[], metavar="JSON",
-                   help="earlier result JSONs to overlay in the JCT CDF, table and report")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_run)
     return p
@@ -123,12 +120,6 @@ def cmd_run(a) -> int:
     from agentserve.workload.load import load_workload
 
     _check_args(a)
-    compare = []
-    for path in a.compare:
-        try:
-            compare.append(rr.load_result(path))
-        except (OSError, ValueError) as e:
-            raise CliError(f"--compare {path}: {e}") from None
     try:
         programs = load_workload(a.workload, a.programs, a.rate, a.seed, path=a.traces)
     except (OSError, ValueError) as e:
@@ -147,24 +138,13 @@ def cmd_run(a) -> int:
         raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"cannot reach {a.url}: {e}") from None
-    results = [result] + compare
-    print(rr.format_table(results))
-    print(rr.format_time_table(results))
+    print(rr.format_table([result]))
+    print(rr.format_time_table([result]))
     print()
     print(rr.format_turn_table(result))
     if result["errors"]:
         print(f"\n{result['errors']} failed requests: " +
               "; ".join(f"{n}x {k}" for k, n in result["error_kinds"].items()))
-    plots = {}
-    if a.plot:
-        plots = rr.write_plots(results, a.plot)
-        for path in plots.values():
-            print(f"wrote {path}", file=sys.stderr)
-    if a.json:
-        write_json(result, a.json)
-        print(f"wrote {a.json}", file=sys.stderr)
-    if a.report:
-        rr.write_markdown(results, a.report, plots)
-        print(f"wrote {a.report}", file=sys.stderr)
+    rr.write_outputs([result], plot=a.plot, report=a.report, json_path=a.json, json_obj=result)
     return 0 if result["completed"] else 1
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from agentserve.bench.replay_plan import format_clamp
+from agentserve.bench.replay_results import write_json
 from agentserve.text_table import aligned, markdown
 from agentserve.workload.trace import percentile
 
@@ -291,6 +292,21 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def write_outputs(results: list[dict], *, plot: str | None = None, report: str | None = None,
+                  json_path: str | None = None, json_obj: dict | None = None) -> None:
+    """A bench command's --plot, --json (json_obj) and --report, each file written named on stderr."""
+    plots = write_plots(results, plot) if plot else {}
+    written = list(plots.values())
+    if json_path:
+        write_json(json_obj, json_path)
+        written.append(json_path)
+    if report:
+        write_markdown(results, report, plots)
+        written.append(report)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+
+
 def cmd_report(a) -> int:
     from agentserve.cli_errors import CliError
 
@@ -301,10 +317,5 @@ def cmd_report(a) -> int:
         except (OSError, ValueError) as e:
             raise CliError(f"{path}: {e}") from None
     print(format_table(results))
-    plots = write_plots(results, a.plot) if a.plot else {}
-    for path in plots.values():
-        print(f"wrote {path}", file=sys.stderr)
-    if a.report:
-        write_markdown(results, a.report, plots)
-        print(f"wrote {a.report}", file=sys.stderr)
+    write_outputs(results, plot=a.plot, report=a.report)
     return 0
