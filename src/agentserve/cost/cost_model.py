@@ -43,8 +43,9 @@ overlaps them with compute (engine/executor.py) takes `forward` a step and
 puts the step's copies on two links of their own, each one batch after the
 other: the host link (`host_copy_time` = stage + offload_copy + load_copy,
 where stage copies the spills' host slots out before an offload may reuse
-them) and the disk link (`disk_copy_time` = spill + disk_load), which starts
-a batch once the host link has staged its spills. A request whose reloads are
+them) and the disk link (`disk_copy_time` = spill + disk_load + the reads of a
+prefetch's disk -> host stages), which starts a batch once the host link has
+staged its spills. A request whose reloads are
 on a link waits until they land there (sim/executor.py); nobody waits for a
 spill, so a slow disk no longer holds up host reloads.
 """
@@ -178,10 +179,11 @@ class CostModel:
 
     def disk_copy_time(self, output: SchedulerOutput) -> float:
         """The disk link's time for a step's copies: the staged spills written,
-        then the disk reloads read and copied to the device."""
+        then the disk reloads read and copied to the device, then the disk ->
+        host stages read (into host memory: no device copy)."""
         n = len(output.blocks_to_load_disk)
         return (len(output.blocks_to_spill) * self._disk_write_s_per_block
-                + n * self._disk_read_s_per_block + self.copy_blocks_time(n))
+                + (n + len(output.blocks_to_stage)) * self._disk_read_s_per_block + self.copy_blocks_time(n))
 
     def step_time(self, output: SchedulerOutput) -> float:
         """Modelled wall time of one engine step: copies plus forward pass."""
@@ -190,7 +192,7 @@ class CostModel:
         load = self.copy_blocks_time(len(output.blocks_to_load))
         spill = len(output.blocks_to_spill) * self._disk_write_s_per_block
         n = len(output.blocks_to_load_disk)
-        disk_load = n * self._disk_read_s_per_block + self.copy_blocks_time(n)
+        disk_load = (n + len(output.blocks_to_stage)) * self._disk_read_s_per_block + self.copy_blocks_time(n)
         return max(forward, spill + offload) + load + disk_load
 
 

@@ -43,8 +43,9 @@ class CopiesDone:
     failed_spills: Sequence[int] = ()
     failed_disk_loads: Sequence[int] = ()
     # the part of the batch this reports: "host" (offloads, reloads), "disk" (spills,
-    # disk reloads) or None (all of it); the other part's failed_* are unused
+    # disk reloads, stages) or None (all of it); the other part's failed_* are unused
     tier: str | None = None
+    failed_stages: Sequence[int] = ()
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ExecutorResult:
     failed_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load
     failed_spills: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_spill
     failed_disk_loads: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_load_disk
+    failed_stages: Sequence[int] = ()  # positions in SchedulerOutput.blocks_to_stage
     # the step's copies went to a copy engine: `poll_copies` reports them later (the failed_* are unused)
     copies_pending: bool = False
 
@@ -69,16 +71,19 @@ def run_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn) -> tuple[lis
 
 
 def run_all_copies(out: SchedulerOutput, offload: CopyFn, load: CopyFn, spill: CopyFn,
-                   load_disk: CopyFn) -> tuple[ExecutorResult, set[int]]:
+                   load_disk: CopyFn, stage: CopyFn | None = None) -> tuple[ExecutorResult, set[int]]:
     """The step's spills (before the offloads that may overwrite their host
-    slots), offloads, reloads and disk reloads: a result carrying the failed
-    positions, and the device blocks the failed reloads were to fill."""
+    slots), offloads, reloads, disk reloads and disk -> host stages: a result
+    carrying the failed positions, and the device blocks the failed reloads
+    were to fill. `stage` None: an executor without stages fails any asked."""
     failed_sp = list(spill(out.blocks_to_spill)) if out.blocks_to_spill else []
     failed_off, failed_ld, unloaded = run_copies(out, offload, load)
     failed_dl = list(load_disk(out.blocks_to_load_disk)) if out.blocks_to_load_disk else []
     unloaded |= {out.blocks_to_load_disk[i][1] for i in failed_dl}
+    n = len(out.blocks_to_stage)
+    failed_st = [] if not n else list(range(n)) if stage is None else list(stage(out.blocks_to_stage))
     return ExecutorResult(failed_offloads=failed_off, failed_loads=failed_ld, failed_spills=failed_sp,
-                          failed_disk_loads=failed_dl), unloaded
+                          failed_disk_loads=failed_dl, failed_stages=failed_st), unloaded
 
 
 def readable(chunks: list[ScheduledChunk], unloaded: set[int]) -> list[ScheduledChunk]:

@@ -332,6 +332,7 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         out.copy_ticket = ticket = self.stats.steps
         out.blocks_to_offload, out.blocks_to_load = kv.take_copies(ticket)
         out.blocks_to_spill, out.blocks_to_load_disk = kv.take_disk_copies(ticket)
+        out.blocks_to_stage = kv.take_stages(ticket)
         self.pressure.observe(now, self._kv_blocked)
         for tier in (kv.host, kv.disk):
             if tier.enabled:

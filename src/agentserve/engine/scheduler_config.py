@@ -71,6 +71,16 @@ class SchedulerStats:
     prefetch_wasted: int = 0
     prefetch_wasted_blocks: int = 0
     prefetch_cancelled: int = 0
+    # the disk -> host stage of a prefetch (its KV on disk): issued (and blocks), and how it ended
+    # (used: the turn found every staged block in the host tier or on the device; late; wasted:
+    # evicted from the host tier first, or the program ended), cancelled (no host slot to be had)
+    prefetch_staged: int = 0
+    prefetch_staged_blocks: int = 0
+    prefetch_stage_used: int = 0
+    prefetch_stage_late: int = 0
+    prefetch_stage_wasted: int = 0
+    prefetch_stage_wasted_blocks: int = 0
+    prefetch_stage_cancelled: int = 0
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0  # tokens sampled
     execute_s: float = 0.0  # time inside the executor (copies, forward, sampling)

@@ -44,7 +44,9 @@ class SchedulerOutput:
     # the disk tier's (kv/disk_tier.py): spills run before the offloads, disk reloads after the reloads
     blocks_to_spill: list[tuple[int, int]] = field(default_factory=list)  # (host block, disk slot)
     blocks_to_load_disk: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, device block)
-    copy_ticket: int = 0  # the four lists' batch, as the executor reports it (engine/executor.py)
+    # disk -> host stages of a prefetch (kv/stage_copies.py), on the disk link after its reloads
+    blocks_to_stage: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, host block)
+    copy_ticket: int = 0  # the five lists' batch, as the executor reports it (engine/executor.py)
     preempted: list[Request] = field(default_factory=list)
     # (prefill tokens, attention pairs, decode rows, decode context, draft rows, draft context),
     # gathered by the scheduler as it scheduled (None: step_features computes them from the chunks)
@@ -56,7 +58,8 @@ class SchedulerOutput:
 
     @property
     def has_copies(self) -> bool:
-        return bool(self.blocks_to_load or self.blocks_to_offload or self.blocks_to_spill or self.blocks_to_load_disk)
+        return bool(self.blocks_to_load or self.blocks_to_offload or self.blocks_to_spill or self.blocks_to_load_disk
+                    or self.blocks_to_stage)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -142,7 +142,9 @@ class StepResults:
         later report of the batch is then ignored."""
         self._finish_copies(CopiesDone(out.copy_ticket, range(len(out.blocks_to_offload)),
                                        range(len(out.blocks_to_load)), range(len(out.blocks_to_spill)),
-                                       range(len(out.blocks_to_load_disk))), out.copy_ticket, self.clock.now())
+                                       range(len(out.blocks_to_load_disk)),
+                                       failed_stages=range(len(out.blocks_to_stage))),
+                            out.copy_ticket, self.clock.now())
 
     def copies_done(self, done: list[CopiesDone]) -> None:
         """Batches of copies an overlapping executor finished (Executor.poll_copies)."""
@@ -155,7 +157,8 @@ class StepResults:
         """A step's copies count now; a request whose reload failed (the
         executor computed nothing of it) recomputes from its last block with KV."""
         unloaded = self.kv.finish_copies(result.failed_offloads, result.failed_loads,
-                                         result.failed_spills, result.failed_disk_loads, ticket, now, tier)
+                                         result.failed_spills, result.failed_disk_loads, ticket, now, tier,
+                                         result.failed_stages)
         if not unloaded:
             return
         self.stats.reload_failed_blocks += len(unloaded)
@@ -208,7 +211,8 @@ class StepResults:
         if self.kv.host.enabled:
             plan = self.policy.prefetch_plan(req, prog, now)
             if plan is not None:
-                self.prefetcher.plan(pid, plan.at, plan.until, req.token_ids, prog.chain, req.cache_salt)
+                self.prefetcher.plan(pid, plan.at, plan.until, req.token_ids, prog.chain, req.cache_salt,
+                                     plan.stage_at)
 
     def _record_ttl(self, ttl: float) -> None:
         h = self.stats.ttl_history

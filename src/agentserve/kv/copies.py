@@ -175,12 +175,13 @@ class TierCopies:
         """The keys of the writes queued or in flight."""
         return set(self._write_nodes) | set(self._writer)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, staging: set[Node] = frozenset()) -> None:
+        """`staging`: nodes whose pending slot a disk -> host stage writes (kv/stage_copies.py)."""
         queued = [n for n, _, page in self._load_nodes if not page]
         inflight = [n for _, loads in self._inflight.values() for n, _, page in loads if not page]
         assert self.loading == set(queued) | set(inflight), f"a {self.what} reload neither queued nor in flight"
         assert len(queued) + len(inflight) == len(self.loading), f"two {self.what} reloads of one node at once"
-        assert self.tier.pending <= self.writers, f"a {self.what} copy neither queued nor in flight"
+        assert self.tier.pending <= self.writers | staging, f"a {self.what} copy neither queued nor in flight"
 
 
 class CopyQueue(TierCopies):

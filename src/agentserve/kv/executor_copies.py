@@ -14,6 +14,7 @@ from agentserve.kv.block_table import BlockTable
 from agentserve.kv.copies import CopyQueue
 from agentserve.kv.disk_tier import DiskCopies
 from agentserve.kv.prefix_index import PrefixIndex
+from agentserve.kv.stage_copies import StageCopies
 from agentserve.kv.window_parts import WindowParts
 
 
@@ -23,6 +24,7 @@ class ExecutorCopies:
     index: PrefixIndex
     copies: CopyQueue
     disk_copies: DiskCopies
+    stages: StageCopies
     parts: WindowParts | None
 
     def take_copies(self, ticket: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -35,10 +37,16 @@ class ExecutorCopies:
         """(spills, disk reloads) queued since the last call (kv/disk_tier.py)."""
         return self.disk_copies.take(ticket)
 
+    def take_stages(self, ticket: int | None = None) -> list[tuple[int, int]]:
+        """(disk slot, host slot) of the disk -> host stages queued since the last
+        call (kv/stage_copies.py); the disk link runs them after its disk reloads."""
+        return self.stages.take(ticket)
+
     def finish_copies(self, failed_offloads: Iterable[int] = (), failed_loads: Iterable[int] = (),
                       failed_spills: Iterable[int] = (), failed_disk_loads: Iterable[int] = (),
-                      ticket: int | None = None, now: float = 0.0, tier: str | None = None) -> set[int]:
-        """The copies `take_copies` and `take_disk_copies` handed out under
+                      ticket: int | None = None, now: float = 0.0, tier: str | None = None,
+                      failed_stages: Iterable[int] = ()) -> set[int]:
+        """The copies `take_copies`, `take_disk_copies` and `take_stages` handed out under
         `ticket` (None: the oldest batch in flight) ran; those at the positions
         given (in their lists) failed. `tier` "host" or "disk": only that tier's
         copies ran (an executor that reports the two links apart); None: both.
@@ -47,6 +55,7 @@ class ExecutorCopies:
         bad: set[int] = set()
         if tier != "host":
             bad |= self.disk_copies.finish(failed_spills, failed_disk_loads, ticket, now)
+            self.stages.finish(failed_stages, ticket)
         if tier != "disk":
             bad |= self.copies.finish(failed_offloads, failed_loads, ticket, now)
         return bad
@@ -54,7 +63,7 @@ class ExecutorCopies:
     @property
     def copies_in_flight(self) -> bool:
         """Batches of copies taken and not finished yet."""
-        return bool(self.copies.num_inflight or self.disk_copies.num_inflight)
+        return bool(self.copies.num_inflight or self.disk_copies.num_inflight or self.stages.num_inflight)
 
     def is_loading(self, block: Block) -> bool:
         """A reload into `block` is queued or in flight: it holds no KV yet."""

@@ -28,6 +28,7 @@ from agentserve.kv.host_tier import HostTier
 from agentserve.kv.pins import PinTable
 from agentserve.kv.prefix_index import ChainHint, PrefixIndex
 from agentserve.kv.prefix_match import PrefixMatch
+from agentserve.kv.stage_copies import StageCopies
 from agentserve.kv.window_tier import WindowTier
 
 
@@ -55,6 +56,7 @@ class KVCacheManager(DeadChains, ExecutorCopies):
         self.disk_copies = DiskCopies(self.pool, self.disk)
         if self.disk.enabled:
             self.host.on_evict = self.disk_copies.spill
+        self.stages = StageCopies(self.host, self.disk, self.copies, self.disk_copies)  # disk -> host
         if window is not None and disk_blocks:
             raise ValueError("the hybrid KV cache (sliding-window layers) has no disk tier (a host tier it has): "
                              "use the full cache to have one")
@@ -99,15 +101,16 @@ class KVCacheManager(DeadChains, ExecutorCopies):
         max_blocks = (len(token_ids) - 1) // self.block_size
         path = self.index.walk(token_ids, max_blocks, salt, hint)
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
-        if not loading and not dloading and None not in [node.block for node in path]:
+        staging = self.stages.staging
+        if not loading and not dloading and not staging and None not in [node.block for node in path]:
             if self.parts is not None:  # the hybrid cache: as far as the window is there too
                 path = path[:self.parts.valid_nodes(path)]
             return PrefixMatch(path, self.block_size, salt)  # all on the device, none reloading: the common case
         nodes = []
         host = disk = 0
         for node in path:
-            if (loading and node in loading) or (dloading and node in dloading):
-                break  # its reload is not confirmed yet (one reload of a node at a time)
+            if (loading and node in loading) or (dloading and node in dloading) or (staging and node in staging):
+                break  # its reload (or stage) is not confirmed yet (one copy out of a node at a time)
             if node.block is None:
                 if node.host_slot is None or node in pending:
                     if not self.disk.readable(node):
@@ -369,7 +372,8 @@ class KVCacheManager(DeadChains, ExecutorCopies):
         assert n == self.index.num_nodes, f"index counts {self.index.num_nodes} nodes, found {n}"
         if self.host.enabled:
             self.host.check_integrity()
-        self.copies.check_integrity()
+        self.copies.check_integrity(self.stages.staging)
         self.disk_copies.check_integrity()
+        self.stages.check_integrity()
         if self.window_tier is not None:
             self.window_tier.check_integrity()

@@ -3,7 +3,9 @@ chain lie below the device, their reload into free device blocks without a
 request, and where the reloaded blocks wait. The reloads are the tiers' own
 (kv/copies.py, kv/disk_tier.py): queued, handed to the executor with the
 step's copies, counted once confirmed; a reload holds its device block until
-it lands, after which the block is a free cached block like any other."""
+it lands, after which the block is a free cached block like any other. A
+prefetch's stage reads the chain's blocks only on disk into the host tier
+instead (kv/stage_copies.py)."""
 
 from __future__ import annotations
 
@@ -23,13 +25,35 @@ def tier_blocks(kv: KVCacheManager, path: list[Node]) -> list[Node]:
         # (the hybrid cache: a block brought back alone, without its window part,
         # would end a hit that its host copies, reloaded with their parts, serve)
         return []
-    loading, dloading = kv.copies.loading, kv.disk_copies.loading
+    loading, dloading, staging = kv.copies.loading, kv.disk_copies.loading, kv.stages.staging
     out = []
     for node in path:
-        if node in loading or node in dloading:
+        if node in loading or node in dloading or node in staging:
             break
         if node.block is None:
             if not kv.host.readable(node) and not kv.disk.readable(node):
+                break
+            out.append(node)
+    return out
+
+
+def stage_blocks(kv: KVCacheManager, path: list[Node]) -> list[Node]:
+    """The nodes of `path` a disk -> host stage (kv/stage_copies.py) would read:
+    those whose KV is only on disk, up to the first node a match could not pass
+    (no copy anywhere, or a copy of it under way)."""
+    if not kv.disk.enabled or kv.parts is not None:
+        return []
+    loading, dloading, staging = kv.copies.loading, kv.disk_copies.loading, kv.stages.staging
+    out = []
+    for node in path:
+        if node in loading or node in dloading or node in staging:
+            break
+        if node.block is None:
+            if node.host_slot is not None:  # a host copy, or one on its way there
+                if not kv.host.readable(node) and not kv.disk.readable(node):
+                    break
+                continue
+            if not kv.disk.readable(node):
                 break
             out.append(node)
     return out

@@ -40,6 +40,8 @@ class SlotTier:
         # lent for it (`take_slots`) go back too
         self.on_forget: Callable[[Node], None] | None = None
         self.num_lent = 0  # slots lent beside the nodes' own (kv/window_tier.py: window parts' copies)
+        # nodes whose copy a disk -> host stage reads or writes (kv/stage_copies.py): never evicted meanwhile
+        self.held: set[Node] = set()
 
     @property
     def enabled(self) -> bool:
@@ -137,9 +139,10 @@ class SlotTier:
     def _evict_one(self, protect) -> None:
         # A confirmed copy goes before a pending one: evicting a copy in flight
         # wastes its write (and a demoted one would never reach the tier below).
-        victim = next((n for n in self._lru if n not in protect and n not in self.pending), None)
+        held = self.held
+        victim = next((n for n in self._lru if n not in protect and n not in self.pending and n not in held), None)
         if victim is None:
-            victim = next((n for n in self._lru if n not in protect), None)
+            victim = next((n for n in self._lru if n not in protect and n not in held), None)
         if victim is None:
             return
         del self._lru[victim]

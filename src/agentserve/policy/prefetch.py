@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
-__all__ = ["PrefetchPlan", "prefetch_start", "prefetch_value"]
+__all__ = ["PrefetchPlan", "prefetch_start", "prefetch_value", "stage_start"]
 
 # More samples than this are priced at this many evenly spaced candidates
 # (one per sample below it): a turn's decision stays well under a millisecond.
@@ -43,16 +43,20 @@ MAX_CANDIDATES = 256
 
 @dataclass(frozen=True)
 class PrefetchPlan:
-    """A prefetch to start at `at` (absolute time), expected to take `reload_s`
-    seconds from `tier`, worth `value_s` seconds of a turn's wait on average;
-    not started after `until` (the longest return recorded: a turn later than
-    that is no return the durations predict)."""
+    """A prefetch into the device to start at `at` (absolute time; None: none),
+    expected to take `reload_s` seconds from `tier`, worth `value_s` seconds of
+    a turn's wait on average; and, KV expected on disk below a host tier, a
+    disk -> host stage to start at `stage_at` (None: none), worth
+    `stage_value_s`. Neither is started after `until` (the longest return
+    recorded: a turn later than that is no return the durations predict)."""
 
-    at: float
+    at: float | None
     reload_s: float
     tier: str
     value_s: float
     until: float
+    stage_at: float | None = None
+    stage_value_s: float = 0.0
 
 
 class _Sums:
@@ -115,3 +119,17 @@ def prefetch_start(sorted_durations: Sequence[float], reload_s: float, hold_cost
         if v > best_v:  # strict: ties keep the earlier start (the turn less likely to come first)
             best_s, best_v = s, v
     return (best_s, best_v) if best_v > 0.0 else None
+
+
+def stage_start(sorted_durations: Sequence[float], read_s: float, host_residency_s: float) -> tuple[float, float] | None:
+    """(s, V(s)) of a disk -> host stage taking `read_s` seconds (the disk read
+    it takes off the turn), None when no start saves anything. It holds no
+    device memory, only a host slot, whose copy the host tier evicts about
+    `host_residency_s` after it was written (policy/pressure.py
+    `TurnoverMeter`): a copy held t seconds is lost before its turn with a
+    chance of about t / residency, and then the turn reads the disk after all,
+    so a held second costs read_s / residency seconds of the turn's wait (the
+    hold cost of `prefetch_start`)."""
+    if not host_residency_s > 0.0:
+        return None
+    return prefetch_start(sorted_durations, read_s, read_s / host_residency_s)

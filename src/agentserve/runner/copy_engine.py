@@ -5,7 +5,8 @@ handed over and report their part of each (`poll`, `CopiesDone.tier`):
 - the host link: the batch's spills' host slots copied out (staged), then
   offloads (-> host slot), then reloads (host slot -> device block);
 - the disk link: the staged spills written to their files, then disk reloads
-  (disk file -> device block).
+  (disk file -> device block), then a prefetch's stages (disk file -> host
+  slot).
 A request waits only for the link its reloads are on: nobody waits for a
 spill, so a slow disk never holds up a host reload. The staged spills wait in
 memory within a bound (kv/disk_tier.py `SpillBacklog`): a batch whose spills
@@ -25,7 +26,11 @@ What keeps the bytes right without waiting:
   lands: the scheduler computes no request whose reloads are in flight and
   the reload holds the block (kv/copies.py);
 - host slots are touched by the host link only, disk files by the disk link
-  only, each in order.
+  only, each in order; except a stage's host slot, which the disk link writes:
+  the slot is pending and held (kv/stage_copies.py) until the stage is
+  reported, so no host-link copy reads or reuses it meanwhile, and a copy it
+  held before (spilled as the stage took the slot) was staged out by the host
+  link before the batch reached the disk link.
 
 On CUDA each link issues its copies on a stream of its own (the host link
 after an event that marks the snapshot on the compute stream) and waits for
@@ -58,6 +63,7 @@ class _Batch:
     staged: torch.Tensor | None  # the offloads' device blocks, read at hand-over (None: that read failed)
     loads: list[tuple[int, int]]
     disk_loads: list[tuple[int, int]]
+    stages: list[tuple[int, int]]  # (disk slot, host slot)
     event: torch.cuda.Event | None  # recorded on the compute stream after the snapshot
 
     @property
@@ -66,7 +72,7 @@ class _Batch:
 
     @property
     def disk_part(self) -> bool:
-        return bool(self.spills or self.disk_loads)
+        return bool(self.spills or self.disk_loads or self.stages)
 
 
 class CopyEngine:
@@ -102,7 +108,7 @@ class CopyEngine:
             event = torch.cuda.Event()
             event.record()
         batch = _Batch(out.copy_ticket, out.blocks_to_spill, out.blocks_to_offload, staged, out.blocks_to_load,
-                       out.blocks_to_load_disk, event)
+                       out.blocks_to_load_disk, out.blocks_to_stage, event)
         if not self._threads:
             self._threads = [threading.Thread(target=self._run_host, name="agentserve-kv-copies", daemon=True),
                              threading.Thread(target=self._run_disk, name="agentserve-kv-disk", daemon=True)]
@@ -209,8 +215,10 @@ class CopyEngine:
                 failed_dl = kv.load_disk(b.disk_loads) if b.disk_loads else []
                 if self.disk_stream is not None:
                     self.disk_stream.synchronize()
+            failed_st = kv.stage_disk(b.stages) if b.stages else []
         except Exception:  # as on the host link: the part fails as a whole
-            log.exception("a batch of %d KV disk copies failed", len(b.spills) + len(b.disk_loads))
-            return CopiesDone(b.ticket, failed_spills=range(len(b.spills)),
-                              failed_disk_loads=range(len(b.disk_loads)), tier="disk")
-        return CopiesDone(b.ticket, failed_spills=failed_sp, failed_disk_loads=failed_dl, tier="disk")
+            log.exception("a batch of %d KV disk copies failed", len(b.spills) + len(b.disk_loads) + len(b.stages))
+            return CopiesDone(b.ticket, failed_spills=range(len(b.spills)), failed_disk_loads=range(len(b.disk_loads)),
+                              tier="disk", failed_stages=range(len(b.stages)))
+        return CopiesDone(b.ticket, failed_spills=failed_sp, failed_disk_loads=failed_dl, tier="disk",
+                          failed_stages=failed_st)

@@ -44,7 +44,8 @@ class ModelExecutor(Executor):
         t0 = time.perf_counter()
         if self.copier is None:
             # spills, then offloads: a block written out this step may be reused by a load
-            res, unloaded = run_all_copies(out, self.kv.offload, self.kv.load, self.kv.spill, self.kv.load_disk)
+            res, unloaded = run_all_copies(out, self.kv.offload, self.kv.load, self.kv.spill, self.kv.load_disk,
+                                           self.kv.stage_disk)
             chunks = readable(out.chunks, unloaded)  # a request whose reload failed computes nothing
         else:
             res, chunks = ExecutorResult(copies_pending=out.has_copies), out.chunks

@@ -241,6 +241,29 @@ class PagedKVCache:
                     failed.append(i)
         return failed
 
+    def stage_disk(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Read disk-tier files into host slots (a prefetch's stage, kv/stage_copies.py):
+        pairs of (disk slot, host block). Returns the positions of the reads that
+        failed or were rejected: their host slots were not written."""
+        if not pairs:
+            return []
+        if self.disk is None or self.host_kv is None:
+            raise RuntimeError("stage asked but the cache has no disk tier")
+        failed = []
+        chunk = 4 * self.disk.threads
+        for start in range(0, len(pairs), chunk):
+            part = pairs[start:start + chunk]
+            for i, ((d, h), payload) in enumerate(zip(part, self.disk.read_many([d for d, _ in part])), start):
+                try:
+                    if isinstance(payload, Exception):
+                        raise payload
+                    self.host_kv[h] = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(
+                        self.host_kv.shape[1:])
+                except (DiskBlockError, OSError, ValueError, RuntimeError, MemoryError) as e:
+                    log.warning("stage of disk slot %d into host slot %d failed: %s", d, h, e)
+                    failed.append(i)
+        return failed
+
     def load(self, pairs: list[tuple[int, int]]) -> list[int]:
         """Copy host slots back into device blocks: pairs of (host block, device block).
         Returns the positions of the copies that failed (all of them, or none)."""

@@ -114,6 +114,19 @@ class _SnapshotCollector(Collector):
         yield counter("prefetch_wasted_blocks", "Prefetched blocks evicted (or left) unused.", s.prefetch_wasted_blocks)
         yield counter("prefetch_cancelled", "Prefetches not issued because the reload would have taken KV that "
                       "running or waiting requests needed.", s.prefetch_cancelled)
+        yield counter("prefetch_staged", "Disk -> host stages of a prefetch: a program's KV read from the disk tier "
+                      "into the host tier before its predicted next turn.", s.prefetch_staged)
+        yield counter("prefetch_staged_blocks", "KV blocks those stages read.", s.prefetch_staged_blocks)
+        yield counter("prefetch_stage_used", "Stages whose turn came after they landed and found every block in the "
+                      "host tier or on the device.", s.prefetch_stage_used)
+        yield counter("prefetch_stage_late", "Stages whose turn came while they were in flight (it waited for them).",
+                      s.prefetch_stage_late)
+        yield counter("prefetch_stage_wasted", "Stages whose host copies were evicted before their turn came, or "
+                      "whose program ended first.", s.prefetch_stage_wasted)
+        yield counter("prefetch_stage_wasted_blocks", "Staged blocks evicted (or left) unused.",
+                      s.prefetch_stage_wasted_blocks)
+        yield counter("prefetch_stage_cancelled", "Stages not issued because no host slot was free of copies under "
+                      "way.", s.prefetch_stage_cancelled)
         t = s.tool_calls
         yield counter("tool_call_validated_requests", "Chat requests a streaming tool-call validator followed.",
                       t.requests)

@@ -381,6 +381,7 @@ def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct
         decode_step_p99_s=max(s.decode_step_p99_s() for s in stats),
         tiers={"offloaded": sum(e.offloaded_blocks for e in ex), "loaded": sum(e.loaded_blocks for e in ex),
                "spilled": sum(e.spilled_blocks for e in ex), "disk_loaded": sum(e.disk_loaded_blocks for e in ex),
+               "staged": sum(e.staged_blocks for e in ex),
                "swapped_turns": sum(s.swapped_turns for s in stats), "onward_turns": sum(s.onward_turns for s in stats),
                "copy_s": sum(e.copy_time for e in ex), "disk_copy_s": sum(e.disk_copy_time for e in ex),
                "spill_waits": sum(e.spill_waits for e in ex),
@@ -388,7 +389,9 @@ def _result(cfg: SimConfig, reps: list[SimReplica], programs: list[Program], jct
         state=state, kv_layout=reps[0].layout, kv_blocks=reps[0].kv.num_blocks,
         window_parts_evicted=sum(r.kv.parts.num_evicted for r in reps if r.kv.parts is not None),
         prefetch={k: sum(getattr(s, "prefetch_" + k) for s in stats)
-                  for k in ("issued", "blocks", "used", "late", "wasted", "wasted_blocks", "cancelled")},
+                  for k in ("issued", "blocks", "used", "late", "wasted", "wasted_blocks", "cancelled", "staged",
+                            "staged_blocks", "stage_used", "stage_late", "stage_wasted", "stage_wasted_blocks",
+                            "stage_cancelled")},
     )
     if len(reps) > 1:
         result.replicas = [{"replica": r.name, "turns": r.turns, "steps": r.steps, "busy_s": e.busy_time,

@@ -7,7 +7,7 @@ with compute, as the model runner does (runner/copy_engine.py), a step costs
 its forward pass and its copies go on two links, as the runner's two copy
 workers run them: the host link (the spills' host slots staged, offloads,
 reloads: `host_copy_time`) and the disk link (the staged spills written, disk
-reloads: `disk_copy_time`). Each link starts a batch when it is done with the
+reloads, disk -> host stages: `disk_copy_time`). Each link starts a batch when it is done with the
 batches before it (the disk link also not before the host link staged the
 batch's spills, and the host link not before the disk link's backlog has room
 for them: kv/disk_tier.py `SpillBacklog`); a link's part of a batch is
@@ -41,6 +41,7 @@ class SimStats:
     offloaded_blocks: int = 0
     spilled_blocks: int = 0  # host slots written to the disk tier
     disk_loaded_blocks: int = 0  # blocks reloaded from the disk tier
+    staged_blocks: int = 0  # blocks read from the disk tier into the host tier (a prefetch's stage)
     copy_time: float = 0.0  # seconds the host link was busy (overlapped copies only)
     disk_copy_time: float = 0.0  # seconds the disk link was busy (overlapped copies only)
     spill_waits: int = 0  # batches whose spills waited for room in the disk link's backlog
@@ -93,6 +94,7 @@ class SimExecutor(Executor):
         stats.offloaded_blocks += len(output.blocks_to_offload)
         stats.spilled_blocks += len(output.blocks_to_spill)
         stats.disk_loaded_blocks += len(output.blocks_to_load_disk)
+        stats.staged_blocks += len(output.blocks_to_stage)
         return ExecutorResult(sampled=sampled, elapsed=elapsed, copies_pending=pending)
 
     def _queue_copies(self, out: SchedulerOutput) -> None:
@@ -109,7 +111,7 @@ class SimExecutor(Executor):
             self.stats.copy_time += took
             if out.blocks_to_offload or out.blocks_to_load:
                 self._flight["host"].append((self._host_free_at, out.copy_ticket))
-        if spills or out.blocks_to_load_disk:
+        if spills or out.blocks_to_load_disk or out.blocks_to_stage:
             took = cost.disk_copy_time(out)
             self._disk_free_at = max(self._disk_free_at, staged_at) + took
             self.stats.disk_copy_time += took

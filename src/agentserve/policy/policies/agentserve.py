@@ -98,7 +98,7 @@ from agentserve.policy.base import PolicyContext, Retention, register
 from agentserve.policy.decision_log import TTLInputs
 from agentserve.policy.fcfs_wait import FcfsWait
 from agentserve.policy.policies.continuum import Continuum
-from agentserve.policy.prefetch import PrefetchPlan, prefetch_start
+from agentserve.policy.prefetch import PrefetchPlan, prefetch_start, stage_start
 from agentserve.policy.tool_stats import NO_TOOL_CALL
 
 log = logging.getLogger("agentserve.policy")
@@ -284,11 +284,23 @@ class AgentServe(Continuum):
         tier = next((t for t in ctx.tier_reload if ctx.tier_residency(t) >= wait), None)
         if not samples or tier is None:
             return None
-        reload_s = ctx.tier_reload[tier](req.num_computed_tokens)
+        tokens = req.num_computed_tokens
+        reload_s = ctx.tier_reload[tier](tokens)
+        stage = None
+        if tier == "disk" and "host" in ctx.tier_reload:
+            # Stage disk -> host first: the turn then reloads over the host link
+            # alone, and the load into the device is priced at that.
+            host_s = ctx.tier_reload["host"](tokens)
+            stage = stage_start(samples, reload_s - host_s, ctx.tier_residency("host"))
+            if stage is not None:
+                tier, reload_s = "host", host_s
         start = prefetch_start(samples, reload_s, self.pin_cost())
-        if start is None:
+        if start is None and stage is None:
             return None
-        return PrefetchPlan(now + start[0], reload_s, tier, start[1], now + samples[-1])
+        at, value = (None, 0.0) if start is None else (now + start[0], start[1])
+        if stage is None:
+            return PrefetchPlan(at, reload_s, tier, value, now + samples[-1])
+        return PrefetchPlan(at, reload_s, tier, value, now + samples[-1], now + stage[0], stage[1])
 
     def retention(self, req, program, now):
         decision = super().retention(req, program, now)
