@@ -50,8 +50,6 @@ from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.prefetch_loads import landed, load_chain, promote, stage_blocks, tier_blocks
 from agentserve.kv.prefix_index import ChainHint, Node
 
-import os
-_COLD = os.environ.get("AGS_STAGE_COLD") == "1"
 RECHECK_S = 0.5  # a due part whose chain has nothing to copy yet looks again this much later
 STAGE_WAIT_S = 0.01  # a load due while its stage is in flight looks again this much later
 
@@ -137,9 +135,6 @@ class Prefetcher:
         for pid, p in list(self._staging.items()):
             if not self._stage_flying(p):
                 del self._staging[pid]
-                if _COLD:
-                    for n in p.staged:
-                        self.kv.host.demote(n)
                 self._close_late(p)
 
     def _close_late(self, p: _Plan) -> None:
