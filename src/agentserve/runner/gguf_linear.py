@@ -38,6 +38,11 @@ BLOCK_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4
 # or AMX) the bf16 copy is several times faster; not measured here: 8 there,
 # the crossover the AVX512-VNNI Q8_0 kernel measured against packed bf16.
 BLOCK_MAX_ROWS = 8 if native.cpu_has_native_bf16() else 16
+# Rows up to which the block kernel takes the activations as int8 codes per 32
+# (agentserve_block_matmul8: twice the products per instruction, error up to
+# max|x| / 254 per element as llama.cpp's q8_0) instead of int16 ones (error
+# far below the bf16 weight copy's). ACT8_ROWS_PLACEHOLDER
+ACT8_MAX_ROWS = 16
 
 
 def block_available(device: torch.device) -> bool:
@@ -60,11 +65,11 @@ class BlockLinear:
     of the dequantized weight in the compute `dtype` (bf16 oneDNN-packed when
     `pack`) above."""
 
-    __slots__ = ("lib", "groups", "bias", "bias32", "dense", "max_rows", "shape")
+    __slots__ = ("lib", "groups", "bias", "bias32", "dense", "max_rows", "act8_rows", "shape")
 
     def __init__(self, parts: list, bias: torch.Tensor | None = None, max_rows: int = BLOCK_MAX_ROWS,
                  pack: bool | None = None, dense: Linear | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, act8_rows: int = ACT8_MAX_ROWS) -> None:
         lib = native.block_kernel()
         if lib is None:
             raise RuntimeError(f"no GGUF block kernel: {native.block_unavailable_reason()}")
@@ -89,6 +94,7 @@ class BlockLinear:
         self.bias = bias
         self.bias32 = None if bias is None else bias.float().contiguous()
         self.max_rows = max_rows
+        self.act8_rows = act8_rows
         if dense is None:
             pack = should_pack(dtype, torch.device("cpu")) if pack is None else pack and dtype is torch.bfloat16
             weight = torch.cat([p.dequantize().to(dtype) for p in parts])
@@ -130,10 +136,11 @@ class BlockLinear:
         if rows == 0:
             return y
         bf16, threads, size = int(x.dtype is torch.bfloat16), torch.get_num_threads(), y.element_size()
+        matmul = self.lib.agentserve_block_matmul8 if rows <= self.act8_rows else self.lib.agentserve_block_matmul
         for code, col, cols, blocks in self.groups:
             bias = None if self.bias32 is None else self.bias32.data_ptr() + 4 * col
-            rc = self.lib.agentserve_block_matmul(code, bf16, x.data_ptr(), rows, k, blocks.data_ptr(), cols, bias,
-                                                  y.data_ptr() + size * col, n, threads)
+            rc = matmul(code, bf16, x.data_ptr(), rows, k, blocks.data_ptr(), cols, bias, y.data_ptr() + size * col,
+                        n, threads)
             if rc != 0:
                 raise RuntimeError(f"GGUF block kernel failed with code {rc} (x {tuple(x.shape)}, "
                                    f"weight {self.shape})")

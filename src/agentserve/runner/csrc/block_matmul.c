@@ -340,19 +340,22 @@ static void bw_quantize_row(int dtype, const void *x, long off, long nb, int16_t
 
 static void bw_quantize_row8(int dtype, const void *x, long off, long nb, int8_t *x8, float *dx, float *xs) {
     for (long j = 0; j < nb; j++) {
-        float v[32], amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            v[i] = bw_load_x(dtype, x, off + 32 * j + i);
-            amax = fmaxf(amax, fabsf(v[i]));
-            sum += v[i];
+        float sum = 0.0f;
+        for (int g = 0; g < 8; g++) {
+            float v[4], amax = 0.0f;
+            for (int i = 0; i < 4; i++) {
+                v[i] = bw_load_x(dtype, x, off + 32 * j + 4 * g + i);
+                amax = fmaxf(amax, fabsf(v[i]));
+                sum += v[i];
+            }
+            float inv = amax > 0.0f ? BW_X8MAX / amax : 0.0f;
+            dx[8 * j + g] = amax / BW_X8MAX;
+            for (int i = 0; i < 4; i++) {
+                float q = nearbyintf(v[i] * inv);
+                x8[32 * j + 4 * g + i] = (int8_t)fminf(fmaxf(q, -BW_X8MAX), BW_X8MAX);
+            }
         }
-        float inv = amax > 0.0f ? BW_X8MAX / amax : 0.0f;
-        dx[j] = amax / BW_X8MAX;
         xs[j] = sum;
-        for (int i = 0; i < 32; i++) {
-            float q = nearbyintf(v[i] * inv);
-            x8[32 * j + i] = (int8_t)fminf(fmaxf(q, -BW_X8MAX), BW_X8MAX);
-        }
     }
 }
 
@@ -392,7 +395,8 @@ static inline __attribute__((always_inline)) void bw8_step(int R, int sgn, int w
     for (int r = 0; r < R; r++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + 32 * j));
         __m256i s = _mm256_madd_epi16(bw8_pairs(sgn, q, aq, xv), wt);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f * dx[r * nb + j]), acc[r]);
+        const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f), _mm256_loadu_ps(dx + 8 * (r * nb + j)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
         if (with_min) macc[r] += mn * xs[r * nb + j];
     }
 }
@@ -501,8 +505,9 @@ static inline __attribute__((always_inline)) void bw8_pair(int qt, const uint8_t
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
         __m256i s = _mm256_madd_epi16(bw8_pairs(!mins, p, _mm256_sign_epi8(p, p), xv), ones);
         __m256i t = _mm256_madd_epi16(bw8_pairs(!mins, q, _mm256_sign_epi8(q, q), xv), ones);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f * dx[j]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(g * dx[j]), a1);
+        const __m256 d = _mm256_loadu_ps(dx + 8 * j);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_set1_ps(f), d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(_mm256_set1_ps(g), d), a1);
         if (mins) {
             m0 += mn * xs[j];
             m1 += mm * xs[j];
@@ -614,16 +619,16 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
     if (rows == 0 || n == 0) return 0;
     const long nb = k / 32, row_bytes = k / bw_block[qt] * bw_bytes[qt];
     int8_t *x8 = malloc((size_t)(rows * k));
-    float *dx = malloc(sizeof(float) * (size_t)(2 * rows * nb));
+    float *dx = malloc(sizeof(float) * (size_t)(9 * rows * nb));  /* 8 scales and a sum per 32 */
     if (!x8 || !dx) {
         free(x8);
         free(dx);
         return -3;
     }
-    float *xs = dx + rows * nb;
+    float *xs = dx + 8 * rows * nb;
     float carry[rows];  /* 0, or NaN where a row has a non-finite activation, which its codes cannot carry */
     for (long r = 0; r < rows; r++) {
-        bw_quantize_row8(dtype, x, r * k, nb, x8 + r * k, dx + r * nb, xs + r * nb);
+        bw_quantize_row8(dtype, x, r * k, nb, x8 + r * k, dx + 8 * r * nb, xs + r * nb);
         float sum = 0.0f;
         for (long j = 0; j < nb; j++) sum += xs[r * nb + j];
         carry[r] = 0.0f * sum;
@@ -645,7 +650,7 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
         for (long r0 = 0; r0 < rows; r0 += BW_ROWS) {
             int R = rows - r0 < BW_ROWS ? (int)(rows - r0) : BW_ROWS;
             float out[BW_ROWS];
-            bw8_rows[qt][R](wr, k, x8 + r0 * k, dx + r0 * nb, xs + r0 * nb, out);
+            bw8_rows[qt][R](wr, k, x8 + r0 * k, dx + 8 * r0 * nb, xs + r0 * nb, out);
             for (int r = 0; r < R; r++) bw_store_y(dtype, y, (r0 + r) * ldy + o, out[r] + b + carry[r0 + r]);
         }
     }
