@@ -126,8 +126,6 @@ def test_layout_of_layers_onto_blocks():
 def test_layout_choices_and_refusals():
     windows = [8, None, 8]
     assert kv_layout_for("auto", windows, disk=False) is not None
-    assert kv_layout_for("auto", windows, disk=False, host=True) is None  # hybrid + host only when asked for
-    assert kv_layout_for("hybrid", windows, disk=False, host=True) is not None
     assert kv_layout_for("full", windows, disk=False) is None
     assert kv_layout_for("auto", windows, disk=True) is None
     with pytest.raises(ValueError, match="no disk KV tier"):
@@ -225,9 +223,9 @@ def test_failed_host_reloads_of_window_parts_are_recomputed(hf, monkeypatch):
 
 
 def test_serve_builds_the_hybrid_cache_with_a_host_tier(hf, tmp_path):
-    """What `agentserve serve` builds from its flags: `--kv-layout hybrid` with
-    `--host-kv-tokens` starts (`auto` with a host tier takes the full cache);
-    a disk tier is refused under hybrid in one line."""
+    """What `agentserve serve` builds from its flags: `--kv-layout auto` or `hybrid` with
+    `--host-kv-tokens` starts the hybrid cache with its host tier; a disk tier is
+    refused under hybrid in one line."""
     from agentserve.cli import build_parser
     from agentserve.cli_errors import CliError
     from agentserve.cli_model import build_llm
@@ -236,8 +234,7 @@ def test_serve_builds_the_hybrid_cache_with_a_host_tier(hf, tmp_path):
     save_hf_folder(hf, folder)
     base = ["serve", "--model", str(folder), "--device", DEVICE, "--dtype", "float32", "--block-size", "4",
             "--kv-cache-tokens", "1024", "--host-kv-tokens", "2048"]
-    assert build_llm(build_parser().parse_args([*base, "--kv-layout", "auto"])).kv_cache.layout is None
-    for layout in ("hybrid",):
+    for layout in ("auto", "hybrid"):
         llm = build_llm(build_parser().parse_args([*base, "--kv-layout", layout]))
         assert llm.kv_cache.layout is not None and llm.kv.window_tier is not None
         # the host tier has the bytes of 2048 tokens of every layer, in the hybrid layout's blocks

@@ -294,8 +294,8 @@ class HybridModel(KVModel):
         for toks in PREFIXES:
             m = kv.match(toks + [0])
             lo = kv.parts.first_needed(m.num_tokens)
-            assert all(n.block.wpart is not None if n.block is not None else kv.window_tier.readable(n)
-                       for n in m.nodes[lo:])
+            assert all((n.block is not None and n.block.wpart is not None)
+                       or (kv.window_tier is not None and kv.window_tier.readable(n)) for n in m.nodes[lo:])
 
 
 class HybridMachine(KVMachine):
@@ -441,7 +441,9 @@ def test_a_failed_part_reload_cuts_the_request_back_before_its_window():
     assert kept == kv.parts.valid_hit(table.blocks[:19]) * BS and kept <= 76
     assert len(table.blocks) == kept // BS
     kv.kv.check_integrity([table])
-    assert kv.match(t2).num_tokens == kept  # the failed node's copies are not trusted again
+    # the failed node's copies are not trusted again; the blocks before it are on the device, the
+    # parts of their window (evicted or never reloaded) come back from their host copies
+    assert kv.match(t2).num_tokens == 76
     kv.kv.free(table, 4.0)
     kv.check_integrity()
 
@@ -454,4 +456,54 @@ def test_a_part_copy_is_freed_with_its_host_entry():
     for node in list(kv.window_tier.copies_of):
         kv.host.drop(node)
     assert kv.host.num_used == 0 and kv.host.num_lent == 0
+    kv.check_integrity()
+
+
+def _parts_evicted_blocks_kept(kv: Named, toks, checkpoint: int):
+    """A turn computed and ended; every unheld part then evicted (each written to the host with its
+    block), the blocks themselves left on the device."""
+    run(kv, "t1", toks, checkpoint=checkpoint)
+    kv.free("t1", 1.0)
+    while kv.parts.num_free_pages:
+        kv.parts.evict_one()
+    kv.take_copies()  # the write-backs succeed
+    assert all(n.block is not None and n.block.wpart is None for n in kv.index.iter_nodes())
+    kv.check_integrity()
+
+
+def test_a_part_evicted_from_a_block_on_the_device_comes_back_alone():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _parts_evicted_blocks_kept(kv, t1, 40)
+    t2 = t1 + [5, 5, 5]
+    m = kv.match(t2)
+    assert m.num_tokens == 80 and m.num_host_blocks == 0  # every block on the device, the window's parts on the host
+    kv.tables["t2"] = table = kv.kv.admit(m, 3, 2.0)
+    lo = kv.parts.first_needed(80)
+    assert kv.kv.loads_pending(table) and table.loads == table.blocks[lo:20]  # it computes once they land
+    assert kv.match(t2).num_tokens <= lo * BS  # no other request reads a part still being filled
+    off, ld = kv.kv.take_copies()
+    assert not off and len(ld) == PAGES * (20 - lo)  # the parts alone, no block
+    kv.check_integrity()
+    kv.kv.finish_copies()
+    assert not kv.kv.loads_pending(table) and sorted(table.window) == list(range(lo, len(table.blocks)))
+    kv.check_integrity()
+    kv.free("t2", 3.0)
+    kv.check_integrity()
+
+
+def test_a_failed_part_reload_into_a_block_on_the_device_cuts_the_request_back():
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _parts_evicted_blocks_kept(kv, t1, 40)
+    t2 = t1 + [5, 5, 5]
+    kv.tables["t2"] = table = kv.kv.admit(kv.match(t2), 3, 2.0)
+    _, ld = kv.kv.take_copies()
+    bad = kv.kv.finish_copies(failed_loads=[len(ld) - 1])  # a page of the last block's part
+    assert bad == {table.blocks[19].block_id}
+    kept = kv.kv.cut_unloaded(table, bad, 3.0)
+    assert kept is not None and kept < 76
+    kv.check_integrity()
+    assert kv.match(t2).num_tokens <= 76  # the failed node's copies are not trusted again
+    kv.free("t2", 4.0)
     kv.check_integrity()

@@ -90,9 +90,13 @@ def test_reload_from_host_tier(arch, hf):
     llm.generate([prompt(100 + i, 60) for i in range(4)], SamplingParams(max_tokens=8, temperature=0.0,
                                                                           ignore_eos=True))
     turn2 = p1 + first.token_ids + prompt(12, 5)
-    before = llm.scheduler.stats.loaded_tokens
+    stats = llm.scheduler.stats
+    hits, loaded = stats.hit_tokens, stats.loaded_tokens
     out = llm.generate([turn2], GREEDY, program_ids=["A"])[0]
-    assert llm.scheduler.stats.loaded_tokens - before >= 32, "the prefix was not reloaded from the host tier"
+    # the whole prefix from the cache, part of it reloaded from the host tier (Gemma 3's hybrid cache keeps
+    # more of it on the device, in smaller blocks, and reloads the evicted window parts from their copies)
+    assert stats.hit_tokens - hits >= 40 and stats.loaded_tokens - loaded > 0, (stats.hit_tokens - hits,
+                                                                               stats.loaded_tokens - loaded)
     assert out.token_ids == hf_greedy(hf, turn2, N_NEW)
     llm.check_integrity()
 

@@ -143,7 +143,7 @@ def test_old_profiles_cost_as_before():
 
 def test_layout_choice():
     assert kv_layout(SimConfig(profile=GEMMA)) == "hybrid"  # auto: both kinds, no tier
-    assert kv_layout(SimConfig(profile=GEMMA, host_tier=True)) == "full"  # auto: hybrid + host only when asked for
+    assert kv_layout(SimConfig(profile=GEMMA, host_tier=True)) == "hybrid"  # auto: hybrid with a host tier, as serve
     assert kv_layout(SimConfig(profile=GEMMA, kv_layout="hybrid", host_tier=True)) == "hybrid"
     assert kv_layout(SimConfig(profile=GEMMA, disk_tier=True)) == "full"
     assert kv_layout(SimConfig(profile="llama3.1-8b-h100")) == "full"

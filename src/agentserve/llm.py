@@ -91,7 +91,7 @@ class LLM:
         per_token = cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
         if kv_cache_tokens is None:
             kv_cache_tokens = devices.auto_kv_tokens(self.device, per_token, self.model.weight_bytes)
-        layout = kv_layout_for(kv_layout, self.model.windows, disk=disk_kv_bytes > 0, host=host_kv_tokens > 0)
+        layout = kv_layout_for(kv_layout, self.model.windows, disk=disk_kv_bytes > 0)
         slots = cfg.num_layers if layout is None else layout.slots  # layers a block holds: fewer, more blocks
         num_blocks = kv_cache_tokens * cfg.num_layers // (slots * block_size)
         if num_blocks < 1:

@@ -68,7 +68,8 @@ class ExecutorCopies:
     def is_loading(self, block: Block) -> bool:
         """A reload into `block` is queued or in flight: it holds no KV yet."""
         node = block.node
-        return node is not None and (node in self.copies.loading or node in self.disk_copies.loading)
+        return node is not None and (node in self.copies.loading or node in self.disk_copies.loading
+                                     or (self.window_tier is not None and block in self.window_tier.filling))
 
     def loads_pending(self, st: BlockTable) -> bool:
         """`st` holds blocks whose reload has not landed yet (its request must

@@ -102,15 +102,17 @@ class KVCacheManager(DeadChains, ExecutorCopies):
         path = self.index.walk(token_ids, max_blocks, salt, hint)
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         staging = self.stages.staging
-        if not loading and not dloading and not staging and None not in [node.block for node in path]:
+        filling = self.window_tier.filling if self.window_tier is not None else ()
+        if not loading and not dloading and not staging and not filling and None not in [node.block for node in path]:
             if self.parts is not None:  # the hybrid cache: as far as the window is there too
                 path = path[:self.parts.valid_nodes(path)]
             return PrefixMatch(path, self.block_size, salt)  # all on the device, none reloading: the common case
         nodes = []
         host = disk = 0
         for node in path:
-            if (loading and node in loading) or (dloading and node in dloading) or (staging and node in staging):
-                break  # its reload (or stage) is not confirmed yet (one copy out of a node at a time)
+            if ((loading and node in loading) or (dloading and node in dloading) or (staging and node in staging)
+                    or (filling and node.block in filling)):
+                break  # its reload (or stage, or its part's reload) is not confirmed yet (one copy out of a node at a time)
             if node.block is None:
                 if node.host_slot is None or node in pending:
                     if not self.disk.readable(node):
@@ -144,7 +146,8 @@ class KVCacheManager(DeadChains, ExecutorCopies):
             return None
         st = BlockTable(salt=match.salt, computed=match.num_tokens, checkpoint=checkpoint)
         held = [n.block for n in match.nodes]
-        if None not in held:  # every matched block is on the device (no reload): the common case
+        if None not in held and (self.parts is None or self.parts.all_present(held, match.num_tokens)):
+            # every matched block is on the device, and the window's parts (no reload): the common case
             self.pool.hit(held, now)
             if self.parts is not None:
                 st.blocks = held

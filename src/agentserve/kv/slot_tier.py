@@ -42,6 +42,8 @@ class SlotTier:
         self.num_lent = 0  # slots lent beside the nodes' own (kv/window_tier.py: window parts' copies)
         # nodes whose copy a disk -> host stage reads or writes (kv/stage_copies.py): never evicted meanwhile
         self.held: set[Node] = set()
+        # nodes whose part copy a reload into their block on the device reads (kv/window_tier.py): the same
+        self.reading: set[Node] = set()
 
     @property
     def enabled(self) -> bool:
@@ -139,10 +141,11 @@ class SlotTier:
     def _evict_one(self, protect) -> None:
         # A confirmed copy goes before a pending one: evicting a copy in flight
         # wastes its write (and a demoted one would never reach the tier below).
-        held = self.held
-        victim = next((n for n in self._lru if n not in protect and n not in self.pending and n not in held), None)
+        held, reading = self.held, self.reading
+        victim = next((n for n in self._lru if n not in protect and n not in self.pending and n not in held
+                       and n not in reading), None)
         if victim is None:
-            victim = next((n for n in self._lru if n not in protect and n not in held), None)
+            victim = next((n for n in self._lru if n not in protect and n not in held and n not in reading), None)
         if victim is None:
             return
         del self._lru[victim]

@@ -180,12 +180,17 @@ class WindowParts:
         k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
         return self._valid(k, lambda i: blocks[i].wpart is not None)
 
+    def all_present(self, blocks: Sequence[Block], position: int) -> bool:
+        """Whether the blocks a token at `position` reads in its window all have their parts."""
+        return all(b.wpart is not None for b in blocks[self.first_needed(position):])
+
     def valid_nodes(self, nodes: Sequence) -> int:
         """`valid_hit` of a match's nodes, each on the device or with a
-        readable copy in a tier below: one not on the device has its part where
-        `host_part` says so."""
-        return self._valid(len(nodes), lambda i: (nodes[i].block.wpart is not None if nodes[i].block is not None
-                                                  else self.host_part(nodes[i])))
+        readable copy in a tier below: a node has its part on the device, or
+        where `host_part` says so (a block on the device whose part was evicted
+        gets it back from the copy alone)."""
+        return self._valid(len(nodes), lambda i: ((nodes[i].block is not None and nodes[i].block.wpart is not None)
+                                                  or self.host_part(nodes[i])))
 
     def _valid(self, k: int, has_part) -> int:
         bs = self.block_size
@@ -207,8 +212,7 @@ class WindowParts:
         self.check_match(match.nodes)
         lo = self.first_needed(match.num_tokens)
         # unheld parts it holds, and parts it reloads from the host (fresh pages)
-        revived = sum(1 for n in match.nodes[lo:] if n.block is None or (n.block.wpart is not None
-                                                                          and n.block.wrefs == 0))
+        revived = sum(1 for n in match.nodes[lo:] if n.block is None or n.block.wpart is None or n.block.wrefs == 0)
         new = self.pages * num_new_blocks if chunk_blocks is None else self.most_pages(num_new_blocks, chunk_blocks)
         return new + self.pages * revived
 

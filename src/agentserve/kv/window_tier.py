@@ -10,17 +10,18 @@ copy*. A part copy lives and dies with its node's host slot (the tier tells
 confirmed (a failed one drops the part copy, not the block's), and is not made
 for a block whose part is already gone. Under pressure the device evicts an
 unheld part before its block (kv/window_parts.py): the part is then copied
-with its block's host copy (written back early), so that once the block is
-evicted too, a hit reloads both; until then the block on the device without
-its part ends a hit there (its part copy is not reloaded alone).
+with its block's host copy (written back early), so that a hit reloads it,
+alone into the block still on the device, or with the block once that is
+evicted too.
 
-A match counts a block not on the device as having its part where its part
-copy is readable (`WindowParts.host_part`). Admitting it reloads the block
-(kv/copies.py) and, for the blocks of the hit's window, the part into fresh
-pages: the reload holds that part until its copies ran (`filling`), and a
-failed page fails its node's reload, so the request is cut back and recomputes
-rather than read a part that was not written. A block on the device whose
-part is gone does not reload its part copy: its hit ends there."""
+A match counts a node as having its part where its part copy is readable
+(`WindowParts.host_part`). Admitting it takes fresh pages for the parts of
+the hit's window it reloads, and queues their reloads beside those of the
+blocks (kv/copies.py): the reload holds that part until its copies ran
+(`filling`), its request computes only once they landed (the block is
+`loading`), no other match takes the block meanwhile, and a failed page fails
+its block (detached, its host copy dropped), so the request is cut back and
+recomputes rather than read a part that was not written."""
 
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ class WindowTier:
         self.copies = copies
         self.copies_of: dict[Node, PartCopy] = {}
         self.filling: set[Block] = set()  # blocks whose part a queued or running reload fills (and holds)
+        self.into_device: dict[Block, Node] = {}  # those of them on the device meanwhile, and their nodes
         self.num_stored = 0  # part copies made, ever
-        self.num_reloaded = 0  # parts reloaded with their blocks, ever
+        self.num_reloaded = 0  # parts reloaded (with their blocks, or into blocks still on the device), ever
         host.on_forget = self.forget
         copies.on_part_loaded = self._filled
         parts.host_part = self.readable
@@ -116,24 +118,35 @@ class WindowTier:
         (position, pages) of each of those, for `fill`. The caller checked the
         pool has the pages (`WindowParts.admit_need`)."""
         parts, nodes = self.parts, match.nodes
-        out = []
-        for i in range(parts.first_needed(match.num_tokens), len(nodes)):
+        lo = parts.first_needed(match.num_tokens)
+        reload = []
+        for i in range(lo, len(nodes)):  # hold the parts there first: taking pages may evict unheld ones
             b = nodes[i].block
-            if b is not None:
-                if not parts.acquire(b):
-                    raise RuntimeError(f"a window part of block {i} of a match is gone")
+            if b is not None and b.wpart is not None:
+                parts.acquire(b)
                 st.window[i] = b
+            elif self.readable(nodes[i]):  # not on the device, or on it without its part: from its copy
+                reload.append(i)
+                if b is not None:  # its copy is read by no block reload that keeps it: keep it until read
+                    self.into_device[b] = nodes[i]
+                    self.host.reading.add(nodes[i])
             else:
-                pages = parts.pool.allocate(parts.pages)
-                if pages is None:
-                    raise RuntimeError(f"no pages for the window part reloaded into block {i} of a match")
-                out.append((i, pages))
+                raise RuntimeError(f"the window part of block {i} of a match is gone")
+        out = []
+        for i in reload:
+            pages = parts.pool.allocate(parts.pages)
+            if pages is None:
+                raise RuntimeError(f"no pages for the window part reloaded into block {i} of a match")
+            out.append((i, pages))
         return out
 
     def fill(self, st: BlockTable, reloads: list[tuple[int, list[Block]]]) -> None:
         """Queue the part reloads `hold` prepared, into the blocks `st` now holds
-        at those positions (their own reloads queued); `st` holds the parts."""
+        at those positions (their own reloads queued, or on the device: then
+        `st` waits for the part as for a block's reload); `st` holds the parts."""
         for i, pages in reloads:
+            if st.blocks[i] not in st.loads:
+                st.loads.append(st.blocks[i])
             b = st.blocks[i]
             node = b.node
             self.parts.adopt(b, pages)
@@ -147,6 +160,9 @@ class WindowTier:
     def _filled(self, block: Block, now: float) -> None:
         """The reloads of `block`'s part ran (a failure detached the block: its part goes unheld)."""
         self.filling.discard(block)
+        node = self.into_device.pop(block, None)
+        if node is not None:
+            self.host.reading.discard(node)
         self.parts.release(block, now)
 
     def check_integrity(self) -> None:
@@ -160,4 +176,6 @@ class WindowTier:
         self.host.check_lent(slots)
         for b in self.filling:
             assert b.wpart is not None and b.wrefs > 0, f"{b}'s part is filled by a reload that does not hold it"
-            assert b.node is not None and b.node in self.copies.loading, f"{b}'s part fills without its reload"
+            assert b.node is not None and (b.node in self.copies.loading or self.into_device.get(b) is b.node), \
+                f"{b}'s part fills without its block"
+        assert set(self.into_device) <= self.filling and set(self.into_device.values()) == self.host.reading

@@ -80,13 +80,11 @@ class HybridLayout:
         return self.slots * (1 + self.pages)
 
 
-def kv_layout_for(choice: str, windows, disk: bool, host: bool = False) -> HybridLayout | None:
+def kv_layout_for(choice: str, windows, disk: bool) -> HybridLayout | None:
     """The layout `--kv-layout` asks for (auto, hybrid, full) for layers with
-    these sliding windows; `disk`, `host`: those tiers are asked for. The hybrid
-    cache has no disk tier; it has a host tier, but auto takes the full cache
-    with any tier (saying so): under the hybrid cache a block still on the
-    device whose window part was evicted ends a hit there even where the part
-    has a host copy, so a small device cache can lose hits the full one keeps."""
+    these sliding windows; `disk`: a disk tier is asked for. The hybrid
+    cache has a host tier but no disk tier, so auto takes the full cache with a
+    disk tier (saying so)."""
     if choice not in ("auto", "hybrid", "full"):
         raise ValueError(f"kv layout must be auto, hybrid or full, not {choice!r}")
     layout = None if choice == "full" else HybridLayout.of(windows)
@@ -96,9 +94,9 @@ def kv_layout_for(choice: str, windows, disk: bool, host: bool = False) -> Hybri
     if layout is not None and choice == "hybrid" and disk:
         raise ValueError("--kv-layout hybrid has no disk KV tier (a host tier it has): drop the disk tier "
                          "or use --kv-layout full")
-    if layout is not None and choice == "auto" and (disk or host):
-        log.info("KV cache: full layout (every layer's KV of every token), since a %s tier is set; "
-                 "--kv-layout hybrid keeps the hybrid layout with a host tier", "disk" if disk else "host")
+    if layout is not None and choice == "auto" and disk:
+        log.info("KV cache: full layout (every layer's KV of every token), since a disk tier is set "
+                 "(the hybrid layout has none)")
         return None
     return layout
 

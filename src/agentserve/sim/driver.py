@@ -123,7 +123,7 @@ KV_LAYOUTS = ("auto", "hybrid", "full")
 
 def kv_layout(cfg: SimConfig) -> str:
     """The layout `cfg.kv_layout` asks for on its profile: hybrid or full
-    (auto: hybrid where the model has both kinds of layer and no tier is used, as `serve`).
+    (auto: hybrid where the model has both kinds of layer and no disk tier is used, as `serve`).
     ValueError, in one line, where hybrid cannot apply."""
     if cfg.kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv layout must be one of {', '.join(KV_LAYOUTS)}, not {cfg.kv_layout!r}")
@@ -131,7 +131,7 @@ def kv_layout(cfg: SimConfig) -> str:
         return "full"
     model = load_profile(cfg.profile).model
     if cfg.kv_layout == "auto":
-        return "hybrid" if model.has_hybrid_layout and not (cfg.disk_tier or cfg.host_tier) else "full"
+        return "hybrid" if model.has_hybrid_layout and not cfg.disk_tier else "full"
     if not model.has_hybrid_layout:
         raise ValueError(f"kv layout hybrid needs a model with both global and sliding-window layers; profile "
                          f"{cfg.profile}'s {model.name} has {model.global_layers} global of {model.num_layers}")
