@@ -54,8 +54,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="KV cache layout for models with sliding-window layers (Gemma 3): hybrid keeps a window "
                         "layer's KV only while a token can still read it (about 5x more conversations in the "
                         "same memory at 32k tokens); full keeps every layer's KV of every token. auto: hybrid "
-                        "where the model has both kinds of layers and no KV tier is set (hybrid works with a "
-                        "host tier when asked for, not with a disk tier)")
+                        "where the model has both kinds of layers and no disk tier is set (hybrid has a host "
+                        "tier, not a disk tier)")
     g.add_argument("--disk-kv-bytes", type=int, default=0,
                    help="disk KV tier below the host tier, in bytes: blocks the host tier evicts are written "
                         "to files under --disk-kv-dir and reloaded from there (0: off; needs --host-kv-tokens)")
