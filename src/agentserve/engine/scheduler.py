@@ -35,6 +35,7 @@ from agentserve.engine.grouped_prefill import follows, prefill_leaders
 from agentserve.engine.pin_review import PinReview
 from agentserve.engine.prefetch import Prefetcher
 from agentserve.engine.preemption import Preemption
+from agentserve.engine.program_ends import ProgramEnds
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -45,18 +46,13 @@ from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
 from agentserve.policy.registry import make_policy
-from agentserve.policy.program import ProgramState, ProgramTable
+from agentserve.policy.program import ProgramTable
 from agentserve.policy.pressure import PressureMeter, TurnoverMeter
 
-# Idle programs are looked for this many times per idle timeout (not every
-# step: the look builds the set of busy programs).
-EXPIRY_CHECKS_PER_TIMEOUT = 16
-
-
-class Scheduler(PinReview, Admission, Preemption, StepResults):
+class Scheduler(PinReview, Admission, Preemption, StepResults, ProgramEnds):
     """Pin review and reclaim (pin_review.py), admission under the policy's
-    headroom (admission.py), preemption and giving up KV (preemption.py) and
-    what follows a step (step_results.py) are
+    headroom (admission.py), preemption and giving up KV (preemption.py), what
+    follows a step (step_results.py) and programs' ends (program_ends.py) are
     defined beside this module and share this state."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: str | Policy,
@@ -147,42 +143,6 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
         del self.requests[request_id]
         return req
 
-    def end_program(self, program_id: str) -> ProgramState | None:
-        """The program is done: drop its pin and forget it. Its state (None if
-        the table did not know it)."""
-        now = self.clock.now()
-        if self._unpin(program_id, now, protect=False):
-            self.stats.pins_released_at_end += 1
-        self.prefetcher.drop(program_id)
-        self.kv.unprotect(program_id)
-        prog = self.programs.end(program_id)
-        if prog is not None:
-            self._retire(prog.chain)
-            self.policy.on_program_end(prog)
-        return prog
-
-    def _retire(self, chain) -> None:
-        """An ended program's chain (its last turn's ChainHint): to the cold end, if the policy says so."""
-        if self.policy.retire_ended:
-            self.stats.retired_blocks += self.kv.retire(chain)
-
-    def release_program(self, program_id: str) -> bool:
-        """A client's explicit release: drop the pin (and the program's place in
-        the protected zone), keep the program."""
-        released = self._unpin(program_id, self.clock.now(), protect=False) > 0
-        self.prefetcher.drop(program_id)
-        return self.kv.unprotect(program_id) > 0 or released
-
-    def _unpin(self, program_id: str, now: float, protect: bool = True) -> int:
-        """Release a program's pin (the blocks it held; 0: it had none). Its waiting
-        requests take their new places: a priority may depend on the pin.
-        `protect`: the program goes on, so its blocks may enter the protected zone."""
-        n = self.kv.unpin(program_id, now, protect)
-        if n:
-            self._overdue.discard(program_id)
-            self.waiting.replace_program(program_id, now)
-        return n
-
     def _stop_running(self, req: Request) -> None:
         """`req` leaves the running set (finished, aborted or preempted)."""
         self.running.remove(req)
@@ -211,24 +171,6 @@ class Scheduler(PinReview, Admission, Preemption, StepResults):
 
     def _key(self, req: Request, now: float) -> tuple:
         return self.policy.priority(req, req.program, now)
-
-    def expire_programs(self, now: float | None = None) -> None:
-        """End the programs idle for longer than the idle timeout (looked for a
-        few times per timeout; a server calls this while idle too)."""
-        now = self.clock.now() if now is None else now
-        if now >= self._next_expiry:
-            self._expire_idle(now)
-            self._next_expiry = now + self.programs.idle_timeout / EXPIRY_CHECKS_PER_TIMEOUT
-
-    def _expire_idle(self, now: float) -> None:
-        """Programs whose clients went quiet without ending them end here, for
-        the statistics too: on a live server most programs end this way."""
-        busy = {r.program_id for r in self.running} | {r.program_id for r in self.waiting} | set(self.kv.pins)
-        for prog in self.programs.expire_idle(now, busy):
-            self.kv.unprotect(prog.program_id)
-            self.prefetcher.drop(prog.program_id)
-            self._retire(prog.chain)
-            self.policy.on_program_end(prog)
 
     # --- the step ---
 
