@@ -325,13 +325,19 @@ static void bw_quantize_row(int dtype, const void *x, long off, long nb, int16_t
 
 /* ---- int8 activation codes: the path for decode rows ----
  *
- * Activations per 32 as int8 codes in -127..127, x ~ dx_j * x8 (abs error <=
- * max|x| / 254 per element, as llama.cpp's q8_0), the block sums of x kept
- * exact in float32 as above. One vpmaddubsw (unsigned bytes times signed
+ * Activations as int8 codes in -127..127 on one scale per 4 values, x ~ dx *
+ * x8 (abs error <= max|x| of its 4 / 254: llama.cpp's q8_0 has one per 32,
+ * which an outlier coarsens for its 31 neighbours; each int32 lane of the
+ * vpmaddwd below holds 4 weights' products, so a vector of 8 scales costs
+ * what one broadcast did), the block sums of x kept exact in float32 as above. One vpmaddubsw (unsigned bytes times signed
  * bytes, pairs summed into int16) takes 32 products where vpmaddwd takes 16,
- * and the weight codes need no widening. Types whose codes are signed (Q4_0,
- * Q8_0, Q5_0, Q6_K's q - 32) move the sign onto the activation (|c| times
- * sign(c) x8); Q4_1, Q5_1, Q4_K and Q5_K codes are unsigned as stored. Bounds:
+ * and the weight codes need no widening. The codes are signed (|c| times
+ * sign(c) x8: the sign moved onto the activation); the unsigned ones of Q4_1,
+ * Q5_1, Q4_K and Q5_K are centred first (c - 8 or c - 16, the offset times f
+ * added to the minimum's term on the exact sums), because the activations'
+ * rounding error is multiplied by the code: centred, by |w| as it is with a
+ * signed type, not by a code near 8 or 16 on weights near 0 (measured on the
+ * Gemma 3 file's Q4_K tensors: 4.4x the bf16 weights' error uncentred). Bounds:
  * |c| <= 128 (Q8_0's -128), |x8| <= 127: a pair <= 32512, no int16
  * saturation; vpmaddwd then sums pairs into int32 by ones, or by Q6_K's int8
  * scales per 16 weights (<= 128 * 2 * 8128 per lane). */
@@ -375,26 +381,34 @@ static inline __attribute__((always_inline)) __m256i bw8_small_block(int qt, con
         q = _mm256_or_si256(q, _mm256_and_si256(bw_bits32(qh), _mm256_set1_epi8(16)));
     }
     if (with_min) {
-        *mn = bw_half(b + 2);
+        *mn = bw_half(b + 2) + (five ? 16.0f : 8.0f) * *f;  /* centred, see above */
         return q;
     }
     return _mm256_sub_epi8(q, _mm256_set1_epi8(five ? 16 : 8));
 }
 
-/* the 16 pair sums of codes q (signed when sgn; |q| given as aq) times activation codes xv */
-static inline __attribute__((always_inline)) __m256i bw8_pairs(int sgn, __m256i q, __m256i aq, __m256i xv) {
-    return sgn ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(q, xv);
+/* the centre each unsigned type's codes are taken about (0: signed codes) */
+static inline int bw8_centre(int qt) {
+    return qt == BW_Q4_1 || qt == BW_Q4_K ? 8 : qt == BW_Q5_1 || qt == BW_Q5_K ? 16 : 0;
+}
+
+/* the 16 pair sums of codes q times activation codes xv: signed codes (|q| given
+ * as aq) by moving the sign, unsigned ones less the centre's pair sums oc */
+static inline __attribute__((always_inline)) __m256i bw8_pairs(int centred, __m256i q, __m256i aq, __m256i xv,
+                                                               const int16_t *oc) {
+    if (centred) return _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_loadu_si256((const __m256i *)oc));
+    return _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q));
 }
 
 /* One run j of 32 codes q (pair sums weighted by wt into int32) against R rows */
-static inline __attribute__((always_inline)) void bw8_step(int R, int sgn, int with_min, __m256i q, __m256i wt,
+static inline __attribute__((always_inline)) void bw8_step(int R, int with_min, __m256i q, __m256i wt,
                                                            float f, float mn, long j, const int8_t *x, long k,
-                                                           const float *dx, const float *xs, long nb, __m256 *acc,
-                                                           float *macc) {
-    const __m256i aq = sgn ? _mm256_sign_epi8(q, q) : q;
+                                                           const float *dx, const float *xs, const int16_t *oc,
+                                                           long nb, __m256 *acc, float *macc) {
+    const __m256i aq = with_min ? q : _mm256_sign_epi8(q, q);
     for (int r = 0; r < R; r++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + 32 * j));
-        __m256i s = _mm256_madd_epi16(bw8_pairs(sgn, q, aq, xv), wt);
+        __m256i s = _mm256_madd_epi16(bw8_pairs(with_min, q, aq, xv, oc + 16 * (r * nb + j)), wt);
         const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f), _mm256_loadu_ps(dx + 8 * (r * nb + j)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
         if (with_min) macc[r] += mn * xs[r * nb + j];
@@ -403,7 +417,8 @@ static inline __attribute__((always_inline)) void bw8_step(int R, int sgn, int w
 
 /* out[r] = row `w` (k weights of type qt) . activation row r (int8 codes), r < R */
 static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const uint8_t *w, long k, const int8_t *x,
-                                                          const float *dx, const float *xs, float *out) {
+                                                          const float *dx, const float *xs, const int16_t *oc,
+                                                          float *out) {
     const long nb = k / 32;
     const int mins = qt == BW_Q4_1 || qt == BW_Q5_1 || qt == BW_Q4_K || qt == BW_Q5_K;
     const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
@@ -414,20 +429,20 @@ static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const u
         macc[r] = 0.0f;
     }
     if (qt <= BW_Q5_1) {
-        const int size = bw_bytes[qt], sgn = !mins;
+        const int size = bw_bytes[qt];
         long j = 0;
         for (; j + 2 <= nb; j += 2) {
             const uint8_t *b = w + j * size;
             _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
             float f, mn, g, mm;
             __m256i q = bw8_small_block(qt, b, &f, &mn), p = bw8_small_block(qt, b + size, &g, &mm);
-            bw8_step(R, sgn, mins, q, ones, f, mn, j, x, k, dx, xs, nb, acc, macc);
-            bw8_step(R, sgn, mins, p, ones, g, mm, j + 1, x, k, dx, xs, nb, acc + BW_ROWS, macc);
+            bw8_step(R, mins, q, ones, f, mn, j, x, k, dx, xs, oc, nb, acc, macc);
+            bw8_step(R, mins, p, ones, g, mm, j + 1, x, k, dx, xs, oc, nb, acc + BW_ROWS, macc);
         }
         for (; j < nb; j++) {
             float f, mn;
             __m256i q = bw8_small_block(qt, w + j * size, &f, &mn);
-            bw8_step(R, sgn, mins, q, ones, f, mn, j, x, k, dx, xs, nb, acc, macc);
+            bw8_step(R, mins, q, ones, f, mn, j, x, k, dx, xs, oc, nb, acc, macc);
         }
     } else {
         const int size = bw_bytes[qt];
@@ -457,8 +472,8 @@ static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const u
                         const int s = 8 * h + 2 * t;
                         /* pair sums 0..7 are weights 0..15 (scale sc[s]), 8..15 weights 16..31 */
                         const __m256i wt = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
-                        bw8_step(R, 1, 0, _mm256_sub_epi8(q[t], b32), wt, d, 0.0f, 8 * sb + 4 * h + t, x, k, dx, xs,
-                                 nb, acc + BW_ROWS * (t & 1), macc);
+                        bw8_step(R, 0, _mm256_sub_epi8(q[t], b32), wt, d, 0.0f, 8 * sb + 4 * h + t, x, k, dx, xs,
+                                 oc, nb, acc + BW_ROWS * (t & 1), macc);
                     }
                 }
             } else {
@@ -478,8 +493,10 @@ static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const u
                             __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
                             q = _mm256_or_si256(q, _mm256_and_si256(on, _mm256_set1_epi8(16)));
                         }
-                        bw8_step(R, 0, 1, q, ones, d * (float)sc[s], -dmin * (float)mn[s], 8 * sb + s, x, k, dx,
-                                 xs, nb, acc + BW_ROWS * half, macc);
+                        const float f = d * (float)sc[s], centre = five ? 16.0f : 8.0f;
+                        bw8_step(R, 1, q, ones, f,
+                                 centre * f - dmin * (float)mn[s], 8 * sb + s, x, k, dx, xs, oc, nb,
+                                 acc + BW_ROWS * half, macc);
                     }
                 }
             }
@@ -491,7 +508,7 @@ static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const u
 /* One activation row against two consecutive weight rows of a 32-weight-block type */
 static inline __attribute__((always_inline)) void bw8_pair(int qt, const uint8_t *w, long row_bytes, long k,
                                                            const int8_t *x, const float *dx, const float *xs,
-                                                           float *out) {
+                                                           const int16_t *oc, float *out) {
     const long nb = k / 32;
     const int size = bw_bytes[qt], mins = qt == BW_Q4_1 || qt == BW_Q5_1;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -503,8 +520,8 @@ static inline __attribute__((always_inline)) void bw8_pair(int qt, const uint8_t
         float f, g, mn, mm;
         __m256i p = bw8_small_block(qt, w + j * size, &f, &mn), q = bw8_small_block(qt, v + j * size, &g, &mm);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
-        __m256i s = _mm256_madd_epi16(bw8_pairs(!mins, p, _mm256_sign_epi8(p, p), xv), ones);
-        __m256i t = _mm256_madd_epi16(bw8_pairs(!mins, q, _mm256_sign_epi8(q, q), xv), ones);
+        __m256i s = _mm256_madd_epi16(bw8_pairs(mins, p, _mm256_sign_epi8(p, p), xv, oc + 16 * j), ones);
+        __m256i t = _mm256_madd_epi16(bw8_pairs(mins, q, _mm256_sign_epi8(q, q), xv, oc + 16 * j), ones);
         const __m256 d = _mm256_loadu_ps(dx + 8 * j);
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_set1_ps(f), d), a0);
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(_mm256_set1_ps(g), d), a1);
@@ -517,21 +534,23 @@ static inline __attribute__((always_inline)) void bw8_pair(int qt, const uint8_t
     out[1] = bw_hsum(a1) + m1;
 }
 
-typedef void (*bw8_pair_fn)(const uint8_t *, long, long, const int8_t *, const float *, const float *, float *);
+typedef void (*bw8_pair_fn)(const uint8_t *, long, long, const int8_t *, const float *, const float *,
+                            const int16_t *, float *);
 #define BW8_PAIR(T)                                                                                        \
     static void bw8_pair_##T(const uint8_t *w, long rb, long k, const int8_t *x, const float *dx,          \
-                             const float *xs, float *out) {                                                 \
-        bw8_pair(T, w, rb, k, x, dx, xs, out);                                                             \
+                             const float *xs, const int16_t *oc, float *out) {                             \
+        bw8_pair(T, w, rb, k, x, dx, xs, oc, out);                                                         \
     }
 BW8_PAIR(BW_Q4_0) BW8_PAIR(BW_Q4_1) BW8_PAIR(BW_Q8_0) BW8_PAIR(BW_Q5_0) BW8_PAIR(BW_Q5_1)
 static const bw8_pair_fn bw8_pairs_of[BW_Q5_1 + 1] = {bw8_pair_BW_Q4_0, bw8_pair_BW_Q4_1, bw8_pair_BW_Q8_0,
                                                       bw8_pair_BW_Q5_0, bw8_pair_BW_Q5_1};
 
-typedef void (*bw8_row_fn)(const uint8_t *, long, const int8_t *, const float *, const float *, float *);
+typedef void (*bw8_row_fn)(const uint8_t *, long, const int8_t *, const float *, const float *, const int16_t *,
+                           float *);
 #define BW8_FN(T, R)                                                                                       \
     static void bw8_row_##T##_##R(const uint8_t *w, long k, const int8_t *x, const float *dx, const float *xs, \
-                                  float *out) {                                                            \
-        bw8_row(T, R, w, k, x, dx, xs, out);                                                               \
+                                  const int16_t *oc, float *out) {                                         \
+        bw8_row(T, R, w, k, x, dx, xs, oc, out);                                                           \
     }
 #define BW8_TYPE(T) BW8_FN(T, 1) BW8_FN(T, 2) BW8_FN(T, 3) BW8_FN(T, 4)
 BW8_TYPE(BW_Q4_0) BW8_TYPE(BW_Q4_1) BW8_TYPE(BW_Q8_0) BW8_TYPE(BW_Q5_0)
@@ -618,17 +637,25 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
     if (qt < 0 || qt >= BW_NTYPES || rows < 0 || n < 0 || k <= 0 || k % bw_block[qt] || ldy < n) return -2;
     if (rows == 0 || n == 0) return 0;
     const long nb = k / 32, row_bytes = k / bw_block[qt] * bw_bytes[qt];
+    const int centre = bw8_centre(qt);
     int8_t *x8 = malloc((size_t)(rows * k));
     float *dx = malloc(sizeof(float) * (size_t)(9 * rows * nb));  /* 8 scales and a sum per 32 */
-    if (!x8 || !dx) {
+    int16_t *oc = centre ? malloc(sizeof(int16_t) * (size_t)(rows * k / 2)) : NULL;
+    if (!x8 || !dx || (centre && !oc)) {
         free(x8);
         free(dx);
+        free(oc);
         return -3;
     }
     float *xs = dx + 8 * rows * nb;
     float carry[rows];  /* 0, or NaN where a row has a non-finite activation, which its codes cannot carry */
     for (long r = 0; r < rows; r++) {
         bw_quantize_row8(dtype, x, r * k, nb, x8 + r * k, dx + 8 * r * nb, xs + r * nb);
+        /* the centre's pair sums, which the unsigned codes' products less them are the centred ones' */
+        for (long i = 0; centre && i < k; i += 32)
+            _mm256_storeu_si256((__m256i *)(oc + (r * k + i) / 2),
+                                _mm256_maddubs_epi16(_mm256_set1_epi8((char)centre),
+                                                     _mm256_loadu_si256((const __m256i *)(x8 + r * k + i))));
         float sum = 0.0f;
         for (long j = 0; j < nb; j++) sum += xs[r * nb + j];
         carry[r] = 0.0f * sum;
@@ -638,7 +665,7 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
         #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
         for (long p = 0; p < pairs; p++) {
             float out[2];
-            bw8_pairs_of[qt](w + 2 * p * row_bytes, row_bytes, k, x8, dx, xs, out);
+            bw8_pairs_of[qt](w + 2 * p * row_bytes, row_bytes, k, x8, dx, xs, oc, out);
             for (int i = 0; i < 2; i++)
                 bw_store_y(dtype, y, 2 * p + i, out[i] + (bias ? bias[2 * p + i] : 0.0f) + carry[0]);
         }
@@ -650,12 +677,13 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
         for (long r0 = 0; r0 < rows; r0 += BW_ROWS) {
             int R = rows - r0 < BW_ROWS ? (int)(rows - r0) : BW_ROWS;
             float out[BW_ROWS];
-            bw8_rows[qt][R](wr, k, x8 + r0 * k, dx + 8 * r0 * nb, xs + r0 * nb, out);
+            bw8_rows[qt][R](wr, k, x8 + r0 * k, dx + 8 * r0 * nb, xs + r0 * nb, oc ? oc + r0 * k / 2 : NULL, out);
             for (int r = 0; r < R; r++) bw_store_y(dtype, y, (r0 + r) * ldy + o, out[r] + b + carry[r0 + r]);
         }
     }
     free(x8);
     free(dx);
+    free(oc);
     return 0;
 #else
     (void)qt; (void)dtype; (void)x; (void)rows; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)ldy;
