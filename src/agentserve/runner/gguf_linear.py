@@ -38,11 +38,26 @@ BLOCK_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4
 # or AMX) the bf16 copy is several times faster; not measured here: 8 there,
 # the crossover the AVX512-VNNI Q8_0 kernel measured against packed bf16.
 BLOCK_MAX_ROWS = 8 if native.cpu_has_native_bf16() else 16
-# Rows up to which the block kernel takes the activations as int8 codes per 32
-# (agentserve_block_matmul8: twice the products per instruction, error up to
-# max|x| / 254 per element as llama.cpp's q8_0) instead of int16 ones (error
-# far below the bf16 weight copy's). ACT8_ROWS_PLACEHOLDER
-ACT8_MAX_ROWS = 16
+# Rows up to which the block kernel takes the activations as int8 codes
+# (agentserve_block_matmul8: one scale per 4 values, error up to max|x| / 254 of
+# its 4; vpmaddubsw, twice the products per instruction) instead of int16 codes
+# (error far below the bf16 weight copy's), for the types in ACT8_TYPES.
+# Measured side by side on the Gemma 3 270M Q4_K_M file's 18 layers, 1 thread,
+# int16 / int8 ms at 1 row: qkv (Q5_0, v partly Q8_0) 2.74 / 2.27, gate_up (Q5_0)
+# 6.40 / 5.26, o (Q4_K) 2.17 / 1.98, down in Q4_K 1.95 / 1.83 and in Q6_K
+# 1.89 / 1.47, the Q8_0 LM head 15.1 / 15.7; all of them 1.06-1.10x at 4 rows,
+# 1.05x at 8 and 16 (`tests/timing_block_kernel.py --act8`). Greedy agreement with the
+# dequantized bf16 weights on that file (tests/test_runner_kquant.py, 271 clear
+# positions, 2 of them missed with int16 codes) at one row a step: int8 in the
+# Q5_0 projections alone 271 of 271, with o_proj as well 268, in every
+# projection 267 (4 of them between 0.2 and 0.5 apart), which is under the 99%
+# the test holds; with one scale per 32 (llama.cpp's q8_0) o_proj alone lost 6.
+# So the Q4_0/Q4_1/Q5_0/Q5_1 projections take int8 codes, the K-quants (little
+# faster) and Q8_0 (no faster) keep int16. Steps past 8 rows (prompt chunks,
+# which write the KV every later token reads) keep the finer codes for 5%.
+ACT8_MAX_ROWS = 8
+# The types whose decode rows take the int8 codes (above)
+ACT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})
 
 
 def block_available(device: torch.device) -> bool:
@@ -65,11 +80,12 @@ class BlockLinear:
     of the dequantized weight in the compute `dtype` (bf16 oneDNN-packed when
     `pack`) above."""
 
-    __slots__ = ("lib", "groups", "bias", "bias32", "dense", "max_rows", "act8_rows", "shape")
+    __slots__ = ("lib", "groups", "bias", "bias32", "dense", "max_rows", "act8_rows", "act8_codes", "shape")
 
     def __init__(self, parts: list, bias: torch.Tensor | None = None, max_rows: int = BLOCK_MAX_ROWS,
                  pack: bool | None = None, dense: Linear | None = None,
-                 dtype: torch.dtype = torch.bfloat16, act8_rows: int = ACT8_MAX_ROWS) -> None:
+                 dtype: torch.dtype = torch.bfloat16, act8_rows: int = ACT8_MAX_ROWS,
+                 act8_types: frozenset[str] = ACT8_TYPES) -> None:
         lib = native.block_kernel()
         if lib is None:
             raise RuntimeError(f"no GGUF block kernel: {native.block_unavailable_reason()}")
@@ -95,6 +111,7 @@ class BlockLinear:
         self.bias32 = None if bias is None else bias.float().contiguous()
         self.max_rows = max_rows
         self.act8_rows = act8_rows
+        self.act8_codes = frozenset(BLOCK_KERNEL_TYPES[t] for t in act8_types if t in BLOCK_KERNEL_TYPES)
         if dense is None:
             pack = should_pack(dtype, torch.device("cpu")) if pack is None else pack and dtype is torch.bfloat16
             weight = torch.cat([p.dequantize().to(dtype) for p in parts])
@@ -136,9 +153,11 @@ class BlockLinear:
         if rows == 0:
             return y
         bf16, threads, size = int(x.dtype is torch.bfloat16), torch.get_num_threads(), y.element_size()
-        matmul = self.lib.agentserve_block_matmul8 if rows <= self.act8_rows else self.lib.agentserve_block_matmul
+        int8 = rows <= self.act8_rows
         for code, col, cols, blocks in self.groups:
             bias = None if self.bias32 is None else self.bias32.data_ptr() + 4 * col
+            matmul = self.lib.agentserve_block_matmul8 if int8 and code in self.act8_codes else \
+                self.lib.agentserve_block_matmul
             rc = matmul(code, bf16, x.data_ptr(), rows, k, blocks.data_ptr(), cols, bias, y.data_ptr() + size * col,
                         n, threads)
             if rc != 0:
