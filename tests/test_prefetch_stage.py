@@ -195,6 +195,7 @@ class DiskHarness:
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16), self.kv, "agentserve",
                            self.clock)
         self.ex = TierExecutor(self.clock, 4)
+        self.s.policy.stage = True  # agentserve:stage=on
         ctx = self.s.policy.ctx
         ctx.tier_reload = {"host": lambda n: 0.05, "disk": lambda n: 0.5}
         ctx.tier_residency = lambda tier: 3.0 if tier == "host" else math.inf  # the KV is expected on disk

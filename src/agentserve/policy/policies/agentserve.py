@@ -88,7 +88,9 @@ a pinned second (policy/prefetch.py).
 Each part can be turned off (`pressure=off`, `tiers=off`, `age_credit=15`,
 `wait_bound=none` (with a host tier: the 50 s credit instead), `eta=1`,
 `retire=off`, `running_share=1`, `deadline=none`, `short_first=none`,
-`prefetch=off`) for the ablations in the README."""
+`prefetch=off`) for the ablations in the README. `stage=on` stages a prefetch
+from disk through the host tier (off: in the simulator every stage landed
+late, behind the turns' own disk reads, see docs/simulator.md)."""
 
 from __future__ import annotations
 
@@ -116,7 +118,8 @@ class AgentServe(Continuum):
                  tiers: bool = True, eta: float | None = None, age_credit: float | None = 50.0,
                  wait_bound: float | None = 2.0, retire: bool = True,
                  running_share: float = 0.95, deadline: float | None = 50.0,
-                 short_first: float | None = 0.5, prefetch: bool = True, **options) -> None:
+                 short_first: float | None = 0.5, prefetch: bool = True, stage: bool = False,
+                 **options) -> None:
         super().__init__(ctx, age_credit=age_credit, **options)
         if not 0.0 < min_pin_cost <= 1.0:
             raise ValueError(f"min_pin_cost must be in (0, 1], got {min_pin_cost!r}")
@@ -141,6 +144,9 @@ class AgentServe(Continuum):
         if not isinstance(prefetch, bool):
             raise ValueError(f"prefetch must be on or off, got {prefetch!r}")
         self.prefetch = prefetch
+        if not isinstance(stage, bool):
+            raise ValueError(f"stage must be on or off, got {stage!r}")
+        self.stage = stage
         self.pressure = pressure
         self.min_pin_cost = min_pin_cost
         self.tiers = tiers
@@ -287,7 +293,7 @@ class AgentServe(Continuum):
         tokens = req.num_computed_tokens
         reload_s = ctx.tier_reload[tier](tokens)
         stage = None
-        if tier == "disk" and "host" in ctx.tier_reload:
+        if self.stage and tier == "disk" and "host" in ctx.tier_reload:
             # Stage disk -> host first: the turn then reloads over the host link
             # alone, and the load into the device is priced at that.
             host_s = ctx.tier_reload["host"](tokens)
