@@ -10,7 +10,8 @@ import pytest
 
 from agentserve.cli import main
 from agentserve.router.sim_cluster import simulate_cluster
-from agentserve.sim.driver import SimConfig, replica_blocks, simulate
+from agentserve.sim.driver import SimConfig, simulate
+from agentserve.sim.kv_sizing import replica_blocks
 from agentserve.workload.generators import generate_swebench
 
 

@@ -16,7 +16,8 @@ from agentserve.cost.profile import ProfileError, list_profiles, load_profile, p
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.attention_shape import FULL, AttentionShape
-from agentserve.sim.driver import SimConfig, SimReplica, kv_layout, replica_blocks, simulate
+from agentserve.sim.driver import SimConfig, SimReplica, simulate
+from agentserve.sim.kv_sizing import kv_layout, replica_blocks
 from agentserve.sim.report import format_markdown, ratio_lines
 from agentserve.workload.generators import generate_swebench
 

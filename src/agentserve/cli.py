@@ -220,7 +220,7 @@ def _kv_layouts(args) -> list[str]:
     """`--kv-layout`'s layouts as each run will use them (auto resolved), in the
     order given, each once; a layout the profile or the tiers rule out is a CliError."""
     from agentserve.cost.profile import load_profile
-    from agentserve.sim.driver import KV_LAYOUTS, kv_layout
+    from agentserve.sim.kv_sizing import KV_LAYOUTS, kv_layout
 
     out = []
     for choice in args.kv_layout:

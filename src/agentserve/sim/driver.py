@@ -34,12 +34,12 @@ from agentserve.workload.trace import NON_TOOL_NAMES, Program, percentile  # noq
 from agentserve.clock import SimClock
 from agentserve.cost.cost_model import CostModel
 from agentserve.cost.profile import load_profile
-from agentserve.engine.attention_shape import FULL, AttentionShape
 from agentserve.engine.request import Request
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.registry import parse_policy_spec
 from agentserve.sim.executor import SimExecutor
+from agentserve.sim.kv_sizing import attention_shape, kv_layout, replica_blocks
 
 
 @dataclass
@@ -118,29 +118,6 @@ class Arrival:
     is_last_turn: bool
 
 
-KV_LAYOUTS = ("auto", "hybrid", "full")
-
-
-def kv_layout(cfg: SimConfig) -> str:
-    """The layout `cfg.kv_layout` asks for on its profile: hybrid or full
-    (auto: hybrid where the model has both kinds of layer and no disk tier is used, as `serve`).
-    ValueError, in one line, where hybrid cannot apply."""
-    if cfg.kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv layout must be one of {', '.join(KV_LAYOUTS)}, not {cfg.kv_layout!r}")
-    if cfg.kv_layout == "full":
-        return "full"
-    model = load_profile(cfg.profile).model
-    if cfg.kv_layout == "auto":
-        return "hybrid" if model.has_hybrid_layout and not cfg.disk_tier else "full"
-    if not model.has_hybrid_layout:
-        raise ValueError(f"kv layout hybrid needs a model with both global and sliding-window layers; profile "
-                         f"{cfg.profile}'s {model.name} has {model.global_layers} global of {model.num_layers}")
-    if cfg.disk_tier:
-        raise ValueError("kv layout hybrid has no disk KV tier (a host tier it has): drop the disk tier or use "
-                         "the full layout")
-    return "hybrid"
-
-
 class SimReplica:
     """One engine of the simulation: its own clock, KV manager, scheduler and
     cost-model executor (a `router.replica_load` reads `scheduler`)."""
@@ -190,26 +167,6 @@ class SimReplica:
         due = self.scheduler.prefetcher.next_due()
         nxt = min(events[0][0] if events else math.inf, math.inf if due is None else due)
         return max(self.clock.now(), nxt)
-
-
-def attention_shape(model) -> AttentionShape:
-    """The model's layers by attention, as the server gives its step-time model."""
-    if not model.window_layers:
-        return FULL
-    return AttentionShape(model.global_share, model.sliding_window)
-
-
-def replica_blocks(cfg: SimConfig, replicas: int) -> int:
-    """Device KV blocks of each replica: `kv_tokens` is the total, split evenly
-    (so runs with different replica counts compare at the same total KV);
-    without it every replica has the profile's (one more GPU each). Tokens
-    are the full cache's: the hybrid layout has the same bytes in more,
-    smaller blocks."""
-    profile = load_profile(cfg.profile)
-    tokens = cfg.kv_tokens // replicas if cfg.kv_tokens else profile.kv_capacity_tokens
-    if kv_layout(cfg) == "hybrid":
-        return profile.model.hybrid_num_blocks(tokens, cfg.block_size)
-    return tokens // cfg.block_size
 
 
 def simulate(programs: list[Program], cfg: SimConfig, replicas: int = 1,
