@@ -145,6 +145,33 @@ def test_plan_truncates_at_real_lengths():
         rpl.plan_program(program("s", 0.0, 2, shared=1950, task=10), tm, max_context=2000, clamp="truncate")
 
 
+def test_plan_compacts_at_real_lengths_and_keeps_every_turn():
+    tm = rt.TextModel(1.0, 4.0)
+    # turn prompts ~460, 860, 1260, 1665, ...: at a 2000-token context (1940 with the margin) turn 4 cannot fit
+    p = program("long", 0.0, turns=12, shared=50, task=400, out=100, obs=300)
+    free = rpl.plan_program(p, tm)
+    pl = rpl.plan_program(p, tm, max_context=2000, clamp="compact")
+    assert len(pl.turns) == 12 and pl.dropped_turns == 0 and pl.clamp == 1.0 and pl.compactions >= 2
+    assert all(t.planned_prompt_tokens + t.max_tokens <= 2000 - 60 for t in pl.turns)
+    for a, b in zip(pl.turns[:4], free.turns):  # until the context fills, the real turns
+        assert (a.planned_prompt_tokens, a.max_tokens, a.reset) == (b.planned_prompt_tokens, b.max_tokens, b.reset)
+    # turn 4 starts a new conversation: the shared system prompt and a summary of an eighth of the room
+    t4 = pl.turns[4]
+    assert t4.reset and t4.append[0] == pl.turns[0].append[0] and t4.append[1]["content"] != free.turns[4].append[0]
+    assert t4.planned_prompt_tokens == pytest.approx(50 + (2000 - 60) // 8 + 3, abs=12)
+    assert not pl.turns[5].reset and pl.turns[5].planned_prompt_tokens > t4.planned_prompt_tokens
+    assert [t.sleep_s for t in pl.turns] == [t.sleep_s for t in free.turns]  # tool times kept
+    # the summary line counts the compactions; a program that fits is left as it is
+    short = program("short", 1.0, turns=2)
+    plans = rpl.plan_workload([p, short], tm, max_context=2000, clamp="compact")
+    c = rpl.clamp_summary([p, short], plans, 2000, "compact", None)
+    assert (c["compacted_programs"], c["compactions"], c["turns_sent"]) == (1, pl.compactions, 14)
+    assert rpl.format_clamp(c).startswith(
+        f"clamped to a 2000-token context (compact): 1 of 2 programs compacted ({pl.compactions} turns sent")
+    with pytest.raises(rs.ReplayError, match="max-context"):
+        rpl.plan_program(program("s", 0.0, 2, shared=1950, task=10), tm, max_context=2000, clamp="compact")
+
+
 def test_plan_bounds_outputs_and_drops_subagents_cut_off_with_their_parent():
     tm = rt.TextModel(1.0, 4.0)
     parent = program("p", 0.0, turns=8, shared=50, task=400, out=100, obs=300)
@@ -163,7 +190,7 @@ def test_plan_bounds_outputs_and_drops_subagents_cut_off_with_their_parent():
     scaled = rpl.plan_workload(progs, tm, max_context=2000, clamp="scale")
     line = rpl.format_clamp(rpl.clamp_summary(progs, scaled, 2000, "scale", None))
     assert len(scaled) == 3 and "1 of 3 programs scaled down to fit" in line and "outputs unbounded" in line
-    assert rpl.resolve_clamp("auto", "claude-code") == "truncate" and rpl.resolve_clamp("auto", "swebench") == "scale"
+    assert rpl.resolve_clamp("auto", "claude-code") == "compact" and rpl.resolve_clamp("auto", "swebench") == "scale"
     assert rpl.resolve_clamp("scale", "claude-code") == "scale"
     with pytest.raises(ValueError):
         rpl.resolve_clamp("cut", "swebench")
@@ -643,6 +670,16 @@ def test_cli_run_over_another_api(server, tmp_path, capsys):
     rc = cli_main(["bench", "run", "--url", server.url, "--workload", str(trace), "--api", "responses-chain",
                    "--tool-role", "tool", "--no-progress"])
     assert rc == 2 and "--tool-role user" in capsys.readouterr().err
+
+
+def test_cli_program_selection_errors_are_one_line(capsys):
+    for args, msg in ((["--min-turns", "0"], "--min-turns must be at least 1"),
+                      (["--max-turns", "-1"], "--max-turns must be at least 1"),
+                      (["--programs", "-1"], "--programs must be at least 1"),
+                      (["--min-turns", "3"], "min_turns selects recorded sessions; swebench is generated")):
+        assert cli_main(["bench", "run", "--url", "http://127.0.0.1:9", "--workload", "swebench", *args]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
 
 
 def test_a_restart_in_the_middle_holds_the_turns_and_splits_the_programs(server):

@@ -451,6 +451,37 @@ def test_load_workload_recorded(traces_dir, tmp_path):
     assert sorted(int(p.program_id.rsplit("#", 1)[1]) for p in j) == list(range(8))
 
 
+def test_load_workload_selects_long_sessions_and_first_turns(traces_dir):
+    every = load_workload("claude-code", None, 0.5, 9, path=traces_dir)
+    tops = sorted(p.num_turns for p in every if p.parent_id is None)
+    n = tops[-1]
+    long = load_workload("claude-code", None, 0.5, 9, path=traces_dir, min_turns=n)
+    assert [p.num_turns for p in long if p.parent_id is None] == [n] * tops.count(n)
+    assert all(p.parent_id is None or any(q.program_id == p.parent_id for q in long) for p in long)
+    with pytest.raises(ValueError, match=f"no session has {n + 1} turns .the longest has {n}."):
+        load_workload("claude-code", None, 0.5, 9, path=traces_dir, min_turns=n + 1)
+    with pytest.raises(ValueError, match="generated"):
+        load_workload("swebench", 4, 0.5, 9, min_turns=2)
+    firsts = load_workload("claude-code", None, 0.5, 9, path=traces_dir, max_turns=2)
+    assert firsts and all(p.num_turns <= 2 for p in firsts)
+    assert all(p.parent_turn is None or p.parent_turn < 2 for p in firsts)
+    # the first turns are the workload's own (same arrivals, same calls)
+    by_id = {p.program_id: p for p in every}
+    assert all(p.calls == by_id[p.program_id].calls[:2] for p in firsts)
+    assert load_workload("swebench", 5, 1.0, 3, max_turns=1) == [
+        type(p)(p.program_id, p.calls[:1]) for p in load_workload("swebench", 5, 1.0, 3)]
+
+
+def test_first_turns_drops_subagents_launched_after_the_cut():
+    from agentserve.workload.load import first_turns
+
+    parent = Program("x", [TraceCall("x", k, float(k), 10 + k, 10, 1, "Task", 1.0) for k in range(4)])
+    early = Program("x:a", [TraceCall("x:a", 0, 0.5, 10, 10, 1, None, 0.0)], parent_id="x", parent_turn=0)
+    late = Program("x:b", [TraceCall("x:b", 0, 2.5, 10, 10, 1, None, 0.0)], parent_id="x", parent_turn=2)
+    assert [p.program_id for p in first_turns([parent, early, late], 2)] == ["x", "x:a"]
+    assert [p.num_turns for p in first_turns([parent, early, late], 3)] == [3, 1, 1]
+
+
 def test_assign_poisson_arrivals_keeps_subagent_offsets():
     parent = Program("x", [TraceCall("x", 0, 0.0, 10, 10, 1, "Task:Explore", 5.0),
                            TraceCall("x", 1, 9.0, 30, 19, 1, None, 0.0)])

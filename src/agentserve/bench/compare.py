@@ -89,7 +89,7 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                    help=VLLM_RESERVED_CPUS_HELP)
     p.add_argument("--workload", default="swebench")
-    p.add_argument("--programs", type=int, default=16)
+    p.add_argument("--programs", type=int, default=16, help="programs to replay (0: each recorded session once)")
     p.add_argument("--rate", type=float, default=0.5, help="programs per second (Poisson)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-scale", type=float, default=0.1)
@@ -131,18 +131,17 @@ def router_summary(metrics: str | None) -> str:
 
 def cmd_compare(a) -> int:
     from agentserve.bench import replay_report as rr
-    from agentserve.bench.replay import check_clamp_args
+    from agentserve.bench.replay import check_clamp_args, load_programs
     from agentserve.bench.replay_client import ReplayConfig, replay
     from agentserve.bench.replay_stream import ReplayError
     from agentserve.cli_errors import CliError
-    from agentserve.workload.load import load_workload
 
     check_clamp_args(a)
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
         specs = server_specs(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
                              vllm_reserved_cpus=a.vllm_reserved_cpus)
-        programs = load_workload(a.workload, a.programs, a.rate, a.seed)
+        programs = load_programs(a)
     except (ValueError, PeerServerError) as e:
         raise CliError(str(e)) from None
     text_seed = f"compare-{a.seed}"  # the same message text for every server

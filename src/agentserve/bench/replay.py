@@ -35,7 +35,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--workload", default="swebench",
                    help="swebench, bfcl, claude-code, swe-smith, or a JSONL trace file")
     p.add_argument("--traces", default=None, help="recorded trace file/folder (default: the shared traces)")
-    p.add_argument("--programs", type=int, default=20, help="programs to replay")
+    p.add_argument("--programs", type=int, default=20, help="programs to replay (0: each recorded session once)")
     p.add_argument("--rate", type=float, default=0.5, help="program arrival rate (jobs/s, Poisson)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and its arrivals")
     p.add_argument("--text-seed", default=None,
@@ -73,15 +73,20 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_clamp_args(p: argparse.ArgumentParser) -> None:
-    """--clamp and --max-output-tokens (bench run and bench compare)."""
+    """How programs are chosen and fitted (bench run and bench compare)."""
     from agentserve.bench.replay_plan import CLAMPS
 
     p.add_argument("--clamp", choices=CLAMPS, default="auto",
-                   help="how a program longer than the context is fitted: scale its tokens down, or truncate it "
-                        "after its last turn that fits, at real lengths (auto: truncate for claude-code, scale "
-                        "for the rest)")
+                   help="how a program longer than the context is fitted: scale its tokens down, truncate it "
+                        "after its last turn that fits, or compact it (a turn that would not fit starts a new "
+                        "conversation: system prompt and a summary, as Claude Code does), at real lengths (auto: "
+                        "compact for claude-code, scale for the rest)")
     p.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
                    help="bound every turn's output at N tokens (printed in the report; default: the trace's)")
+    p.add_argument("--min-turns", type=int, default=None, metavar="N",
+                   help="recorded workloads: replay only the sessions with at least N turns")
+    p.add_argument("--max-turns", type=int, default=None, metavar="N",
+                   help="replay each program's first N turns (a subagent launched after them is left out)")
 
 
 def check_clamp_args(a) -> None:
@@ -89,13 +94,28 @@ def check_clamp_args(a) -> None:
 
     if a.max_output_tokens is not None and a.max_output_tokens < 1:
         raise CliError("--max-output-tokens must be at least 1")
+    if a.programs < 0:
+        raise CliError("--programs must be at least 1 (0: each recorded session once)")
+    for flag in ("min_turns", "max_turns"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be at least 1")
+
+
+def load_programs(a) -> list:
+    """The programs `a` asks for (--workload, --programs, --min-turns, --max-turns)."""
+    from agentserve.cli_errors import CliError
+    from agentserve.workload.load import load_workload
+
+    try:
+        return load_workload(a.workload, a.programs or None, a.rate, a.seed, path=getattr(a, "traces", None),
+                             min_turns=a.min_turns, max_turns=a.max_turns)
+    except (OSError, ValueError) as e:
+        raise CliError(str(e)) from None
 
 
 def _check_args(a) -> None:
     from agentserve.cli_errors import CliError
 
-    if a.programs < 1:
-        raise CliError("--programs must be at least 1")
     if not a.rate > 0:
         raise CliError("--rate must be positive")
     if not a.token_scale > 0 or not a.time_scale >= 0:
@@ -117,13 +137,9 @@ def _check_args(a) -> None:
 def cmd_run(a) -> int:
     from agentserve.bench import replay_report as rr
     from agentserve.cli_errors import CliError
-    from agentserve.workload.load import load_workload
 
     _check_args(a)
-    try:
-        programs = load_workload(a.workload, a.programs, a.rate, a.seed, path=a.traces)
-    except (OSError, ValueError) as e:
-        raise CliError(str(e)) from None
+    programs = load_programs(a)
     cfg = ReplayConfig(url=a.url, model=a.model, api_key=a.api_key, workload=a.workload, rate=a.rate, seed=a.seed,
                        text_seed=a.text_seed, token_scale=a.token_scale, time_scale=a.time_scale, max_context=a.max_context,
                        tokens_per_word=a.tokens_per_word, request_timeout=a.request_timeout,

@@ -3,9 +3,10 @@ the scaled trace's lengths, or a SWE-smith trajectory's own text), its planned
 prompt and max_tokens, the tool time after it; a program that would not fit
 the server's context clamped to it by scaling or truncating (`CLAMPS`; the
 rules are on the docs' benchmarks page, "Replaying an agent workload").
-Truncating is the default for the Claude Code traces because their sessions
-outgrow any context here, and scaled to fit, their first turns would shrink far
-below their real length. `max_output_tokens` bounds outputs first (the traces'
+Compacting is the default for the Claude Code traces: their sessions outgrow
+any context here, and Claude Code itself compacts a conversation that nears the
+model's context (scaled to fit, their first turns would shrink far below their
+real length; truncated, most sessions would keep a handful of turns). `max_output_tokens` bounds outputs first (the traces'
 outputs, thinking included, run to thousands of tokens, which a CPU decodes in
 minutes); `clamp_summary` counts what was clamped, for the log and the report."""
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agentserve.bench.replay_stream import ReplayError
 from agentserve.bench.replay_text import TextModel
@@ -44,9 +45,10 @@ class ProgramPlan:
     dropped_turns: int = 0  # truncate: the trace's turns after the last that fits
     first_cut: float = 1.0  # truncate: the factor the first prompt was cut by to fit (1: none)
     capped_outputs: int = 0  # turns whose output max_output_tokens bounded
+    compactions: int = 0  # compact: turns sent as a compacted conversation instead of the trace's
 
 
-CLAMPS = ("auto", "scale", "truncate")
+CLAMPS = ("auto", "scale", "truncate", "compact")
 
 
 @dataclass
@@ -55,11 +57,12 @@ class _Targets:
     task: float
     outputs: list[float]
     steps: list[tuple[str, float]]  # per turn k >= 1: ("append", tool tokens) or ("reset", prompt - system)
+    own: bool = False  # the system prompt is the program's own (Program.prefix_tokens), not shared
 
 
 def _targets(p: Program, scale: float, max_output_tokens: int | None = None) -> _Targets:
     calls = p.calls
-    shared = min(calls[0].shared_prefix_tokens, calls[0].prompt_tokens)
+    shared = min(calls[0].shared_prefix_tokens or p.prefix_tokens, calls[0].prompt_tokens)
     steps: list[tuple[str, float]] = []
     for prev, c in zip(calls, calls[1:]):
         delta = c.prompt_tokens - prev.prompt_tokens - prev.output_tokens
@@ -70,7 +73,8 @@ def _targets(p: Program, scale: float, max_output_tokens: int | None = None) -> 
     outputs = [c.output_tokens * scale for c in calls]
     if max_output_tokens is not None:
         outputs = [min(o, max_output_tokens) for o in outputs]
-    return _Targets(round(shared * scale), (calls[0].prompt_tokens - shared) * scale, outputs, steps)
+    return _Targets(round(shared * scale), (calls[0].prompt_tokens - shared) * scale, outputs, steps,
+                    own=not calls[0].shared_prefix_tokens)
 
 
 def _contexts(t: _Targets, f: float, overhead: float) -> list[tuple[int, int]]:
@@ -123,21 +127,51 @@ def truncate_targets(t: _Targets, max_context: int, overhead: float) -> tuple[_T
     the shared system prompt) cut to take half the room. Raises ReplayError when
     the shared system prompt alone leaves no room."""
     room = _room(max_context)
-    cut = 1.0
-    first = _contexts(_Targets(t.system, t.task, t.outputs[:1], []), 1.0, overhead)[0]
-    if sum(first) > room:
-        # the first turn's prompt without its task, and its output
-        fixed = _contexts(_Targets(t.system, 0.0, t.outputs[:1], []), 1.0, overhead)[0]
-        free = room // 2 - sum(fixed)
-        if free < 1:
-            raise ReplayError(f"a program cannot fit --max-context {max_context}: the shared system prompt and "
-                              f"the first output take {sum(fixed)} tokens; lower --token-scale or --max-output-tokens")
-        cut = free / t.task
-        t = _Targets(t.system, free, t.outputs, t.steps)
+    t, cut = _fit_first(t, max_context, overhead)
     sizes = _contexts(t, 1.0, overhead)
     keep = next((k for k, (p, o) in enumerate(sizes) if p + o > room), len(sizes))
     keep = max(1, keep)
-    return _Targets(t.system, t.task, t.outputs[:keep], t.steps[:keep - 1]), keep, cut
+    return replace(t, outputs=t.outputs[:keep], steps=t.steps[:keep - 1]), keep, cut
+
+
+def _fit_first(t: _Targets, max_context: int, overhead: float) -> tuple[_Targets, float]:
+    """t with a first turn that does not fit max_context minus the margin cut to
+    half the room (its task: the first prompt but the shared system prompt), and
+    the cut factor (1: none)."""
+    room = _room(max_context)
+    if sum(_contexts(_Targets(t.system, t.task, t.outputs[:1], []), 1.0, overhead)[0]) <= room:
+        return t, 1.0
+    # the first turn's prompt without its task, and its output
+    fixed = _contexts(_Targets(t.system, 0.0, t.outputs[:1], []), 1.0, overhead)[0]
+    free = room // 2 - sum(fixed)
+    if free < 1:
+        raise ReplayError(f"a program cannot fit --max-context {max_context}: the shared system prompt and "
+                          f"the first output take {sum(fixed)} tokens; lower --token-scale or --max-output-tokens")
+    return replace(t, task=free), free / t.task
+
+
+def compact_targets(t: _Targets, max_context: int, overhead: float) -> tuple[_Targets, int, float]:
+    """(targets with every turn kept, how many turns were compacted, the first
+    prompt's cut factor), as Claude Code does near its context limit: a turn whose
+    prompt + output would not fit max_context minus the margin is sent as a new
+    conversation, the shared system prompt and a summary of an eighth of the
+    context, in place of the history and the tool result; every turn keeps its
+    real length otherwise. The first prompt is cut as truncate_targets cuts it."""
+    t, cut = _fit_first(t, max_context, overhead)
+    room = _room(max_context)
+    summary = float(max(1, room // 8))
+    steps = list(t.steps)
+    compactions = 0
+    for k in range(1, len(t.outputs)):
+        p, o = _contexts(_Targets(t.system, t.task, t.outputs[:k + 1], steps[:k]), 1.0, overhead)[k]
+        if p + o > room:
+            steps[k - 1] = ("reset", summary)
+            compactions += 1
+    out = replace(t, steps=steps)
+    if max(p + o for p, o in _contexts(out, 1.0, overhead)) > room:
+        raise ReplayError(f"a program cannot fit --max-context {max_context} even compacted: the shared system "
+                          f"prompt, a summary and one output do not fit; lower --token-scale or --max-output-tokens")
+    return out, compactions, cut
 
 
 def sanitize_tool(name: str | None) -> str:
@@ -163,16 +197,20 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
     t = _targets(p, token_scale, max_output_tokens)
     capped = sum(1 for c in p.calls if max_output_tokens is not None and c.output_tokens * token_scale > max_output_tokens)
     real = _real_text_turns(p)
-    keep, cut = len(p.calls), 1.0
+    keep, cut, compactions = len(p.calls), 1.0, 0
     if clamp == "truncate" and max_context is not None and not real:  # real text is cut by the scale only
         t, keep, cut = truncate_targets(t, max_context, tm.message_overhead)
+        f = 1.0
+    elif clamp == "compact" and max_context is not None and not real:
+        t, compactions, cut = compact_targets(t, max_context, tm.message_overhead)
         f = 1.0
     else:
         f = fit_factor(t, max_context, tm.message_overhead)
     sizes = _contexts(t, f, tm.message_overhead)
     calls = p.calls[:keep]
-    system_msg = ({"role": "system", "content": tm.text(t.system, f"{seed}:system")} if t.system else None)
     pid = p.program_id
+    system_msg = ({"role": "system", "content": tm.text(t.system, f"{seed}:{pid}:system" if t.own else f"{seed}:system")}
+                  if t.system else None)
     turns: list[TurnPlan] = []
     prev_ids: list[str] = []
     for k, c in enumerate(calls):
@@ -220,7 +258,8 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
         ))
         prev_ids = ids
     return ProgramPlan(pid, p.arrival if arrival is None else arrival, turns, p.parent_id, p.parent_turn, f,
-                       dropped_turns=len(p.calls) - keep, first_cut=cut, capped_outputs=capped)
+                       dropped_turns=len(p.calls) - keep, first_cut=cut, capped_outputs=capped,
+                       compactions=compactions)
 
 
 def _tool_message(text: str, call_ids: list[str], i: int, tool_role: str) -> dict:
@@ -230,12 +269,12 @@ def _tool_message(text: str, call_ids: list[str], i: int, tool_role: str) -> dic
 
 
 def resolve_clamp(clamp: str, workload: str) -> str:
-    """auto -> truncate for the Claude Code traces, scale for the rest."""
+    """auto -> compact for the Claude Code traces, scale for the rest."""
     if clamp not in CLAMPS:
         raise ValueError(f"clamp must be one of {', '.join(CLAMPS)}, got {clamp!r}")
     if clamp != "auto":
         return clamp
-    return "truncate" if workload.strip().lower().replace("_", "-") in ("claude-code", "claudecode") else "scale"
+    return "compact" if workload.strip().lower().replace("_", "-") in ("claude-code", "claudecode") else "scale"
 
 
 def plan_workload(programs: list[Program], tm: TextModel, *, token_scale: float = 1.0, time_scale: float = 1.0,
@@ -276,6 +315,8 @@ def clamp_summary(programs: list[Program], plans: list[ProgramPlan], max_context
             "dropped_subagents": sum(1 for p in programs if p.program_id not in planned),
             "dropped_subagent_turns": sum(p.num_turns for p in programs if p.program_id not in planned),
             "capped_outputs": sum(pl.capped_outputs for pl in plans),
+            "compacted_programs": sum(1 for pl in plans if pl.compactions),
+            "compactions": sum(pl.compactions for pl in plans),
             "turns_sent": sum(len(pl.turns) for pl in plans)}
 
 
@@ -289,6 +330,10 @@ def format_clamp(c: dict) -> str:
                      f"({c['dropped_turns']} turns dropped), {c['first_prompts_cut']} first prompts (tool "
                      f"definitions and system prompt) cut to half the context, {c['dropped_subagents']} subagents "
                      f"({c['dropped_subagent_turns']} turns) not replayed")
+    elif c["mode"] == "compact":
+        parts.append(f"{c.get('compacted_programs', 0)} of {c['programs']} programs compacted "
+                     f"({c.get('compactions', 0)} turns sent as a compacted conversation), {c['first_prompts_cut']} "
+                     f"first prompts (tool definitions and system prompt) cut to half the context")
     else:
         parts.append(f"{c['scaled_programs']} of {c['programs']} programs scaled down to fit")
     cap = c.get("max_output_tokens")

@@ -22,7 +22,9 @@ Mapping (traces/README.md section 1.5), one TraceCall per LLM-call record:
   api_time[i]) when this record has `api_time`, else max(0, t[i+1] - t[i] -
   median api_time of the program's records (0 if none)). Last call: 0.
   After a Task call the gap includes the subagents' run time.
-* shared_prefix_tokens = 0 (tool definitions differ between traces).
+* shared_prefix_tokens = 0 (tool definitions differ between traces); the
+  program's own `prefix_tokens` = its `tool_tokens + system_tokens` (a
+  subagent's from its entry), scaled, at most its first prompt.
 
 `token_scale` multiplies token counts, keeping the block structure: each hash
 id is kept and `hash_block_size` becomes max(1, round(64*scale)); a prompt is
@@ -138,7 +140,7 @@ def parse_claude_code_trace(
     parent_calls = _truncate(_program_calls(tid, parent_recs, 0.0, spawned, token_scale), max_prompt_tokens)
     if not parent_calls:
         return []
-    programs = [Program(tid, parent_calls)]
+    programs = [Program(tid, parent_calls, prefix_tokens=_prefix(obj, parent_calls, token_scale))]
     for entry, j in subs:
         if j >= len(parent_calls) or not entry.get("requests"):
             continue
@@ -149,8 +151,15 @@ def parse_claude_code_trace(
         pid = f"{tid}:{entry['agent_id']}"
         calls = _truncate(_program_calls(pid, entry["requests"], start, {}, token_scale), max_prompt_tokens)
         if calls:
-            programs.append(Program(pid, calls, parent_id=tid, parent_turn=j))
+            programs.append(Program(pid, calls, parent_id=tid, parent_turn=j,
+                                    prefix_tokens=_prefix(entry, calls, token_scale)))
     return programs
+
+
+def _prefix(obj: dict, calls: list[TraceCall], token_scale: float) -> int:
+    """The system prompt and tool definitions opening the first prompt, scaled."""
+    n = round((int(obj.get("tool_tokens") or 0) + int(obj.get("system_tokens") or 0)) * token_scale)
+    return max(0, min(n, calls[0].prompt_tokens))
 
 
 def claude_code_files(path_or_dir: str | os.PathLike | None = None) -> list[Path]:

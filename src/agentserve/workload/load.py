@@ -76,6 +76,24 @@ def _rescaled(programs: list[Program], token_scale: float, tool_time_scale: floa
     return out
 
 
+def long_sessions(programs: list[Program], min_turns: int) -> list[Program]:
+    """The recorded sessions whose top-level program has at least `min_turns`
+    turns, each with its subagents. Raises ValueError when none has."""
+    keep = {p.program_id for p in programs if p.parent_id is None and p.num_turns >= min_turns}
+    if not keep:
+        longest = max((p.num_turns for p in programs if p.parent_id is None), default=0)
+        raise ValueError(f"no session has {min_turns} turns (the longest has {longest})")
+    return [p for p in programs if (p.parent_id or p.program_id) in keep]
+
+
+def first_turns(programs: list[Program], max_turns: int) -> list[Program]:
+    """Each program's first `max_turns` turns; a subagent its parent launched
+    after them is left out."""
+    kept = {p.program_id: min(p.num_turns, max_turns) for p in programs}
+    return [replace(p, calls=p.calls[:max_turns]) for p in programs
+            if p.parent_id is None or p.parent_turn is None or p.parent_turn < kept.get(p.parent_id, max_turns)]
+
+
 def load_workload(
     spec: str, num_programs: int | None, rate: float, seed: int, **opts: Any
 ) -> list[Program]:
@@ -88,10 +106,21 @@ def load_workload(
     num_programs=None takes each group once).
     opts: path (recorded source file/folder; default: the shared traces),
     token_scale, tool_time_scale (every tool duration times this), max_prompt_tokens (claude-code), count_tokens (swe-smith),
-    keep_arrivals=True (recorded: keep recorded arrivals, no re-draw).
+    keep_arrivals=True (recorded: keep recorded arrivals, no re-draw),
+    min_turns (recorded: only sessions with that many turns), max_turns (each
+    program's first turns; see long_sessions and first_turns).
     Returned sorted by arrival."""
+    programs = _load(spec, num_programs, rate, seed, **opts)
+    if opts.get("max_turns"):
+        programs = first_turns(programs, opts["max_turns"])
+    return programs
+
+
+def _load(spec: str, num_programs: int | None, rate: float, seed: int, **opts: Any) -> list[Program]:
     key = str(spec).strip()
     low = key.lower()
+    if opts.get("min_turns") and low in GENERATED + ("swe-bench",):
+        raise ValueError(f"min_turns selects recorded sessions; {spec} is generated")
     if low in ("swebench", "swe-bench"):
         if num_programs is None:
             raise ValueError("generated workloads need num_programs")
@@ -115,6 +144,8 @@ def load_workload(
         base = load_jsonl(key)
     else:
         raise ValueError(f"unknown workload {spec!r}; choices: {', '.join(CHOICES)}")
+    if opts.get("min_turns"):
+        base = long_sessions(base, opts["min_turns"])
     programs = _rescaled(sample_programs(base, num_programs, seed), 1.0, opts.get("tool_time_scale", 1.0))
     if opts.get("keep_arrivals"):
         return sorted(programs, key=lambda p: p.arrival)

@@ -9,7 +9,7 @@ JSONL line keys (one object per line):
     tool_name, tool_duration                       -- required on every line
     hash_ids, hash_block_size, shared_prefix_tokens,
     message_index                                  -- optional, per call
-    messages, parent_id, parent_turn               -- optional, per program,
+    messages, parent_id, parent_turn, prefix_tokens -- optional, per program,
                                                       on the program's turn-0 line
 
 Optional keys are written only when they differ from their defaults, so a
@@ -79,6 +79,10 @@ class Program:
     # response launched it (the subagent's arrival is then its start offset).
     parent_id: str | None = None
     parent_turn: int | None = None
+    # Tokens of the program's own system prompt and tool definitions that open its
+    # first prompt (the Claude Code traces give them); 0: not known. Unlike a
+    # call's shared_prefix_tokens, not shared with other programs.
+    prefix_tokens: int = 0
 
     @property
     def arrival(self) -> float:
@@ -222,6 +226,8 @@ def save_jsonl(programs: Iterable[Program], path: str | os.PathLike) -> None:
                         obj["parent_id"] = p.parent_id
                     if p.parent_turn is not None:
                         obj["parent_turn"] = p.parent_turn
+                    if p.prefix_tokens:
+                        obj["prefix_tokens"] = p.prefix_tokens
                 f.write(json.dumps(obj, ensure_ascii=False))
                 f.write("\n")
 
@@ -243,7 +249,7 @@ def load_jsonl(path: str | os.PathLike) -> list[Program]:
             except json.JSONDecodeError as e:
                 raise TraceError(f"line {lineno}: invalid JSON: {e.msg}") from None
             c = _call_from_obj(obj, lineno)
-            extra = {k: obj[k] for k in ("messages", "parent_id", "parent_turn") if k in obj}
+            extra = {k: obj[k] for k in ("messages", "parent_id", "parent_turn", "prefix_tokens") if k in obj}
             calls.setdefault(c.program_id, []).append((lineno, c, extra))
     programs: list[Program] = []
     for pid, rows in calls.items():
@@ -272,6 +278,11 @@ def load_jsonl(path: str | os.PathLike) -> list[Program]:
                 if extra["parent_turn"] is not None:
                     _check_type(lineno, "parent_turn", extra["parent_turn"], int)
                 p.parent_turn = extra["parent_turn"]
+            if "prefix_tokens" in extra:
+                _check_type(lineno, "prefix_tokens", extra["prefix_tokens"], int)
+                if not 0 <= extra["prefix_tokens"] <= c.prompt_tokens:
+                    raise _err(lineno, "prefix_tokens", "expected 0 <= prefix_tokens <= prompt_tokens")
+                p.prefix_tokens = extra["prefix_tokens"]
         for (_, prev, _), (lineno, c, _) in zip(rows, rows[1:]):
             reused = c.prompt_tokens - c.new_tokens
             if reused > prev.prompt_tokens + prev.output_tokens:
