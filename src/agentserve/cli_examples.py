@@ -25,8 +25,6 @@ EXAMPLES: dict[str, list[str]] = {
     "bench report": ["agentserve bench report agentserve.json vllm.json --report compare.md --plot compare"],
     "bench compare": ["agentserve bench compare --servers agentserve-agentserve,vllm-cpu --workload swebench "
                       "--programs 12 --rate 0.3 --token-scale 1.0 --kv-tokens 16384 --json compare.json",
-                      "agentserve bench compare --servers agentserve-agentserve,agentserve-agentserve+restart,"
-                      "agentserve-agentserve+state+restart --restart-at 120 --programs 40 --rate 0.2",
                       "agentserve bench compare --model gemma3-270m --servers agentserve-agentserve,llama-server "
                       "--token-scale 1.0 --kv-tokens 32768 --llama-server-slots 8 --json gemma.json"],
     "generate": ['agentserve generate "def fib(n):" --max-tokens 64 --stop "\\n\\n"',

@@ -4,30 +4,17 @@ vLLM's CPU build, llama.cpp's server; `bench/peers/`, installed with
 `benchmarks/peers/install_*.sh`), replay the workload with
 the same seed and the same message text, stop it, and print one table with
 every server's figures and its mean-JCT ratio to agentserve-continuum (to the
-first server of the run when continuum is not in it).
-
-`--restart-at` with servers named `+restart` (and `+state`): the docs' benchmarks page,
-"A restart in the middle"."""
+first server of the run when continuum is not in it)."""
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 
 from agentserve.bench.peers.running import each_server, http_text
-from agentserve.bench.peers.specs import (
-    DEFAULT_MODEL,
-    HOST_KV_FACTOR,
-    LLAMASERVER_SLOTS,
-    MODELS,
-    SERVER_NAMES,
-    PeerServerError,
-    VLLM_RESERVED_CPUS,
-    VLLM_RESERVED_CPUS_HELP,
-    reserved_cpus_arg,
-    server_specs,
-)
+from agentserve.bench.peers.specs import (DEFAULT_MODEL, HOST_KV_FACTOR, LLAMASERVER_SLOTS, MODELS, SERVER_NAMES,
+                                          VLLM_RESERVED_CPUS, VLLM_RESERVED_CPUS_HELP, PeerServerError,
+                                          reserved_cpus_arg, server_specs)
 from agentserve.text_table import aligned
 
 REFERENCE = "agentserve-continuum"
@@ -45,39 +32,36 @@ def compare_rows(results: list[dict]) -> list[dict]:
                      "mean_jct": r["mean_jct"], "p95_jct": r["p95_jct"], "mean_ttft": r["mean_ttft"],
                      "throughput_jobs_s": r["throughput_jobs_s"], "cached_ratio": r["cached_ratio"],
                      "jct_vs_ref": ratio, "reference": ref["server"] if ref else None})
-        after = r.get("after_restart")
-        if after is not None:
-            rows[-1].update(after_s=after["since_s"], after_done=f"{after['completed']}/{after['programs']}",
-                            after_mean_jct=after["mean_jct"], restarted=(after.get("restarted") or {}).get("down_s"))
     return rows
 
 
-def format_compare(rows: list[dict]) -> str:
+def compare_lines(rows: list[dict]) -> list[list[str]]:
+    """The table's cells: its head, then a line a row."""
     ref = rows[0]["reference"] if rows else REFERENCE
-    head = ["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "jobs/s", "cached %",
-            f"mean JCT / {ref}"]
-    split = next((r["after_s"] for r in rows if "after_s" in r), None)
-    if split is not None:
-        head += [f"arrived after {split:g} s: done", "mean JCT s", "restart down s"]
-    lines = [head]
-    for r in rows:
-        lines.append([r["server"], r["done"], str(r["errors"]), f"{r['mean_jct']:.2f}", f"{r['p95_jct']:.2f}",
-                      f"{r['mean_ttft']:.3f}", f"{r['throughput_jobs_s']:.3f}", f"{100 * r['cached_ratio']:.1f}",
-                      f"{r['jct_vs_ref']:.2f}x"])
-        if split is not None:
-            down = r.get("restarted")
-            lines[-1] += [r.get("after_done", "-"), f"{r.get('after_mean_jct', float('nan')):.2f}",
-                          "-" if down is None else f"{down:.1f}"]
-    return aligned(lines, left=0, rule=False)
+    return [["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "jobs/s", "cached %",
+             f"mean JCT / {ref}"]] + [
+        [r["server"], r["done"], str(r["errors"]), f"{r['mean_jct']:.2f}", f"{r['p95_jct']:.2f}",
+         f"{r['mean_ttft']:.3f}", f"{r['throughput_jobs_s']:.3f}", f"{100 * r['cached_ratio']:.1f}",
+         f"{r['jct_vs_ref']:.2f}x"] for r in rows]
+
+
+def format_compare(rows: list[dict]) -> str:
+    return aligned(compare_lines(rows), left=0, rule=False)
 
 
 def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("compare", help="replay one workload against agentserve and its peers, in turn",
                               description=__doc__.split("\n\n")[0].replace("`agentserve bench compare`: ", ""))
-    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+    add_compare_args(p)
+    p.set_defaults(func=cmd_compare)
+    return p
+
+
+def add_compare_args(p: argparse.ArgumentParser, servers: tuple[str, ...] = DEFAULT_SERVERS) -> None:
+    p.add_argument("--servers", default=",".join(servers),
                    help=f"comma-separated, from {', '.join(SERVER_NAMES)} (an agentserve name is its policy; +host: "
                         f"with a host KV tier of {HOST_KV_FACTOR}x --kv-tokens; peers need benchmarks/peers/install_*.sh; "
-                        f"default: {','.join(DEFAULT_SERVERS)})")
+                        f"default: {','.join(servers)})")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS,
                    help="the model every server serves, from one GGUF file (vLLM: the folder converted from it, "
                         "install_vllm.sh --model NAME) (default: %(default)s)")
@@ -97,16 +81,10 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     from agentserve.bench.replay import add_clamp_args
 
     add_clamp_args(p)
-    p.add_argument("--restart-at", type=float, default=None, metavar="SECONDS",
-                   help="restart the servers named with +restart this many seconds into their replay (SIGTERM, "
-                        "then the same command; turns wait while it is down, a turn it cut is sent again) and add "
-                        "to every row the programs that arrived from then on")
     p.add_argument("--json", default=None, help="all servers' results and the table")
     p.add_argument("--report", default=None, help="Markdown report")
     p.add_argument("--plot", default=None, help="PNG prefix: JCT CDF over servers, one timeline each")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(func=cmd_compare)
-    return p
 
 
 def final_metrics(base_url: str) -> str | None:
@@ -129,7 +107,10 @@ def router_summary(metrics: str | None) -> str:
     return ", ".join(found)
 
 
-def cmd_compare(a) -> int:
+def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int:
+    """Run the comparison `a` asks for. The hooks (benchmarks/restart_replay.py): `specs_of` as
+    server_specs, `replay_kwargs(spec, srv)` more ReplayConfig fields for a server,
+    `widen(results, rows, lines)` more of each result, row and line of the table before it is printed."""
     from agentserve.bench import replay_report as rr
     from agentserve.bench.replay import check_clamp_args, load_programs
     from agentserve.bench.replay_client import ReplayConfig, replay
@@ -139,28 +120,19 @@ def cmd_compare(a) -> int:
     check_clamp_args(a)
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
-        specs = server_specs(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
+        specs = specs_of(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
                              vllm_reserved_cpus=a.vllm_reserved_cpus)
         programs = load_programs(a)
     except (ValueError, PeerServerError) as e:
         raise CliError(str(e)) from None
     text_seed = f"compare-{a.seed}"  # the same message text for every server
-    restarted = [s.name for s in specs if s.restart]
-    if restarted and a.restart_at is None:
-        raise CliError(f"{', '.join(restarted)}: +restart needs --restart-at SECONDS")
-    if a.restart_at is not None and not a.restart_at > 0:
-        raise CliError(f"--restart-at must be a number of seconds > 0, got {a.restart_at:g}")
-    for spec in specs:
-        if spec.state_dir is not None:  # +state: what it learns in this run only
-            shutil.rmtree(spec.state_dir, ignore_errors=True)
 
     def run(spec, srv) -> dict:
         cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate, seed=a.seed,
                            text_seed=text_seed, token_scale=a.token_scale, time_scale=a.time_scale,
                            max_context=spec.max_model_len, label=spec.name, progress=a.progress,
                            clamp=a.clamp, max_output_tokens=a.max_output_tokens,
-                           restart_at=a.restart_at, restart=srv.restart if spec.restart else None,
-                           retry_failed_turns=2 if spec.restart else 0)
+                           **(replay_kwargs(spec, srv) if replay_kwargs else {}))
         result = replay(programs, cfg)
         if spec.name.startswith(("agentserve-", "cluster-")):
             result["final_metrics"] = final_metrics(srv.base_url)
@@ -180,7 +152,10 @@ def cmd_compare(a) -> int:
     if not results:
         raise CliError("no server could be run")
     rows = compare_rows(results)
-    print(format_compare(rows))
+    lines = compare_lines(rows)
+    if widen is not None:
+        widen(results, rows, lines)
+    print(aligned(lines, left=0, rule=False))
     print("\nwhere a program's time goes (mean seconds; per turn after 'turns'):")
     print(rr.format_time_table(results))
     rr.write_outputs(results, plot=a.plot, report=a.report, json_path=a.json,

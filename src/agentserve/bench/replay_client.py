@@ -12,14 +12,14 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agentserve.bench.replay_apis import wire
 from agentserve.bench.replay_plan import (ProgramPlan, clamp_summary, format_clamp, plan_workload, resolve_clamp,
                                           sanitize_tool)
-from agentserve.bench.replay_results import summarize, summarize_since
+from agentserve.bench.replay_results import summarize
 from agentserve.bench.replay_stream import (ReplayError, StreamAccumulator, base_url, http_error, server_info,
                                             stream_post)
 from agentserve.bench.replay_text import TextModel, calibrate
@@ -48,11 +48,9 @@ class ReplayConfig:
     progress: bool = True
     retry_failed_turns: int = 0  # resend a turn the server failed (5xx, cut stream) up to N times
     api: str = "chat"  # which API carries the turns (replay_apis.API_NAMES)
-    # `restart_at` seconds into the run: turns are held while `restart()` (blocking; the seconds the
-    # server was down) restarts the server, and the programs arriving from then on are summed up
-    # apart (`after_restart`); without `restart`, only the split (the uninterrupted run's figure)
-    restart_at: float | None = None
-    restart: Callable[[], float] | None = None
+    # run beside the programs from the start (benchmarks/restart_replay.py restarts the server): while
+    # it clears the Replayer's `up`, no turn is sent; cancelled if every program ends while `up` is set
+    beside: Callable[[Replayer], Awaitable[None]] | None = None
 
 
 def retryable(err: str) -> bool:
@@ -113,9 +111,8 @@ class Replayer:
         self.progress: _Progress | None = None
         self.overhead = 4.0  # template tokens a message adds (set from the TextModel)
         self.wire = wire(cfg.api, cfg.api_key)
-        self.up = asyncio.Event()  # cleared while the server restarts: no turn is sent
+        self.up = asyncio.Event()  # cleared (by `cfg.beside`) while the server is down: no turn is sent
         self.up.set()
-        self.restarted: dict | None = None  # when the restart began and how long the server was down
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -259,26 +256,15 @@ class Replayer:
             self.events[pl.program_id] = [asyncio.Event() for _ in pl.turns]
         self.progress = _Progress(sum(len(p.turns) for p in plans), len(plans), self.cfg.progress)
         self.t0 = time.perf_counter()
-        restart = asyncio.create_task(self._restart()) if self.cfg.restart is not None else None
+        beside = asyncio.create_task(self.cfg.beside(self)) if self.cfg.beside is not None else None
         try:
             await asyncio.gather(*(self.run_program(p) for p in plans))
         finally:
-            if restart is not None:
-                if self.up.is_set() and self.restarted is None:
-                    restart.cancel()  # every program ended before its time
-                await asyncio.gather(restart, return_exceptions=True)
+            if beside is not None:
+                if self.up.is_set():
+                    beside.cancel()  # every program ended before its time (a no-op once it is done)
+                await asyncio.gather(beside, return_exceptions=True)
             self.progress.close()
-
-    async def _restart(self) -> None:
-        await asyncio.sleep(max(0.0, self.cfg.restart_at - self.now()))
-        self.up.clear()
-        self.restarted = {"at": self.now(), "down_s": None}
-        try:
-            self.restarted["down_s"] = await asyncio.to_thread(self.cfg.restart)
-        except Exception as e:  # noqa: BLE001 - the turns then fail against the server that is not back
-            self.restarted["error"] = str(e)
-        finally:
-            self.up.set()
 
 
 async def replay_async(programs: list[Program], cfg: ReplayConfig) -> dict:
@@ -323,10 +309,7 @@ async def replay_async(programs: list[Program], cfg: ReplayConfig) -> dict:
                    "request_timeout": cfg.request_timeout, "ignore_eos": cfg.ignore_eos,
                    "tool_role": cfg.tool_role, "max_output_tokens": cfg.max_output_tokens, "clamp": clamped},
     }
-    out = summarize(rep.turns, rep.results, meta)
-    if cfg.restart_at is not None:
-        out["after_restart"] = {**summarize_since(out, cfg.restart_at), "restarted": rep.restarted}
-    return out
+    return summarize(rep.turns, rep.results, meta)
 
 
 def replay(programs: list[Program], cfg: ReplayConfig) -> dict:

@@ -66,17 +66,6 @@ def summarize(turns: list[dict], results: list[dict], meta: dict | None = None) 
     return out
 
 
-def summarize_since(result: dict, since: float) -> dict:
-    """The programs of `result` that arrived `since` seconds into the run or later (the half after
-    a restart, or the same programs of a run without one): their count, completions, JCT, TTFT."""
-    late = [r for r in result["program_results"] if r["arrival"] >= since]
-    ids = {r["program_id"] for r in late}
-    jct = [r["jct"] for r in late if r["completed"]]
-    ttft = [t["ttft"] for t in result["turns"] if t["program_id"] in ids and t["error"] is None]
-    return {"since_s": since, "programs": len(late), "completed": len(jct), "mean_jct": _mean(jct),
-            "p95_jct": percentile(jct, 95), "mean_ttft": _mean(ttft)}
-
-
 def _jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None

@@ -63,7 +63,7 @@ class RunningServer:
     def __init__(self, spec: ServerSpec, process: subprocess.Popen, log_file, started_at: float):
         self.spec = spec
         self.process = process
-        self._log_file = log_file
+        self.log_file = log_file
         self.started_at = started_at
         self.ready_s: float | None = None  # seconds from start to answering
 
@@ -125,20 +125,9 @@ class RunningServer:
             # Children that outlived the leader (an engine process) go too.
             _signal_group(self.process, signal.SIGKILL)
         finally:
-            if self._log_file and not self._log_file.closed:
-                self._log_file.close()
+            if self.log_file and not self.log_file.closed:
+                self.log_file.close()
         return self.process.returncode
-
-    def restart(self, grace_s: float = 30.0) -> float:
-        """Stop the server as `stop` does (SIGTERM: it drains and saves what it keeps) and start it
-        again with the same command, its output appended to the same log; the seconds it was down
-        (until it answers again). PeerServerError, with the log's tail, if it does not come back."""
-        t0 = time.monotonic()
-        self.stop(grace_s)
-        self.started_at = time.monotonic()
-        self.process, self._log_file = _spawn(self.spec, restart=True)
-        self.wait_ready()
-        return time.monotonic() - t0
 
     def chat(self, prompt: str, max_tokens: int = 32, timeout_s: float = 120.0) -> dict:
         """One non-streaming, greedy chat completion (a smoke check)."""
@@ -161,7 +150,7 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _spawn(spec: ServerSpec, restart: bool = False):
+def spawn(spec: ServerSpec, restart: bool = False):
     """(the server's process, its log file): in its own session (its group is stopped as one), its
     output in spec.log_path after the command line (a restart appends to the log, a start empties it)."""
     log = open(spec.log_path, "ab" if restart else "wb")
@@ -184,7 +173,7 @@ def start_server(spec: ServerSpec, *, wait: bool = True, timeout_s: float | None
         raise PeerServerError(f"{spec.host}:{spec.port} is already in use; pass another port for {spec.name}")
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    proc, log = _spawn(spec)
+    proc, log = spawn(spec)
     server = RunningServer(spec, proc, log, started)
     if wait:
         try:

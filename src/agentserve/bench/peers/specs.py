@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shlex
 import sys
 from collections.abc import Iterable, Mapping
@@ -40,10 +39,6 @@ DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "a
                  **{f"cluster-{r}": 8120 + i for i, r in enumerate(CLUSTER_ROUTERS)},
                  "llama-server": 8103, "llama-server+host": 8104}
 HOST_KV_FACTOR = 4
-# after an agentserve name (and its +host), in any order: `+state` keeps the learned state in a
-# directory of its own under the peers dir (`serve --state-dir`, emptied when a run starts it),
-# `+restart` has the comparison restart the server at `bench compare --restart-at`
-RUN_SUFFIXES = ("+state", "+restart")
 VLLM_PLUGIN = "vllm-cpu+agentserve"  # vLLM-CPU with agentserve's scheduler plugin (integrations/vllm/)
 # Seconds to wait for a server to answer: vLLM compiles its model on every start
 # (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
@@ -129,8 +124,6 @@ class ServerSpec:
     startup_timeout_s: float
     requires: tuple[Path, ...] = field(default=())  # files that must exist (venv python, model)
     install_hint: str = ""
-    state_dir: Path | None = None   # `+state`: where the server keeps its learned state
-    restart: bool = False           # `+restart`: restarted in the middle of the replay
     model: str = DEFAULT_MODEL      # the short name of the model every server serves
     model_context: int = MODEL_MAX_LEN  # that model's own context (tokens)
 
@@ -189,16 +182,9 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     gguf: the file for llama.cpp and llama-server (default: the model's own).
     """
     base, colon, options = name.partition(":")
-    suffixes = set()
-    if base.startswith("agentserve-"):
-        for suffix in RUN_SUFFIXES:
-            if suffix in base:
-                suffixes.add(suffix)
-                base = base.replace(suffix, "", 1)
     if base not in SERVER_NAMES or (colon and not (base.startswith("agentserve-") or base == VLLM_PLUGIN)):
         raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)} (an agentserve "
-                                 "name (and vllm-cpu+agentserve) may add policy options: agentserve-agentserve:running_share=1, and "
-                                 f"{' or '.join(RUN_SUFFIXES)}: agentserve-agentserve+state+restart)")
+                                 "name (and vllm-cpu+agentserve) may add policy options: agentserve-agentserve:running_share=1)")
     check_kv_tokens(kv_tokens)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -208,7 +194,6 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     model = shape.name
     model_name = model_name or shape.served_name
     port = DEFAULT_PORTS[base] if port is None else port
-    state_dir = None
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
     peers = Path(peers_dir) if peers_dir is not None else default_peers_dir()
@@ -235,9 +220,6 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if plus:
             argv += ["--host-kv-tokens", str(HOST_KV_FACTOR * kv_tokens)]
             setting += f", --host-kv-tokens {HOST_KV_FACTOR * kv_tokens}"
-        if "+state" in suffixes:
-            state_dir = peers / "state" / re.sub(r"[^A-Za-z0-9._+=,-]", "_", name)
-            argv += ["--state-dir", str(state_dir)]
     elif name.startswith("cluster-"):
         router = name.removeprefix("cluster-")
         per = max(1, threads // CLUSTER_REPLICAS)
@@ -328,8 +310,8 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     return ServerSpec(name=name, argv=tuple(argv), env=env, unset_env=unset, host=host, port=port,
                       health_path=health, model_name=model_name, kv_tokens=kv_tokens, kv_bytes=kv_bytes,
                       kv_setting=setting, max_model_len=max_len, log_path=logs / f"{name}.log",
-                      startup_timeout_s=timeout, requires=requires, install_hint=hint, state_dir=state_dir,
-                      restart="+restart" in suffixes, model=model, model_context=shape.context)
+                      startup_timeout_s=timeout, requires=requires, install_hint=hint, model=model,
+                      model_context=shape.context)
 
 
 def server_specs(names: Iterable[str], kv_tokens: int, **kwargs) -> list[ServerSpec]:
