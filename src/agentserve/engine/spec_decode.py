@@ -230,7 +230,7 @@ class Speculator:
         prefill waits). The scheduler always computes a chunk of `min_chunk`
         tokens of a waiting prompt, so drafts stop short of the target by what
         that chunk costs there; otherwise drafts fill the step and the chunk
-        overruns it (by 100 ms and more when it attends to thousands of tokens).
+        overruns it (by far, when it attends to thousands of tokens).
         Only the smallest chunk: leaving drafts less time for a larger one
         was measured, and slowed the streams more than it sped first tokens."""
         if not self.config.enabled or not decoding or spare_blocks <= 0:

@@ -3,8 +3,8 @@ cold list, and the host tier's cold end): a program's history its next turn
 rewrote (`supersede`), and the end of an ended program's chain that no other
 chain shares (`retire`). Evicted from there, their KV is dropped, not written
 to the tier below: on agent workloads most KV that reaches the disk tier was
-such dead weight (measured in the simulator: 650k blocks spilled on BFCL, none
-read back). Part of `KVCacheManager` (kv/manager.py), whose pool,
+such dead weight (in the simulator, on BFCL, none of the blocks spilled to
+disk was read back). Part of `KVCacheManager` (kv/manager.py), whose pool,
 index, host tier and pins it uses."""
 
 from __future__ import annotations

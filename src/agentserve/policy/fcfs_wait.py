@@ -6,11 +6,10 @@ FCFS, only different ones: so the k-th admission happens about when FCFS
 would have admitted the k-th arrival, and the time from the k-th arrival to
 the k-th admission is the wait FCFS would have given it. Those waits, over a
 sliding window of requests, are the yardstick a policy that reorders can hold
-its own waits to (agentserve's wait bound). In the simulator their p99 came
-within 0.85-1.28x of vllm-fcfs's measured p99 TTFT at four host-tier
-SWE-bench points, with other orders running. A request that leaves the queue
-without being admitted (aborted) leaves FCFS's queue too: it moves the count
-on without a sample."""
+its own waits to (agentserve's wait bound). In the simulator their p99 tracked
+vllm-fcfs's own p99 TTFT with other orders running (docs/policies.md has the
+comparison). A request that leaves the queue without being admitted
+(aborted) leaves FCFS's queue too: it moves the count on without a sample."""
 
 from __future__ import annotations
 

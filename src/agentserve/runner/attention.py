@@ -11,8 +11,8 @@ softmax, so a step costs what attention must read once, not a padded copy of
 every sequence's context, and no [rows, context] mask is ever built. In
 bfloat16 (with AVX512-BF16) every prefill chunk, however long, goes through it:
 its big-tile path (bfloat16 dot products for the scores, float32 weighted V)
-runs long causal chunks about 1.6-2x faster than torch's flash kernel
-(measured figures at BF16_CHUNKS_NATIVE). In float32 a chunk of
+runs causal chunks of every length faster than torch's flash kernel
+(docs/kernels.md, 'Native attention for prefill chunks'). In float32 a chunk of
 GEMM_CHUNK_ROWS rows or more attends with torch's flash kernel instead:
 causally to its own new K/V, plus, after a prefix, to the prefix's blocks,
 merged by log-sum-exp.
@@ -58,19 +58,14 @@ from agentserve.runner import native
 # A float32 prefill chunk of at least this many rows attends with torch's flash
 # kernel (matrix multiplies pay off): its own K/V causally, plus, after a
 # prefix, the prefix's blocks gathered once and unmasked, the two merged by
-# log-sum-exp. Shorter chunks and decode rows go through the native kernel.
-# (float32 per layer, same shapes as below: 64 after 4096 native 7.5 vs flash
-# 9.6 ms, 512 after 4096 59 vs 36 ms, 2048 from 0 59 vs 40 ms.)
+# log-sum-exp. Shorter chunks and decode rows go through the native kernel,
+# whose float32 path loses to flash's matrix multiplies on long chunks.
 GEMM_CHUNK_ROWS = 64
 # bfloat16 chunks of any length go through the native kernel when it was built
-# with its big-tile path (AVX512-BF16, `native.big_tiles()`). Measured per layer
-# with SmolLM2 shapes (3 KV heads x 3 query heads, head_dim 64, block 16,
-# 2 threads, Zen 4), native vs flash, chunk after prefix: 64 after 4096 2.8 vs
-# 5.1 ms, 512 after 4096 23 vs 39 ms, 2048 from 0 23 vs 43 ms, 2048 after 2048
-# 65 vs 118 ms, 2048 after 6144 153 vs 245 ms: about 220 vs 110-140 GFLOP/s at
-# every length from 64 rows on (prefixes 0-6144), and shorter chunks were
-# already native. Without that path (or False here), bfloat16 follows
-# GEMM_CHUNK_ROWS like float32.
+# with its big-tile path (AVX512-BF16, `native.big_tiles()`): it beats flash at
+# every chunk length and prefix timed. Without that path (or False here), bfloat16
+# follows GEMM_CHUNK_ROWS like float32. Per-layer timings of both constants:
+# docs/kernels.md, 'Native attention for prefill chunks'.
 BF16_CHUNKS_NATIVE = True
 # The kernel splits a context into partitions of at least this many tokens when
 # there are fewer (row tile, head) items than cores to keep busy.

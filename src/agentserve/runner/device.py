@@ -77,7 +77,7 @@ def plan_weights(weights: str, dtype: str, device: torch.device) -> tuple[bool, 
     them is an error. `native` computes in the dtype asked for (bfloat16 or
     float32); at `auto` in bfloat16 where the CPU has native bf16 and in float32
     where it has not (there bf16 is emulated: the float32 copy a prefill
-    multiplies runs about 4x faster than a bf16 one). `native` on a device
+    multiplies runs several times faster than a bf16 one). `native` on a device
     without a kernel for kept codes falls back to dequantized weights in that
     dtype with one log line. `auto` is native where a kernel for kept codes
     exists (agentserve's AVX512-VNNI or AVX2 one, or torch's int4), unless

@@ -10,8 +10,8 @@ torn file under a slot's name; a read checks every header field and the
 checksum and raises `DiskBlockError` on a short, torn, foreign or corrupt
 file (the caller drops the copy and the request recomputes those tokens).
 CRC-32 because the check guards against torn and corrupt files, not against
-an adversary, and it runs at 3.5-4 GB/s where format 1's BLAKE2b ran at
-0.4-0.9 GB/s: on an H200 machine the tier moved 0.3 GB/s, bound by that hash.
+an adversary, and it runs several times faster than a cryptographic hash,
+which would bound the tier's bandwidth (docs/gpu.md, 'The disk tier').
 
 Slot `n`'s file is `agentserve-kv-<n>.blk` in the tier's directory; `clean`
 removes only files of that pattern (and their temporaries), at start-up:

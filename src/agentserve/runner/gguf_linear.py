@@ -24,37 +24,25 @@ log = logging.getLogger("agentserve.runner")
 # csrc/block_matmul.c's type numbers
 BLOCK_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 # Rows up to which BlockLinear multiplies on the file's blocks; above, the bf16
-# copy. Measured on this project's 2-core AVX2 machine (AMD EPYC, no AVX512, no
-# native bf16, so the bf16 copy is unpacked, emulated F.linear) over the 72
-# projections of the Gemma 3 270M Q4_K_M file's 18 layers (65 MiB of blocks,
-# 191 MiB in bf16: they stream from memory as in a step), 1 thread, best of 5
-# (ms; block kernel / bf16 copy; `python tests/timing_block_kernel.py
-# --threads 1 --repeat 5`, on shared cores, so +-30%): 1 row 33 / 49, 2 rows
-# 56 / 105, 4 rows 86 / 214, 8 rows 150 / 637, 12 rows 245 / 344, 16 rows
-# 178 / 488, 24 rows 286 / 779; its Q8_0 LM head (262144 x 640) at 2 threads:
-# 1 row 60 / 143, 8 rows 186 / 744, 16 rows 323 / 1656. Past 16 rows a step
-# is a prefill chunk, where the bf16 copy's oneDNN path and chunking matter
-# more than this, so 16 on such CPUs. Where the CPU has native bf16 (AVX512-BF16
-# or AMX) the bf16 copy is several times faster; not measured here: 8 there,
-# the crossover the AVX512-VNNI Q8_0 kernel measured against packed bf16.
+# copy. Where bf16 is emulated (no AVX512-BF16 or AMX, so the copy is unpacked
+# F.linear) the kernel wins at every decode size; past 16 rows a step is a
+# prefill chunk, where the bf16 copy's oneDNN path and chunking matter more, so
+# 16 there. Where the CPU has native bf16 the packed copy is several times
+# faster and this kernel was not timed against it: 8, the crossover of the
+# AVX512-VNNI Q8_0 kernel against packed bf16. Timings and the command that
+# reproduces them: docs/kernels.md, 'The block kernel'.
 BLOCK_MAX_ROWS = 8 if native.cpu_has_native_bf16() else 16
 # Rows up to which the block kernel takes the activations as int8 codes
 # (agentserve_block_matmul8: one scale per 4 values, error up to max|x| / 254 of
 # its 4; vpmaddubsw, twice the products per instruction) instead of int16 codes
 # (error far below the bf16 weight copy's), for the types in ACT8_TYPES.
-# Measured side by side on the Gemma 3 270M Q4_K_M file's 18 layers, 1 thread,
-# int16 / int8 ms at 1 row: qkv (Q5_0, v partly Q8_0) 2.74 / 2.27, gate_up (Q5_0)
-# 6.40 / 5.26, o (Q4_K) 2.17 / 1.98, down in Q4_K 1.95 / 1.83 and in Q6_K
-# 1.89 / 1.47, the Q8_0 LM head 15.1 / 15.7; all of them 1.06-1.10x at 4 rows,
-# 1.05x at 8 and 16 (`tests/timing_block_kernel.py --act8`). Greedy agreement with the
-# dequantized bf16 weights on that file (tests/test_runner_kquant.py, 271 clear
-# positions, 2 of them missed with int16 codes) at one row a step: int8 in the
-# Q5_0 projections alone 271 of 271, with o_proj as well 268, in every
-# projection 267 (4 of them between 0.2 and 0.5 apart), which is under the 99%
-# the test holds; with one scale per 32 (llama.cpp's q8_0) o_proj alone lost 6.
-# So the Q4_0/Q4_1/Q5_0/Q5_1 projections take int8 codes, the K-quants (little
-# faster) and Q8_0 (no faster) keep int16. Steps past 8 rows (prompt chunks,
-# which write the KV every later token reads) keep the finer codes for 5%.
+# int8 codes in the Q4_0/Q4_1/Q5_0/Q5_1 projections are faster and kept greedy
+# agreement on the Gemma 3 270M Q4_K_M file; in the K-quants (little faster) and
+# Q8_0 (no faster) they cost greedy choices for little or no time, and one scale
+# per 32 (llama.cpp's q8_0) cost more choices. Steps past 8 rows (prompt chunks,
+# which write the KV every later token reads) keep the finer codes, which cost
+# little there. Timings and agreement counts: docs/kernels.md, 'int8 activation
+# codes'.
 ACT8_MAX_ROWS = 8
 # The types whose decode rows take the int8 codes (above)
 ACT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})
@@ -197,8 +185,7 @@ def codes_linear(parts: list, bias: torch.Tensor | None, pack: bool, dense: Line
         if tiled and int4_shape_ok(q.shape):
             return layer(q, bias, pack=pack, dense=dense, dtype=dtype)
         # torch's int4 kernel where it takes the shape: as fast as the block kernel at 1-4 rows
-        # (SmolLM2's 120 Q4_0 projections, 1 thread, ms block / torch: 1 row 27 / 24, 4 rows 34 / 35,
-        # 8 rows 70 / 123; tests/timing_block_kernel.py), and what the model counts as int4 projections
+        # (docs/kernels.md, 'The block kernel'), and what the model counts as int4 projections
         if kind is Q4Weight and int4_shape_ok(q.shape) and _torch_int4_works():
             return layer(q, bias, pack=pack, dense=dense, dtype=dtype)
     if not all(isinstance(r, (Q4Weight, Q8Weight, BlockWeight)) for r in parts):

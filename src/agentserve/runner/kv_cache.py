@@ -5,10 +5,10 @@ Layout: one tensor per tier of shape [2, layers, kv_heads, blocks, block_size,
 head_dim] (K then V). The KV head comes before the block so that gathering a
 request's blocks (one `index_select` of whole blocks) yields, per head, its
 context as one contiguous [tokens, head_dim] slab: the layout the attention
-kernel reads fastest (measured on this CPU: gathering by block is about 7x
-faster than gathering token slots, and a contiguous slab makes attention at
-batch 32 about 1.5x faster than a strided one). New tokens are written by
-slot (block * block_size + offset) into the per-layer view
+kernel reads fastest (gathering whole blocks is several times faster than
+gathering token slots, and attention over a contiguous slab is faster than
+over a strided one; docs/kernels.md, 'The KV cache layout'). New tokens are
+written by slot (block * block_size + offset) into the per-layer view
 [kv_heads, blocks * block_size, head_dim].
 
 The host tier is block-major, [blocks, 2, layers, kv_heads, block_size,
@@ -17,10 +17,10 @@ disk file holds and what a DMA copy moves at full speed. An offload gathers
 its device blocks on the device (one indexed copy over all layers) and turns
 them block-major; from a GPU each run of consecutive host slots is then one
 asynchronous copy into pinned memory (on the CPU one indexed copy does it
-all); a reload does the reverse. Measured on an H200 with an 8B-shaped
-cache: 36-47 GB/s, where the earlier head-major host slots, copied through a
-pageable bounce and CPU indexing, moved 1.1-4 GB/s
-(`python -m benchmarks tier-copy-speed`)."""
+all); a reload does the reverse. On a GPU that moves the tier's bytes at
+about the host link's speed, an order of magnitude faster than head-major host
+slots copied through a pageable bounce and CPU indexing (docs/gpu.md,
+'Host-tier copies'; `python -m benchmarks tier-copy-speed`)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 On the CPU in bfloat16, oneDNN can pre-pack a weight into its blocked layout
 once at load; the packed matrix-vector product streams the weights about twice
-as fast as `F.linear` on the plain [out, in] tensor (measured over a whole
-SmolLM2 step's 121 projections, batch 1: 13.7 ms against 23-31 ms), with
-bit-identical results. float32 stays on `F.linear`: packing changes its
-rounding, and float32 is the path that must match transformers exactly.
+as fast as `F.linear` on the plain [out, in] tensor, with bit-identical
+results (docs/kernels.md, 'Packed bf16 projections'). float32 stays on
+`F.linear`: packing changes its rounding, and float32 is the path that must
+match transformers exactly.
 Packing is checked on a random input at load and skipped if the build
 lacks it or disagrees.
 
@@ -14,16 +14,16 @@ step. Where the native kernels are built for an AVX512-VNNI CPU it uses
 agentserve's own (csrc/gguf_matmul.c): the file's codes and fp16 scales exactly,
 the activations quantized per block to two levels of int8 codes, products
 summed in integers (see there). Its error against the float32 product is the
-output's own bf16 rounding (SmolLM2's projection shapes: 1.6-1.7e-3 relative;
-one level of codes, llama.cpp's scheme for these files, gave 5-9e-3 and only
-95% of SmolLM2's clear greedy choices). Without that kernel it uses torch's
+output's own bf16 rounding; one level of codes, llama.cpp's scheme for these
+files, gave several times that and lost some of SmolLM2's clear greedy choices
+(docs/kernels.md has the figures). Without that kernel it uses torch's
 CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, group size 32 = one ggml
 block), which dequantizes w = (q - 8) * scale + zero per group: Q4_1's
 w = d*q + m is scale = d, zero = m + 8d and Q4_0's w = d*(q - 8) is scale = d,
 zero = 0. With bfloat16 activations that kernel takes its scales and zeros only
 in bfloat16, so the fp16 block scales lose 3 bits; each block's zero is then
 re-fitted to the block's own codes (least squares given the rounded scale),
-which takes back part of that (2.4-2.6e-3 relative error instead of 2.5-2.8e-3).
+which takes back part of that.
 
 Either kernel reads a quarter of the bytes a bf16 weight takes and wins where
 reading the weights is the cost, a step of a few rows (decode). Past
@@ -31,9 +31,8 @@ reading the weights is the cost, a step of a few rows (decode). Past
 of the dequantized weight kept beside the codes (oneDNN-packed: the very
 numbers and kernel of the `bf16` weight format). That copy costs memory, 2
 bytes a weight on top of the int4 form's 0.625, and no time. Dequantizing per
-call instead, to save the memory, was measured far slower: dequantizing
-SmolLM2's 120 projections takes about 120 ms a step, the bf16 GEMMs themselves
-17 ms at 16 rows, 41 ms at 64 and ~260 ms at 512.
+call instead, to save the memory, would cost a step several times what the
+bf16 multiplies themselves take at tens of rows (docs/kernels.md).
 
 `BlockLinear` keeps any kept GGUF type (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
 Q5_K, Q6_K) as the file's blocks and multiplies on csrc/block_matmul.c (AVX2,
@@ -108,19 +107,14 @@ class Linear:
 
 
 # Rows (tokens in the step) up to which Q4Linear uses an int4 kernel; above,
-# the bf16 copy. Measured over 30 layers of SmolLM2's four projection shapes
-# (120 distinct weights, so they stream from memory as in a step), 2 threads,
-# median of 7 (ms; agentserve's kernel / torch's int4 / packed bf16): 1 row
-# 2.8 / 3.9 / 11.5; 4 rows 4.5 / 6.3 / 9.9; 8 rows 7.9 / 11.3 / 11.7; 12 rows
-# 11.0 / 16.6 / 13.1; 16 rows 14.1 / 21.6 / 15.0; 32 rows 25.9 / 41.9 / 23.1.
+# the bf16 copy. Reading a quarter of the bytes wins while the weights' reads
+# are the cost; as rows grow the kernel's integer arithmetic takes over and the
+# bf16 GEMM catches up, sooner for torch's kernel than for agentserve's. The
+# crossovers on SmolLM2's projections: docs/kernels.md, 'Q4_0 / Q4_1 codes'.
 INT4_MAX_ROWS = 8  # torch's int4 kernel
 NATIVE_Q4_MAX_ROWS = 12  # agentserve's
-# Q8_0 (SmolLM2's tied 49152 x 576 embedding as its LM head: 30 MB of codes
-# against 57 MB in bf16), ms for the product, median of 15 (agentserve's kernel
-# / packed bf16): 1 row 0.6 / 2.1, 4 rows 1.0 / 1.6, 8 rows 2.0 / 2.4, 12 rows
-# 3.6 / 2.7. (Repeated alone, the codes stay in the 32 MB L3 cache; in a step
-# they come from memory: at the ~25 GB/s the Q4 product streams, an estimated
-# 1.2 ms at 1 row, against the bf16 copy's 2.1.)
+# The same for Q8_0 on agentserve's kernel (SmolLM2's tied LM head: about half
+# the bytes of its bf16 copy); docs/kernels.md, 'Q8_0 codes'.
 NATIVE_Q8_MAX_ROWS = 8
 
 

@@ -2,10 +2,10 @@
 (stateful-inference-tool-calling.txt, section 3.4).
 
 An agent re-sends its whole conversation every turn, grown by a small delta,
-and BPE-tokenizing it again costs CPU in proportion to its length (41 ms for a
-30k-token conversation with the default model's tokenizer on this machine),
-while rendering the chat template is about a hundredth of that (0.5 ms). So
-every request is rendered in full, and only the tokenization is cached:
+and BPE-tokenizing it again costs CPU in proportion to its length, while
+rendering the chat template costs a small fraction of that (docs/fast-path.md,
+'Render and tokenize cache', has the figures). So every request is rendered
+in full, and only the tokenization is cached:
 
 * An entry holds a rendered prompt, its token ids, and its *split points*:
   the positions just after an added token (`<|im_start|>`, `<|im_end|>`...).
