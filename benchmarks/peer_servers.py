@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 
-from agentserve.bench.peers.running import start_server
+from agentserve.bench.peers.running import RunningServer, http_json, start_server
 from agentserve.bench.peers.specs import (
     DEFAULT_MODEL,
     LLAMASERVER_SLOTS,
@@ -27,6 +27,13 @@ from agentserve.bench.peers.specs import (
     reserved_cpus_arg,
     server_specs,
 )
+
+
+def chat(srv: RunningServer, prompt: str, max_tokens: int = 32, timeout_s: float = 120.0) -> dict:
+    """One non-streaming, greedy chat completion (a smoke check)."""
+    return http_json(srv.api_base + "/chat/completions",
+                     {"model": srv.spec.model_name, "messages": [{"role": "user", "content": prompt}],
+                      "max_tokens": max_tokens, "temperature": 0.0}, timeout_s=timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             with start_server(s) as srv:
                 row["startup_s"] = round(srv.ready_s, 1)
                 t0 = time.monotonic()
-                out = srv.chat(args.prompt, args.max_tokens)
+                out = chat(srv, args.prompt, args.max_tokens)
                 row["chat_s"] = round(time.monotonic() - t0, 2)
                 row["reply"] = out["choices"][0]["message"]["content"]
                 row["finish_reason"] = out["choices"][0].get("finish_reason")

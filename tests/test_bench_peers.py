@@ -323,7 +323,7 @@ def test_start_chat_stop(tmp_path):
     spec = _fake_spec(tmp_path)
     with start_server(spec) as srv:
         assert srv.alive and srv.ready_s is not None and srv.ready_s >= 0.2
-        out = srv.chat("hi")
+        out = peers_cli.chat(srv, "hi")
         assert out["choices"][0]["message"]["content"] == "echo hi" and out["model"] == spec.model_name
         pid = srv.process.pid
     assert not srv.alive and srv.process.returncode is not None
@@ -371,7 +371,7 @@ def test_each_server_skips_the_missing_measures_the_rest_and_goes_on_after_a_fai
         seen.append((spec.name, srv.alive))
         if spec.name == "failing":
             raise TimeoutError("the replay timed out")
-        return srv.chat("hi")["choices"][0]["message"]["content"]
+        return peers_cli.chat(srv, "hi")["choices"][0]["message"]["content"]
 
     lines: list[str] = []
     out = list(each_server([missing, ok, failing, exits], measure, (TimeoutError,), lines.append))
@@ -530,7 +530,7 @@ def test_installed_peer_serves_a_chat(name, tmp_path):
     if spec.missing():
         pytest.skip(f"{name} is not installed ({spec.install_hint})")
     with start_server(spec) as srv:
-        out = srv.chat("What is the capital of France?", max_tokens=8)
+        out = peers_cli.chat(srv, "What is the capital of France?", max_tokens=8)
     choice = out["choices"][0]
     assert choice["message"]["content"].strip()
     if name != "llama-server":  # llama-server renders the template with its own jinja engine

@@ -1,13 +1,8 @@
 """`agentserve bench run`: replay an agent workload against any OpenAI-compatible
-server and measure job completion time (JCT), TTFT and prefix hits.
-
-    agentserve serve --port 8011 &
-    agentserve bench run --url http://127.0.0.1:8011 --workload swebench --programs 8 --rate 0.5 \\
-        --token-scale 0.02 --time-scale 0.2 --json run.json --report run.md --plot run
-
-What a replayed program sends, turn by turn, how its text is made and how a
-program longer than the context is fitted: the docs' benchmarks page,
-"Replaying an agent workload"."""
+server and measure job completion time (JCT), TTFT and prefix hits. What a
+replayed program sends, turn by turn, how its text is made and how a program
+longer than the context is fitted: the docs' benchmarks page, "Replaying an
+agent workload"."""
 
 from __future__ import annotations
 

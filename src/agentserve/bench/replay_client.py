@@ -61,44 +61,25 @@ def retryable(err: str) -> bool:
 
 
 class _Progress:
-    """tqdm over turns when installed and wanted, else a throttled counter line on stderr."""
+    """tqdm over turns on stderr, programs done and errors beside it (nothing when not wanted)."""
 
     def __init__(self, total_turns: int, programs: int, enabled: bool) -> None:
-        self.total, self.programs, self.enabled = total_turns, programs, enabled
-        self.turns = self.done = self.errors = 0
-        self.bar = None
-        self._last = 0.0
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total_turns, unit="turn", desc="replay", file=sys.stderr, leave=True,
-                                mininterval=0.5)
-            except ImportError:
-                self.bar = None
+        from tqdm import tqdm
+
+        self.programs, self.done, self.errors = programs, 0, 0
+        self.bar = tqdm(total=total_turns, unit="turn", desc="replay", file=sys.stderr, leave=True,
+                        mininterval=0.5) if enabled else None
 
     def update(self, turns: int = 0, program_done: bool = False, error: bool = False) -> None:
-        self.turns += turns
         self.done += program_done
         self.errors += error
-        if not self.enabled:
-            return
         if self.bar is not None:
             self.bar.set_postfix(programs=f"{self.done}/{self.programs}", errors=self.errors, refresh=False)
             self.bar.update(turns)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.5 or self.done == self.programs:
-            self._last = now
-            print(f"\rreplay: turns {self.turns}/{self.total}  programs {self.done}/{self.programs}  "
-                  f"errors {self.errors}", end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
-            return
         if self.bar is not None:
             self.bar.close()
-        else:
-            print(file=sys.stderr)
 
 
 class Replayer:

@@ -1,10 +1,6 @@
-"""Tables, plots and the Markdown report of replay results (`bench/replay.py`).
-
-A result is the dict `replay_results.summarize` returns (or its JSON file). Several
-results (one per server, or per run) can be compared:
-
-    agentserve bench report a.json b.json --plot cmp --report cmp.md
-"""
+"""Tables, plots and the Markdown report of replay results (the dicts
+`replay_results.summarize` returns, or their JSON files), one or several side
+by side (`agentserve bench report`)."""
 
 from __future__ import annotations
 

@@ -36,15 +36,10 @@ def http_error(status: int, text: str) -> str:
 
 
 class StreamAccumulator:
-    """Folds an OpenAI chat-completions or completions SSE stream: first-token
-    time, the time of every chunk that carried tokens, text, usage.
-
-    feed(line, now) takes one line of the stream; an `{"error": ...}` event
-    raises ReplayError. A chat chunk
-    carries tokens when its delta has content or tool calls; a
-    /v1/completions chunk (`text` instead of `delta`) does even with empty text
-    (a token that ends inside a UTF-8 character), except an empty one with the
-    finish reason after others (llama-cpp-python ends with one)."""
+    """Folds an OpenAI chat-completions or completions SSE stream, a line at a time (`feed`; an
+    error event raises ReplayError): first-token time, the time of every chunk that carried tokens
+    (a chat delta with content or tool calls; any /v1/completions chunk but an empty one with the
+    finish reason after others, as llama-cpp-python ends), text, usage."""
 
     def __init__(self, t_send: float) -> None:
         self.t_send = t_send

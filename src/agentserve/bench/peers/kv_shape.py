@@ -135,11 +135,9 @@ def _pad256(n: int) -> int:
 
 def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVER_SLOTS,
                       ubatch: int = LLAMASERVER_UBATCH) -> tuple[int, int, bool]:
-    """(--ctx-size, window layers' cells, swa_full) that give llama-server the
-    bytes of kv_tokens tokens in every layer (the docs' benchmarks page): its window
-    layers keep pad256(window x slots + ubatch) cells, its global layers
-    --ctx-size cells, rounded down to 256. swa_full: the window caches alone
-    would not fit, so every layer keeps kv_tokens cells (`--swa-full`)."""
+    """(--ctx-size, window layers' cells, swa_full) that give llama-server the bytes of kv_tokens
+    tokens in every layer, as the docs' benchmarks page tells (swa_full: every layer keeps
+    kv_tokens cells, where the window caches alone would not fit)."""
     if not shape.sliding_window or not shape.window_layers:
         return kv_tokens, 0, False
     glob = shape.num_layers - shape.window_layers

