@@ -2,9 +2,10 @@
 runner's speed and its sweeps against context and peers, the paper's agent
 workloads with the fast path, grouped prefill on a burst, the scheduler's own
 time a step, tool-call early stop, render cost, host-tier copies, time to first
-token per turn, a long soak, a cluster replica killed mid-run, a server
-restarted mid-replay (with and without its learned state), the API fuzzer,
-the eviction strategies' prefix-cache hit ratios through the KV manager alone.
+token per turn, a long soak, clusters by router beside one server, a cluster
+replica killed mid-run, a server restarted mid-replay (with and without its
+learned state), the API fuzzer, the eviction strategies' prefix-cache hit
+ratios through the KV manager alone.
 Each is a command: `python -m benchmarks NAME [args]` (`--help` lists them),
 or `python -m benchmarks.MODULE [args]`; run from the repository root.
 
@@ -24,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "render-cost": ("render_cost", "CPU time to turn a chat request into token ids, render cache off and on"),
     "tier-copy-speed": ("tier_copy_speed", "host-tier copy bandwidth through the runner's own copies"),
     "turn-ttft": ("turn_ttft", "time to first token per turn of one program against a running server"),
+    "cluster-compare": ("cluster_compare", "`bench compare` with `agentserve cluster` servers, by router, beside the rest"),
     "cluster-failover": ("cluster_failover", "one replica of `agentserve cluster` killed mid-replay: what agents saw"),
     "restart-replay": ("restart_replay", "`bench compare` with servers restarted mid-replay, learned state kept or not"),
     "kv-footprint": ("kv_footprint", "KV a long conversation holds between turns, full against hybrid cache"),

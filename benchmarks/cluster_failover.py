@@ -3,7 +3,7 @@
 
     python -m benchmarks cluster-failover --programs 4 --rate 0.5 --token-scale 0.05 --time-scale 0.3 --kill-after 5 --baseline
 
-Starts `agentserve cluster` (the peer spec `cluster-<router>`, 2 replicas, in
+Starts `agentserve cluster` (cluster_compare.py's `cluster-<router>`, 2 replicas, in
 its own Ray under a private RAY_TMPDIR so no other Ray on the machine is
 touched), replays an agent workload against it with the replay client of
 `agentserve bench run`, and `--kill-after` seconds into the replay kills one
@@ -240,13 +240,13 @@ def _cluster_runs(a, programs, extra_args: list[str], baseline: bool, port: int)
     import ray
 
     from agentserve.bench.peers.running import start_server
-    from agentserve.bench.peers.specs import server_spec
     from agentserve.bench.replay_client import ReplayConfig
+    from benchmarks.cluster_compare import cluster_spec
 
     ray_tmp = tempfile.mkdtemp(prefix="asfo", dir="/tmp")  # short: Ray's socket paths live under it
     logs = Path(tempfile.gettempdir()) / "agentserve-failover"
-    spec = server_spec(f"cluster-{a.router}", a.kv_tokens, port=port, log_dir=logs,
-                       extra_env={"RAY_TMPDIR": ray_tmp}, extra_args=extra_args)
+    spec = cluster_spec(f"cluster-{a.router}", a.kv_tokens, port=port, log_dir=logs,
+                        extra_env={"RAY_TMPDIR": ray_tmp}, extra_args=extra_args)
     print(f"starting {spec.name} {' '.join(extra_args)} on port {spec.port} (log {spec.log_path})...",
           file=sys.stderr)
     server = start_server(spec)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentserve.bench.compare import compare_rows, format_compare, router_summary
+from agentserve.bench.compare import compare_rows, format_compare
 from agentserve.cli import main as cli_main
 
 
@@ -43,12 +43,3 @@ def test_live_compare_with_agentserve(tmp_path, smollm_path, capsys):
     assert row["server"] == "agentserve-continuum" and row["done"] == "2/2" and row["jct_vs_ref"] == 1.0
     assert "mean JCT / agentserve-continuum" in capsys.readouterr().out
     assert "agentserve:prefix_hit_tokens" in data["results"][0]["final_metrics"]  # the server's page, kept
-
-
-def test_router_summary_reads_a_clusters_decisions():
-    page = ('# TYPE agentserve:router_counters gauge\n'
-            'agentserve:router_counters{deployment="d",counter="affinity"} 40\n'
-            'agentserve:router_counters{deployment="d",counter="escapes"} 2.0\n'
-            'agentserve:router_counters{deployment="d",counter="programs_remembered"} 9\n')
-    assert router_summary(page) == "affinity 40, escapes 2"
-    assert router_summary(None) == "" and router_summary("agentserve:x 1\n") == ""

@@ -62,8 +62,7 @@ def specs(tmp_path, fake_gguf):
 def test_names_and_distinct_ports(specs):
     assert SERVER_NAMES == ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
                             "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu",
-                            "vllm-cpu+agentserve", "llama.cpp", "cluster-program", "cluster-ray-default", "cluster-pow2", "cluster-prefix",
-                            "cluster-round-robin", "llama-server", "llama-server+host")
+                            "vllm-cpu+agentserve", "llama.cpp", "llama-server", "llama-server+host")
     assert len({s.port for s in specs.values()}) == len(SERVER_NAMES)
     for name, s in specs.items():
         assert s.name == name
@@ -73,13 +72,6 @@ def test_names_and_distinct_ports(specs):
         assert s.log_path.name == f"{name}.log"
         assert s.env["HF_HUB_OFFLINE"] == "1"
         assert s.startup_timeout_s > 0
-
-
-def test_cluster_names_split_the_same_kv_and_cores_over_two_replicas(specs):
-    argv = specs["cluster-ray-default"].argv
-    assert argv[argv.index("cluster") + 1:argv.index("cluster") + 5] == ("--replicas", "2", "--router", "ray-default")
-    assert argv[argv.index("--kv-cache-tokens") + 1] == "32768" and argv[argv.index("--threads") + 1] == "1"
-    assert "16384 tokens and 1 thread each" in specs["cluster-program"].kv_setting
 
 
 def test_agentserve_names_run_their_policy_and_plus_host_adds_a_host_tier(specs):
@@ -484,8 +476,10 @@ def test_gemma_model_for_every_server(tmp_path):
     g = peers.model_shape("gemma3-270m")
     assert (g.arch, g.num_layers, g.num_kv_heads, g.head_dim, g.context) == ("gemma3", 18, 1, 256, 32768)
     assert (g.sliding_window, g.window_layers) == (512, 15) and {1, 106} <= set(g.end_token_ids)
-    specs = {n: server_spec(n, 16384, model="gemma3-270m", peers_dir=tmp_path)
-             for n in ("agentserve-agentserve", "vllm-cpu", "llama.cpp", "llama-server", "cluster-program")}
+    from benchmarks.cluster_compare import specs_of
+
+    names = ("agentserve-agentserve", "vllm-cpu", "llama.cpp", "llama-server", "cluster-program")
+    specs = dict(zip(names, specs_of(names, 16384, model="gemma3-270m", peers_dir=tmp_path)))
     for s in specs.values():
         assert s.model == "gemma3-270m" and s.model_name == "gemma-3-270m" and s.model_context == 32768
         assert s.kv_bytes == 16384 * 18432 and s.max_model_len == 16384

@@ -96,19 +96,8 @@ def final_metrics(base_url: str) -> str | None:
         return None
 
 
-def router_summary(metrics: str | None) -> str:
-    """One line of a cluster's router decisions from its /metrics page ('' if none)."""
-    found = []
-    for line in (metrics or "").splitlines():
-        if line.startswith("agentserve:router_counters{"):
-            name = line.split('counter="', 1)[1].split('"', 1)[0]
-            if name in ("affinity", "escapes", "prefix_matches", "placements", "fallbacks", "programs_lost"):
-                found.append(f"{name} {float(line.rsplit(' ', 1)[1]):.0f}")
-    return ", ".join(found)
-
-
 def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int:
-    """Run the comparison `a` asks for. The hooks (benchmarks/restart_replay.py): `specs_of` as
+    """Run the comparison `a` asks for. The hooks (benchmarks/: restart_replay.py, cluster_compare.py): `specs_of` as
     server_specs, `replay_kwargs(spec, srv)` more ReplayConfig fields for a server,
     `widen(results, rows, lines)` more of each result, row and line of the table before it is printed."""
     from agentserve.bench import replay_report as rr
@@ -134,7 +123,7 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
                            clamp=a.clamp, max_output_tokens=a.max_output_tokens,
                            **(replay_kwargs(spec, srv) if replay_kwargs else {}))
         result = replay(programs, cfg)
-        if spec.name.startswith(("agentserve-", "cluster-")):
+        if "agentserve.cli" in spec.argv:  # agentserve's own server (or cluster)
             result["final_metrics"] = final_metrics(srv.base_url)
         return result
 
@@ -146,9 +135,6 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
         result["server_setup"] = spec.describe()
         results.append(result)
         print(rr.format_table([result]), file=sys.stderr)
-        decisions = router_summary(result.get("final_metrics"))
-        if decisions:
-            print(f"router decisions: {decisions}", file=sys.stderr)
     if not results:
         raise CliError("no server could be run")
     rows = compare_rows(results)

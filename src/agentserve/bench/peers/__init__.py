@@ -1,7 +1,7 @@
 """Peer servers to measure agentserve against on the same machine and model:
 vLLM's CPU build and llama.cpp's servers, plus agentserve itself under other
-policies or as a cluster: each one's spec (specs.py), and starting, waiting
-for, measuring in turn and stopping them (running.py). Installing the peers
+policies: each one's spec (specs.py), and starting, waiting for, measuring in
+turn and stopping them (running.py). Installing the peers
 and their command line: benchmarks/peers/README.md and `python -m benchmarks
 peers` in the repository."""
 

