@@ -122,36 +122,13 @@ def test_plan_clamps_to_max_context():
         rpl.plan_program(p, tm, max_context=40)
 
 
-def test_plan_truncates_at_real_lengths():
-    tm = rt.TextModel(1.0, 4.0)
-    # turn prompts ~460, 860, 1260, 1665, ...: at a 2000-token context (1940 with the margin) the first four fit
-    p = program("long", 0.0, turns=8, shared=50, task=400, out=100, obs=300)
-    free = rpl.plan_program(p, tm)
-    pl = rpl.plan_program(p, tm, max_context=2000, clamp="truncate")
-    assert pl.clamp == 1.0 and pl.first_cut == 1.0 and len(pl.turns) == 4 and pl.dropped_turns == 4
-    assert all(t.planned_prompt_tokens + t.max_tokens <= 2000 - 60 for t in pl.turns)
-    # the kept turns are the real ones: same lengths as without a limit, the last one without its tool time
-    for a, b in zip(pl.turns, free.turns):
-        assert (a.planned_prompt_tokens, a.max_tokens) == (b.planned_prompt_tokens, b.max_tokens)
-    assert pl.turns[1].sleep_s == free.turns[1].sleep_s > 0 and pl.turns[-1].sleep_s == 0.0
-    # a first prompt longer than the context (the tool definitions and system prompt) is cut to half of it
-    huge = program("huge", 0.0, turns=4, shared=0, task=5000, out=50, obs=100)
-    pl = rpl.plan_program(huge, tm, max_context=2000, clamp="truncate")
-    first = pl.turns[0]
-    assert pl.first_cut < 1.0 and first.planned_prompt_tokens + first.max_tokens <= (2000 - 60) // 2 + 1
-    assert len(pl.turns) == 4  # the later turns, at their real lengths, still fit
-    assert pl.turns[1].planned_prompt_tokens - first.planned_prompt_tokens - first.max_tokens == pytest.approx(104, abs=1)
-    with pytest.raises(rs.ReplayError, match="max-context"):
-        rpl.plan_program(program("s", 0.0, 2, shared=1950, task=10), tm, max_context=2000, clamp="truncate")
-
-
 def test_plan_compacts_at_real_lengths_and_keeps_every_turn():
     tm = rt.TextModel(1.0, 4.0)
     # turn prompts ~460, 860, 1260, 1665, ...: at a 2000-token context (1940 with the margin) turn 4 cannot fit
     p = program("long", 0.0, turns=12, shared=50, task=400, out=100, obs=300)
     free = rpl.plan_program(p, tm)
     pl = rpl.plan_program(p, tm, max_context=2000, clamp="compact")
-    assert len(pl.turns) == 12 and pl.dropped_turns == 0 and pl.clamp == 1.0 and pl.compactions >= 2
+    assert len(pl.turns) == 12 and pl.clamp == 1.0 and pl.first_cut == 1.0 and pl.compactions >= 2
     assert all(t.planned_prompt_tokens + t.max_tokens <= 2000 - 60 for t in pl.turns)
     for a, b in zip(pl.turns[:4], free.turns):  # until the context fills, the real turns
         assert (a.planned_prompt_tokens, a.max_tokens, a.reset) == (b.planned_prompt_tokens, b.max_tokens, b.reset)
@@ -168,35 +145,52 @@ def test_plan_compacts_at_real_lengths_and_keeps_every_turn():
     assert (c["compacted_programs"], c["compactions"], c["turns_sent"]) == (1, pl.compactions, 14)
     assert rpl.format_clamp(c).startswith(
         f"clamped to a 2000-token context (compact): 1 of 2 programs compacted ({pl.compactions} turns sent")
+    # a first prompt longer than the context (the tool definitions and system prompt) is cut to half of it
+    huge = program("huge", 0.0, turns=4, shared=0, task=5000, out=50, obs=100)
+    pl = rpl.plan_program(huge, tm, max_context=2000, clamp="compact")
+    first = pl.turns[0]
+    assert pl.first_cut < 1.0 and first.planned_prompt_tokens + first.max_tokens <= (2000 - 60) // 2 + 1
+    assert len(pl.turns) == 4 and pl.compactions == 0  # the later turns, at their real lengths, still fit
+    assert pl.turns[1].planned_prompt_tokens - first.planned_prompt_tokens - first.max_tokens == pytest.approx(104, abs=1)
     with pytest.raises(rs.ReplayError, match="max-context"):
         rpl.plan_program(program("s", 0.0, 2, shared=1950, task=10), tm, max_context=2000, clamp="compact")
 
 
-def test_plan_bounds_outputs_and_drops_subagents_cut_off_with_their_parent():
+def test_plan_gives_a_program_its_own_system_prompt():
+    """Program.prefix_tokens (the Claude Code traces' tool definitions and system prompt) opens
+    the first prompt as a system message of the program's own text, and a compaction keeps it."""
+    tm = rt.TextModel(1.0, 4.0)
+    a, b = (Program(x, program(x, 0.0, 12, shared=0, task=900, out=100, obs=300).calls, prefix_tokens=500)
+            for x in ("a", "b"))
+    pa, pb = (rpl.plan_program(x, tm, max_context=2000, clamp="compact") for x in (a, b))
+    sys_a = pa.turns[0].append[0]
+    assert sys_a["role"] == "system" and sys_a != pb.turns[0].append[0]  # not shared between programs
+    assert pa.turns[0].append[1]["role"] == "user"
+    assert pa.turns[0].planned_prompt_tokens == 900 + 3  # the trace's first prompt, now in two messages
+    compacted = [t for t in pa.turns[1:] if t.reset]
+    assert compacted and all(t.append[0] == sys_a for t in compacted)
+
+
+def test_plan_bounds_outputs_and_says_what_it_clamped():
     tm = rt.TextModel(1.0, 4.0)
     parent = program("p", 0.0, turns=8, shared=50, task=400, out=100, obs=300)
-    early = Program("p:a1", program("p:a1", 0.1, 2).calls, parent_id="p", parent_turn=1)
-    late = Program("p:a2", program("p:a2", 0.3, 3).calls, parent_id="p", parent_turn=5)
-    progs = [parent, early, late]
-    plans = rpl.plan_workload(progs, tm, max_context=2000, clamp="truncate", max_output_tokens=64)
-    assert [pl.program_id for pl in plans] == ["p", "p:a1"]  # p's turn 5 is cut off: its subagent too
+    sub = Program("p:a1", program("p:a1", 0.1, 2).calls, parent_id="p", parent_turn=1)
+    progs = [parent, sub]
+    plans = rpl.plan_workload(progs, tm, max_context=2000, clamp="compact", max_output_tokens=64)
+    assert [pl.program_id for pl in plans] == ["p", "p:a1"] and plans[1].parent_turn == 1
     assert all(t.max_tokens <= 64 for pl in plans for t in pl.turns)
-    c = rpl.clamp_summary(progs, plans, 2000, "truncate", 64)
-    assert (c["truncated_programs"], c["dropped_subagents"], c["dropped_subagent_turns"]) == (1, 1, 3)
-    assert c["capped_outputs"] == 8 and c["turns"] == 13 and c["turns_sent"] == sum(len(pl.turns) for pl in plans)
-    line = rpl.format_clamp(c)
-    assert line.startswith("clamped to a 2000-token context (truncate): 1 of 3 programs cut")
-    assert "1 subagents (3 turns) not replayed" in line and "outputs bounded at 64 tokens (8 turns)" in line
+    c = rpl.clamp_summary(progs, plans, 2000, "compact", 64)
+    assert c["capped_outputs"] == 8 and c["turns"] == 10 and c["turns_sent"] == 10
+    assert "outputs bounded at 64 tokens (8 turns)" in rpl.format_clamp(c)
     scaled = rpl.plan_workload(progs, tm, max_context=2000, clamp="scale")
     line = rpl.format_clamp(rpl.clamp_summary(progs, scaled, 2000, "scale", None))
-    assert len(scaled) == 3 and "1 of 3 programs scaled down to fit" in line and "outputs unbounded" in line
+    assert len(scaled) == 2 and "1 of 2 programs scaled down to fit" in line and "outputs unbounded" in line
     assert rpl.resolve_clamp("auto", "claude-code") == "compact" and rpl.resolve_clamp("auto", "swebench") == "scale"
     assert rpl.resolve_clamp("scale", "claude-code") == "scale"
     with pytest.raises(ValueError):
-        rpl.resolve_clamp("cut", "swebench")
+        rpl.resolve_clamp("truncate", "swebench")
     with pytest.raises(ValueError, match="max_output_tokens"):
         rpl.plan_workload(progs, tm, max_output_tokens=0)
-
 
 def test_claude_code_traces_at_real_length_fit_a_32k_context():
     """The shared Claude Code traces at --token-scale 1.0 against Gemma 3's 32k: every turn sent fits, at its

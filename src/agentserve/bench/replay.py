@@ -72,10 +72,9 @@ def add_clamp_args(p: argparse.ArgumentParser) -> None:
     from agentserve.bench.replay_plan import CLAMPS
 
     p.add_argument("--clamp", choices=CLAMPS, default="auto",
-                   help="how a program longer than the context is fitted: scale its tokens down, truncate it "
-                        "after its last turn that fits, or compact it (a turn that would not fit starts a new "
-                        "conversation: system prompt and a summary, as Claude Code does), at real lengths (auto: "
-                        "compact for claude-code, scale for the rest)")
+                   help="how a program longer than the context is fitted: scale its tokens down, or compact it "
+                        "at real lengths (a turn that would not fit starts a new conversation: its system prompt "
+                        "and a summary, as Claude Code does) (auto: compact for claude-code, scale for the rest)")
     p.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
                    help="bound every turn's output at N tokens (printed in the report; default: the trace's)")
     p.add_argument("--min-turns", type=int, default=None, metavar="N",

@@ -145,7 +145,7 @@ class Replayer:
         res = {"program_id": pid, "arrival": plan.arrival, "start": None, "end": None, "jct": None,
                "turns": len(plan.turns), "turns_done": 0, "completed": False, "error": None,
                "tool_time": 0.0, "llm_time": 0.0, "clamp": plan.clamp, "parent_id": plan.parent_id,
-               "truncated": plan.dropped_turns > 0 or plan.first_cut < 1.0}
+               "truncated": plan.first_cut < 1.0}
         messages: list[dict] = []
         est = 0  # estimated prompt tokens of `messages`
         try:

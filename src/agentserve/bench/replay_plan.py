@@ -1,14 +1,10 @@
 """What each turn of a replayed program sends: its messages (filler text of
 the scaled trace's lengths, or a SWE-smith trajectory's own text), its planned
 prompt and max_tokens, the tool time after it; a program that would not fit
-the server's context clamped to it by scaling or truncating (`CLAMPS`; the
+the server's context clamped to it by scaling or compacting (`CLAMPS`; the
 rules are on the docs' benchmarks page, "Replaying an agent workload").
-Compacting is the default for the Claude Code traces: their sessions outgrow
-any context here, and Claude Code itself compacts a conversation that nears the
-model's context (scaled to fit, their first turns would shrink far below their
-real length; truncated, most sessions would keep a handful of turns). `max_output_tokens` bounds outputs first (the traces'
-outputs, thinking included, run to thousands of tokens, which a CPU decodes in
-minutes); `clamp_summary` counts what was clamped, for the log and the report."""
+`max_output_tokens` bounds outputs first; `clamp_summary` counts what was
+clamped, for the log and the report."""
 
 from __future__ import annotations
 
@@ -42,13 +38,12 @@ class ProgramPlan:
     parent_id: str | None = None
     parent_turn: int | None = None
     clamp: float = 1.0  # extra token factor applied to fit --max-context (1: none)
-    dropped_turns: int = 0  # truncate: the trace's turns after the last that fits
-    first_cut: float = 1.0  # truncate: the factor the first prompt was cut by to fit (1: none)
+    first_cut: float = 1.0  # compact: the factor the first prompt was cut by to fit (1: none)
     capped_outputs: int = 0  # turns whose output max_output_tokens bounded
     compactions: int = 0  # compact: turns sent as a compacted conversation instead of the trace's
 
 
-CLAMPS = ("auto", "scale", "truncate", "compact")
+CLAMPS = ("auto", "scale", "compact")
 
 
 @dataclass
@@ -120,20 +115,6 @@ def _room(max_context: int) -> int:
     return max_context - max(8, math.ceil(0.03 * max_context))
 
 
-def truncate_targets(t: _Targets, max_context: int, overhead: float) -> tuple[_Targets, int, float]:
-    """(targets of the turns kept, how many, the first prompt's cut factor): the
-    leading turns whose prompt + output fit max_context minus the margin, at their
-    real lengths; a first turn that does not fit has its task (the first prompt but
-    the shared system prompt) cut to take half the room. Raises ReplayError when
-    the shared system prompt alone leaves no room."""
-    room = _room(max_context)
-    t, cut = _fit_first(t, max_context, overhead)
-    sizes = _contexts(t, 1.0, overhead)
-    keep = next((k for k, (p, o) in enumerate(sizes) if p + o > room), len(sizes))
-    keep = max(1, keep)
-    return replace(t, outputs=t.outputs[:keep], steps=t.steps[:keep - 1]), keep, cut
-
-
 def _fit_first(t: _Targets, max_context: int, overhead: float) -> tuple[_Targets, float]:
     """t with a first turn that does not fit max_context minus the margin cut to
     half the room (its task: the first prompt but the shared system prompt), and
@@ -156,7 +137,8 @@ def compact_targets(t: _Targets, max_context: int, overhead: float) -> tuple[_Ta
     prompt + output would not fit max_context minus the margin is sent as a new
     conversation, the shared system prompt and a summary of an eighth of the
     context, in place of the history and the tool result; every turn keeps its
-    real length otherwise. The first prompt is cut as truncate_targets cuts it."""
+    real length otherwise. A first turn that does not fit has its task (the first
+    prompt but the system prompt) cut to half the room."""
     t, cut = _fit_first(t, max_context, overhead)
     room = _room(max_context)
     summary = float(max(1, room // 8))
@@ -193,21 +175,18 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
                  arrival: float | None = None, clamp: str = "scale",
                  max_output_tokens: int | None = None) -> ProgramPlan:
     """The messages and lengths program `p` sends (the docs' benchmarks page); clamp:
-    scale or truncate (auto is resolved by plan_workload)."""
+    scale or compact (auto is resolved by plan_workload)."""
     t = _targets(p, token_scale, max_output_tokens)
     capped = sum(1 for c in p.calls if max_output_tokens is not None and c.output_tokens * token_scale > max_output_tokens)
     real = _real_text_turns(p)
-    keep, cut, compactions = len(p.calls), 1.0, 0
-    if clamp == "truncate" and max_context is not None and not real:  # real text is cut by the scale only
-        t, keep, cut = truncate_targets(t, max_context, tm.message_overhead)
-        f = 1.0
-    elif clamp == "compact" and max_context is not None and not real:
+    cut, compactions = 1.0, 0
+    if clamp == "compact" and max_context is not None and not real:  # real text is cut by the scale only
         t, compactions, cut = compact_targets(t, max_context, tm.message_overhead)
         f = 1.0
     else:
         f = fit_factor(t, max_context, tm.message_overhead)
     sizes = _contexts(t, f, tm.message_overhead)
-    calls = p.calls[:keep]
+    calls = p.calls
     pid = p.program_id
     system_msg = ({"role": "system", "content": tm.text(t.system, f"{seed}:{pid}:system" if t.own else f"{seed}:system")}
                   if t.system else None)
@@ -258,8 +237,7 @@ def plan_program(p: Program, tm: TextModel, *, token_scale: float = 1.0, time_sc
         ))
         prev_ids = ids
     return ProgramPlan(pid, p.arrival if arrival is None else arrival, turns, p.parent_id, p.parent_turn, f,
-                       dropped_turns=len(p.calls) - keep, first_cut=cut, capped_outputs=capped,
-                       compactions=compactions)
+                       first_cut=cut, capped_outputs=capped, compactions=compactions)
 
 
 def _tool_message(text: str, call_ids: list[str], i: int, tool_role: str) -> dict:
@@ -281,39 +259,24 @@ def plan_workload(programs: list[Program], tm: TextModel, *, token_scale: float 
                   max_context: int | None = None, seed: int | str = 0,
                   tool_role: str = "user", clamp: str = "scale",
                   max_output_tokens: int | None = None) -> list[ProgramPlan]:
-    """Plans for every program; arrivals shifted so the first program starts at 0.
-    A subagent whose parent's spawning turn was truncated away is left out
-    (clamp_summary counts it)."""
+    """Plans for every program; arrivals shifted so the first program starts at 0."""
     if not programs:
         return []
     if max_output_tokens is not None and max_output_tokens < 1:
         raise ValueError(f"max_output_tokens must be >= 1, got {max_output_tokens}")
     t0 = min(p.arrival for p in programs)
-    plans = [plan_program(p, tm, token_scale=token_scale, time_scale=time_scale, max_context=max_context,
-                          seed=seed, tool_role=tool_role, arrival=p.arrival - t0, clamp=clamp,
-                          max_output_tokens=max_output_tokens) for p in programs]
-    kept = {pl.program_id: len(pl.turns) for pl in plans}
-    out: list[ProgramPlan] = []
-    for pl in plans:  # parents come before their subagents only by arrival: check against all
-        parent = kept.get(pl.parent_id) if pl.parent_id is not None else None
-        if parent is not None and pl.parent_turn is not None and pl.parent_turn >= parent:
-            continue
-        out.append(pl)
-    return out
+    return [plan_program(p, tm, token_scale=token_scale, time_scale=time_scale, max_context=max_context,
+                         seed=seed, tool_role=tool_role, arrival=p.arrival - t0, clamp=clamp,
+                         max_output_tokens=max_output_tokens) for p in programs]
 
 
 def clamp_summary(programs: list[Program], plans: list[ProgramPlan], max_context: int | None, clamp: str,
                   max_output_tokens: int | None) -> dict:
     """What fitting the programs to the context did, counted (for the log line and the report)."""
-    planned = {pl.program_id for pl in plans}
     return {"mode": clamp, "max_context": max_context, "max_output_tokens": max_output_tokens,
             "programs": len(programs), "turns": sum(p.num_turns for p in programs),
             "scaled_programs": sum(1 for pl in plans if pl.clamp < 1.0),
-            "truncated_programs": sum(1 for pl in plans if pl.dropped_turns),
-            "dropped_turns": sum(pl.dropped_turns for pl in plans),
             "first_prompts_cut": sum(1 for pl in plans if pl.first_cut < 1.0),
-            "dropped_subagents": sum(1 for p in programs if p.program_id not in planned),
-            "dropped_subagent_turns": sum(p.num_turns for p in programs if p.program_id not in planned),
             "capped_outputs": sum(pl.capped_outputs for pl in plans),
             "compacted_programs": sum(1 for pl in plans if pl.compactions),
             "compactions": sum(pl.compactions for pl in plans),
@@ -325,14 +288,9 @@ def format_clamp(c: dict) -> str:
     head = (f"clamped to a {c['max_context']}-token context ({c['mode']}): " if c.get("max_context") is not None
             else "no context limit known (nothing clamped by length): ")
     parts = []
-    if c["mode"] == "truncate":
-        parts.append(f"{c['truncated_programs']} of {c['programs']} programs cut after their last turn that fits "
-                     f"({c['dropped_turns']} turns dropped), {c['first_prompts_cut']} first prompts (tool "
-                     f"definitions and system prompt) cut to half the context, {c['dropped_subagents']} subagents "
-                     f"({c['dropped_subagent_turns']} turns) not replayed")
-    elif c["mode"] == "compact":
-        parts.append(f"{c.get('compacted_programs', 0)} of {c['programs']} programs compacted "
-                     f"({c.get('compactions', 0)} turns sent as a compacted conversation), {c['first_prompts_cut']} "
+    if c["mode"] == "compact":
+        parts.append(f"{c['compacted_programs']} of {c['programs']} programs compacted "
+                     f"({c['compactions']} turns sent as a compacted conversation), {c['first_prompts_cut']} "
                      f"first prompts (tool definitions and system prompt) cut to half the context")
     else:
         parts.append(f"{c['scaled_programs']} of {c['programs']} programs scaled down to fit")
