@@ -482,7 +482,14 @@ def test_gemma_model_for_every_server(tmp_path):
     specs = dict(zip(names, specs_of(names, 16384, model="gemma3-270m", peers_dir=tmp_path)))
     for s in specs.values():
         assert s.model == "gemma3-270m" and s.model_name == "gemma-3-270m" and s.model_context == 32768
-        assert s.kv_bytes == 16384 * 18432 and s.max_model_len == 16384
+        assert s.kv_bytes == 16384 * 18432
+    # the longest sequence each holds in those bytes: the window layers keep their window only in
+    # agentserve's hybrid cache and llama-server's unified cache (vLLM and llama.cpp: every layer's KV)
+    assert {n: s.max_model_len for n, s in specs.items()} == {
+        "agentserve-agentserve": 32768, "vllm-cpu": 16384, "llama.cpp": 16384, "llama-server": 32768,
+        "cluster-program": 32768}
+    assert _arg(specs["agentserve-agentserve"].argv, "--max-model-len") == "32768"
+    assert peers.agentserve_sequence_tokens(4096, g) == (4096 * 18 - (512 + 32) * 15) // 3 < 32768
     assert _arg(specs["agentserve-agentserve"].argv, "--model") == "gemma3-270m"
     assert _arg(specs["cluster-program"].argv, "--model") == "gemma3-270m"
     assert _arg(specs["vllm-cpu"].argv, "--model") == str(tmp_path / "gemma3-270m-hf")

@@ -115,11 +115,13 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
     except (ValueError, PeerServerError) as e:
         raise CliError(str(e)) from None
     text_seed = f"compare-{a.seed}"  # the same message text for every server
+    # and the same programs: fitted to the shortest context any of them holds
+    max_context = min(s.max_model_len for s in specs) if specs else None
 
     def run(spec, srv) -> dict:
         cfg = ReplayConfig(url=srv.api_base, model=spec.model_name, workload=a.workload, rate=a.rate, seed=a.seed,
                            text_seed=text_seed, token_scale=a.token_scale, time_scale=a.time_scale,
-                           max_context=spec.max_model_len, label=spec.name, progress=a.progress,
+                           max_context=max_context, label=spec.name, progress=a.progress,
                            clamp=a.clamp, max_output_tokens=a.max_output_tokens,
                            **(replay_kwargs(spec, srv) if replay_kwargs else {}))
         result = replay(programs, cfg)

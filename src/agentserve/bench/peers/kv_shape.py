@@ -148,6 +148,16 @@ def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVE
     return ctx // LLAMACPP_CTX_PAD * LLAMACPP_CTX_PAD, swa, False
 
 
+def agentserve_sequence_tokens(kv_tokens: int, shape: ModelShape, block: int = AGENTSERVE_BLOCK_TOKENS) -> int:
+    """The longest sequence agentserve holds in the bytes of kv_tokens tokens of every layer: on a
+    model with sliding-window layers its hybrid cache keeps the global layers' KV of every token and
+    the window layers' of the last window (and a block) only."""
+    glob = shape.num_layers - shape.window_layers
+    if not shape.sliding_window or not shape.window_layers or glob < 1:
+        return kv_tokens
+    return (kv_tokens * shape.num_layers - (shape.sliding_window + 2 * block) * shape.window_layers) // glob
+
+
 def check_kv_tokens(kv_tokens: int) -> int:
     if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens <= 0:
         raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")

@@ -20,7 +20,7 @@ from agentserve.bench.peers.kv_shape import (  # noqa: F401  (the names callers 
     LLAMASERVER_SLOTS, LLAMASERVER_UBATCH, MiB, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, MODEL_MAX_LEN, KV_DTYPE_BYTES,
     AGENTSERVE_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, LLAMACPP_CTX_PAD, KV_TOKENS_MULTIPLE, kv_bytes_per_token,
     vllm_kv_cache_bytes, vllm_kvcache_space_gib, ModelShape, shape_from_gguf, model_shape, llamaserver_cells,
-    check_kv_tokens)
+    check_kv_tokens, agentserve_sequence_tokens)
 from agentserve.policy.registry import parse_policy_spec
 
 # agentserve by policy; `+host` after an agentserve name: with a host-memory KV tier
@@ -192,6 +192,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if colon:
             policy = f"{policy}:{options}"
             parse_policy_spec(policy)  # a bad option is an error before any server starts
+        max_len = min(shape.context, agentserve_sequence_tokens(kv_tokens, shape))
         argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", model,
                 "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
                 "--max-model-len", str(max_len), "--threads", str(threads), "--kv-dtype", "bfloat16",
@@ -235,6 +236,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         exe = llamaserver_binary(peers)
         path = Path(gguf) if gguf is not None else shape.gguf
         ctx, swa_cells, swa_full = llamaserver_cells(kv_tokens, shape, slots)
+        max_len = min(shape.context, ctx)  # one sequence may take the whole unified cache
         argv = [str(exe), "--model", str(path), "--alias", model_name, "--host", host, "--port", str(port),
                 "--ctx-size", str(ctx), "--parallel", str(slots), "--kv-unified", "--cont-batching",
                 "--threads", str(threads), "--threads-batch", str(threads), "--ubatch-size", str(LLAMASERVER_UBATCH),
