@@ -68,8 +68,8 @@ from starlette.responses import JSONResponse, Response
 from agentserve.engine.llm_engine import RequestOutput
 from agentserve.server.api_errors import APIError, anthropic_error_event
 from agentserve.server.chat_run import ChatRun, ReplyDelta, checked_prompt, reply_deltas, start_chat, whole_reply
-from agentserve.server.messages_protocol import (CacheControl, ContentBlockDeltaEvent, ContentBlockStartEvent,
-                                                 ContentBlockStopEvent, CountTokensRequest, InputJsonDelta,
+from agentserve.server.messages_protocol import (MAX_STOP_SEQUENCES, CacheControl, ContentBlockDeltaEvent,
+                                                 ContentBlockStartEvent, ContentBlockStopEvent, CountTokensRequest, InputJsonDelta,
                                                  MessageDelta, MessageDeltaEvent, MessageResponse, MessagesRequest,
                                                  MessageStartEvent, MessageStopEvent, MessageUsage, PingEvent,
                                                  RedactedThinkingBlock, TextBlock, TextContent, TextDelta,
@@ -86,7 +86,6 @@ log = logging.getLogger("agentserve.server")
 BILLING_PREFIX = "x-anthropic-billing-header:"
 PING_EVERY_S = 5.0  # a ping after this long without an event keeps proxies and clients from timing out
 _TTL_S = {"5m": 300.0, "1h": 3600.0}
-_MAX_STOP_SEQUENCES = 16  # SamplingParams' limit
 
 
 def claude_code_model_hint(st: ServerState) -> str:
@@ -258,8 +257,8 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
             chat["parallel_tool_calls"] = False
     if isinstance(body, MessagesRequest):
         stops = body.stop_sequences or []
-        if len(stops) > _MAX_STOP_SEQUENCES:
-            raise _refuse(f"stop_sequences: at most {_MAX_STOP_SEQUENCES} are supported, got {len(stops)}",
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise _refuse(f"stop_sequences: at most {MAX_STOP_SEQUENCES} are supported, got {len(stops)}",
                           "stop_sequences")
         chat.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                     stop=stops or None, stream=body.stream, ignore_eos=body.ignore_eos or None)

@@ -222,11 +222,15 @@ class CountTokensRequest(Strict):
     output_config: OutputConfig | None = None
 
 
+MAX_STOP_SEQUENCES = 16  # SamplingParams' limit
+
+
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
     max_tokens: whole_number(ge=1)
-    stop_sequences: list[str] | None = None
+    # the document states the limit; the endpoint refuses more with its own message
+    stop_sequences: Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP_SEQUENCES})] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = Field(None, gt=0.0, le=1.0)
