@@ -18,7 +18,8 @@ from agentserve.bench import replay_stream as rs
 from agentserve.bench import replay_text as rt
 from agentserve.cli import main as cli_main
 from agentserve.workload.generators import generate_swebench
-from agentserve.workload.trace import Program, TraceCall, save_jsonl
+from agentserve.workload.trace import Program, TraceCall
+from agentserve.workload.trace_jsonl import save_jsonl
 
 KEY = "replay-key"
 API_KEYS = {f"key-{api}": f"t-{api}" for api in rapi.API_NAMES}  # a tenant per API: each run starts cold

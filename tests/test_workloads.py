@@ -19,16 +19,8 @@ from agentserve.workload.generators import (
 )
 from agentserve.workload.swe_smith import load_swe_smith
 from agentserve.workload.tokens import program_token_plan, shared_token_pool
-from agentserve.workload.trace import (
-    Program,
-    TraceCall,
-    TraceError,
-    find_shared_traces,
-    format_stats,
-    load_jsonl,
-    save_jsonl,
-    workload_stats,
-)
+from agentserve.workload.trace import Program, TraceCall, find_shared_traces, format_stats, workload_stats
+from agentserve.workload.trace_jsonl import TraceError, load_jsonl, save_jsonl
 from agentserve.workload.load import load_workload
 
 

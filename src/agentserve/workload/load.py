@@ -16,7 +16,8 @@ from typing import Any
 from .claude_code import load_claude_code
 from .generators import assign_poisson_arrivals, generate_bfcl, generate_swebench
 from .swe_smith import load_swe_smith
-from .trace import Program, format_stats, load_jsonl, save_jsonl, workload_stats
+from .trace import Program, format_stats, workload_stats
+from .trace_jsonl import load_jsonl, save_jsonl
 
 GENERATED = ("swebench", "bfcl")
 RECORDED = ("claude-code", "swe-smith")
