@@ -354,3 +354,26 @@ def test_the_openai_agents_sdk_with_an_output_type_and_a_tool(server):
     result = asyncio.run(run())
     assert seen == ["Paris"] and isinstance(result.final_output, Person)
     idle(server)
+
+
+def test_a_bounded_string_takes_whole_utf8_characters_only():
+    """maxLength counts characters: a byte-level model must not write a surrogate's 3-byte
+    encoding (not UTF-8; it decodes to three U+FFFD where the grammar counted one), while real
+    multibyte characters stay allowed."""
+    import xgrammar as xgr
+
+    from agentserve.runner.structured import json_schema_grammar
+
+    grammar = json_schema_grammar({"type": "string", "maxLength": 2})
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)], xgr.VocabType.RAW, vocab_size=256)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar)
+
+    def takes(text: bytes) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return all(m.accept_token(b) for b in text)
+
+    assert takes('"é\U0001F600"'.encode())
+    assert takes(b'"\\t"')
+    assert not takes(b'"\xed\xa0\x80"')  # U+D800's encoding
+    assert not takes(b'"abc"')  # three characters
+    assert not takes(b'"\t"')  # a raw control character

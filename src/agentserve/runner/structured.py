@@ -62,8 +62,10 @@ class ToolCallConstraint:
 # #800): raw control characters, which no JSON parser takes (a tab in a bounded string made the
 # reply unparsable), and no escapes. Each is rewritten to one JSON string character (an escape
 # counts as one, as maxLength counts); a version that writes it right leaves nothing to rewrite.
+# Surrogate code points are left out: xgrammar takes their 3-byte encodings, which are not UTF-8,
+# so the text decodes to three U+FFFD where the grammar counted one character (past maxLength).
 _BOUNDED_CHAR = r'[^\"\\\r\n]'
-_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+_JSON_CHAR = r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
 
 
 def json_schema_grammar(schema: dict[str, Any], strict: bool = True) -> Any:
