@@ -43,3 +43,30 @@ def test_live_compare_with_agentserve(tmp_path, smollm_path, capsys):
     assert row["server"] == "agentserve-continuum" and row["done"] == "2/2" and row["jct_vs_ref"] == 1.0
     assert "mean JCT / agentserve-continuum" in capsys.readouterr().out
     assert "agentserve:prefix_hit_tokens" in data["results"][0]["final_metrics"]  # the server's page, kept
+
+
+def test_json_keeps_the_servers_done_when_a_later_one_is_stopped(tmp_path, monkeypatch):
+    """A sitting can last hours: --json is rewritten after each server, so stopping the run
+    during its last server keeps the ones measured before it."""
+    import argparse
+    from types import SimpleNamespace
+
+    from agentserve.bench import compare
+
+    def fake_each(specs, run, errors):
+        yield specs[0], dict(_result("agentserve-agentserve", 10.0), p50_jct=9.0, p90_jct=12.0), None
+        raise KeyboardInterrupt  # stopped while the second server ran
+
+    monkeypatch.setattr(compare, "each_server", fake_each)
+    specs = [SimpleNamespace(name=n, max_model_len=8192, describe=lambda n=n: {"name": n})
+             for n in ("agentserve-agentserve", "llama-server")]
+    out = tmp_path / "c.json"
+    a = argparse.Namespace(servers="agentserve-agentserve,llama-server", kv_tokens=4096, model="smollm2",
+                           llama_server_slots=8, vllm_reserved_cpus="0", workload="swebench", programs=2, rate=1.0,
+                           seed=0, min_turns=None, max_turns=None, clamp="auto", max_output_tokens=None,
+                           token_scale=0.1, time_scale=0.1, progress=False, json=str(out), plot=None, report=None)
+    with pytest.raises(KeyboardInterrupt):
+        compare.cmd_compare(a, specs_of=lambda *args, **kw: specs)
+    data = json.loads(out.read_text())
+    assert [r["server"] for r in data["results"]] == ["agentserve-agentserve"]
+    assert data["rows"][0]["jct_vs_ref"] == 1.0

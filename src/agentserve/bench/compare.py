@@ -81,7 +81,7 @@ def add_compare_args(p: argparse.ArgumentParser, servers: tuple[str, ...] = DEFA
     from agentserve.bench.replay import add_clamp_args
 
     add_clamp_args(p)
-    p.add_argument("--json", default=None, help="all servers' results and the table")
+    p.add_argument("--json", default=None, help="all servers' results and the table (rewritten after each server)")
     p.add_argument("--report", default=None, help="Markdown report")
     p.add_argument("--plot", default=None, help="PNG prefix: JCT CDF over servers, one timeline each")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -137,6 +137,8 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
         result["server_setup"] = spec.describe()
         results.append(result)
         print(rr.format_table([result]), file=sys.stderr)
+        if a.json:  # the servers done so far survive a run stopped before its last server
+            rr.write_json({"rows": compare_rows(results), "results": results}, a.json)
     if not results:
         raise CliError("no server could be run")
     rows = compare_rows(results)
