@@ -484,12 +484,16 @@ def test_gemma_model_for_every_server(tmp_path):
         assert s.model == "gemma3-270m" and s.model_name == "gemma-3-270m" and s.model_context == 32768
         assert s.kv_bytes == 16384 * 18432
     # the longest sequence each holds in those bytes: the window layers keep their window only in
-    # agentserve's hybrid cache and llama-server's unified cache (vLLM and llama.cpp: every layer's KV)
+    # agentserve's hybrid cache, vLLM's hybrid allocator and llama-server's unified cache (llama.cpp:
+    # every layer's KV)
     assert {n: s.max_model_len for n, s in specs.items()} == {
-        "agentserve-agentserve": 32768, "vllm-cpu": 16384, "llama.cpp": 16384, "llama-server": 32768,
+        "agentserve-agentserve": 32768, "vllm-cpu": 32768, "llama.cpp": 16384, "llama-server": 32768,
         "cluster-program": 32768}
+    assert _arg(specs["vllm-cpu"].argv, "--max-model-len") == "32768"
+    small = specs_of(["vllm-cpu"], 2048, model="gemma3-270m", peers_dir=tmp_path)[0]
+    assert small.max_model_len == (2048 * 18 - (512 + 2 * 128) * 15) // 3  # blocks of 128
     assert _arg(specs["agentserve-agentserve"].argv, "--max-model-len") == "32768"
-    assert peers.agentserve_sequence_tokens(4096, g) == (4096 * 18 - (512 + 32) * 15) // 3 < 32768
+    assert peers.window_sequence_tokens(4096, g) == (4096 * 18 - (512 + 32) * 15) // 3 < 32768
     assert _arg(specs["agentserve-agentserve"].argv, "--model") == "gemma3-270m"
     assert _arg(specs["cluster-program"].argv, "--model") == "gemma3-270m"
     assert _arg(specs["vllm-cpu"].argv, "--model") == str(tmp_path / "gemma3-270m-hf")

@@ -148,10 +148,12 @@ def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVE
     return ctx // LLAMACPP_CTX_PAD * LLAMACPP_CTX_PAD, swa, False
 
 
-def agentserve_sequence_tokens(kv_tokens: int, shape: ModelShape, block: int = AGENTSERVE_BLOCK_TOKENS) -> int:
-    """The longest sequence agentserve holds in the bytes of kv_tokens tokens of every layer: on a
-    model with sliding-window layers its hybrid cache keeps the global layers' KV of every token and
-    the window layers' of the last window (and a block) only."""
+def window_sequence_tokens(kv_tokens: int, shape: ModelShape, block: int = AGENTSERVE_BLOCK_TOKENS) -> int:
+    """The longest sequence a hybrid cache holds in the bytes of kv_tokens tokens of every layer: on
+    a model with sliding-window layers it keeps the global layers' KV of every token and the window
+    layers' of the last window (and a block) only. agentserve's cache does, and vLLM's hybrid
+    allocator (with its own block size), which checks at start that one sequence of its
+    --max-model-len fits."""
     glob = shape.num_layers - shape.window_layers
     if not shape.sliding_window or not shape.window_layers or glob < 1:
         return kv_tokens

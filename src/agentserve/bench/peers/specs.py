@@ -20,7 +20,7 @@ from agentserve.bench.peers.kv_shape import (  # noqa: F401  (the names callers 
     LLAMASERVER_SLOTS, LLAMASERVER_UBATCH, MiB, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, MODEL_MAX_LEN, KV_DTYPE_BYTES,
     AGENTSERVE_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, LLAMACPP_CTX_PAD, KV_TOKENS_MULTIPLE, kv_bytes_per_token,
     vllm_kv_cache_bytes, vllm_kvcache_space_gib, ModelShape, shape_from_gguf, model_shape, llamaserver_cells,
-    check_kv_tokens, agentserve_sequence_tokens)
+    check_kv_tokens, window_sequence_tokens)
 from agentserve.policy.registry import parse_policy_spec
 
 # agentserve by policy; `+host` after an agentserve name: with a host-memory KV tier
@@ -192,7 +192,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if colon:
             policy = f"{policy}:{options}"
             parse_policy_spec(policy)  # a bad option is an error before any server starts
-        max_len = min(shape.context, agentserve_sequence_tokens(kv_tokens, shape))
+        max_len = min(shape.context, window_sequence_tokens(kv_tokens, shape))
         argv = [python or sys.executable, "-m", "agentserve.cli", "serve", "--model", model,
                 "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--block-size", str(AGENTSERVE_BLOCK_TOKENS),
                 "--max-model-len", str(max_len), "--threads", str(threads), "--kv-dtype", "bfloat16",
@@ -211,6 +211,7 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
             env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])  # src/
         else:
             argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        max_len = min(shape.context, window_sequence_tokens(kv_tokens, shape, VLLM_BLOCK_TOKENS))
         argv += ["--served-model-name", model_name, "--host", host, "--port", str(port),
                 "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as agentserve
