@@ -502,6 +502,17 @@ def test_gemma_model_for_every_server(tmp_path):
     ls = specs["llama-server"]
     assert _arg(ls.argv, "--model") == _arg(specs["llama.cpp"].argv, "--model") == str(g.gguf)
     assert _arg(ls.argv, "--ctx-size") == "75264" and _arg(ls.argv, "--chat-template") == "gemma"
+    # a buffer per slot: each slot's global cells and its own window cache, the same bytes in all
+    split = specs_of(["llama-server"], 16384, model="gemma3-270m", peers_dir=tmp_path, slots=2,
+                     llama_kv_unified=False)[0]
+    assert "--no-kv-unified" in split.argv and "--kv-unified" not in split.argv
+    ctx = int(_arg(split.argv, "--ctx-size"))
+    window = 2 * 1024  # two slots x pad256(512 + 512)
+    assert ctx % (2 * 256) == 0 and ctx * 3 + window * 15 <= 16384 * 18 < (ctx + 2 * 256) * 3 + window * 15
+    assert split.max_model_len == min(32768, ctx // 2) == 32768
+    assert "a buffer per slot" in split.kv_setting
+    eight = specs_of(["llama-server"], 16384, model="gemma3-270m", peers_dir=tmp_path, llama_kv_unified=False)[0]
+    assert eight.max_model_len == int(_arg(eight.argv, "--ctx-size")) // 8 < 32768
     assert "--no-jinja" in ls.argv
     assert "15 window layers of 4608" in ls.kv_setting
 

@@ -70,6 +70,10 @@ def add_compare_args(p: argparse.ArgumentParser, servers: tuple[str, ...] = DEFA
                         "(llama-server's window-sized caches included, see the servers' kv_setting in --json)")
     p.add_argument("--llama-server-slots", type=int, default=LLAMASERVER_SLOTS, metavar="N",
                    help="llama-server's --parallel slots (default: %(default)s)")
+    p.add_argument("--llama-server-kv", choices=("unified", "split"), default="unified",
+                   help="llama-server's KV: one buffer the slots share (--kv-unified), or a buffer per slot of "
+                        "--ctx-size / slots cells, each with its own window cache (--no-kv-unified); the same "
+                        "bytes either way (default: %(default)s)")
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                    help=VLLM_RESERVED_CPUS_HELP)
     p.add_argument("--workload", default="swebench")
@@ -110,6 +114,7 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
         specs = specs_of(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
+                         llama_kv_unified=getattr(a, "llama_server_kv", "unified") == "unified",
                          vllm_reserved_cpus=a.vllm_reserved_cpus)
         programs = load_programs(a)
     except (ValueError, PeerServerError) as e:

@@ -134,18 +134,21 @@ def _pad256(n: int) -> int:
 
 
 def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVER_SLOTS,
-                      ubatch: int = LLAMASERVER_UBATCH) -> tuple[int, int, bool]:
+                      ubatch: int = LLAMASERVER_UBATCH, unified: bool = True) -> tuple[int, int, bool]:
     """(--ctx-size, window layers' cells, swa_full) that give llama-server the bytes of kv_tokens
     tokens in every layer, as the docs' benchmarks page tells (swa_full: every layer keeps
-    kv_tokens cells, where the window caches alone would not fit)."""
+    kv_tokens cells, where the window caches alone would not fit). unified: one buffer that every
+    slot shares; else a buffer per slot (--no-kv-unified), each of --ctx-size / slots cells with
+    its own window cache (the window cells returned are all slots' together)."""
+    streams = 1 if unified else slots
     if not shape.sliding_window or not shape.window_layers:
-        return kv_tokens, 0, False
+        return kv_tokens // (streams * LLAMACPP_CTX_PAD) * streams * LLAMACPP_CTX_PAD, 0, False
     glob = shape.num_layers - shape.window_layers
-    swa = _pad256(shape.sliding_window * slots + ubatch)
+    swa = _pad256(shape.sliding_window * (slots if unified else 1) + ubatch) * streams
     if glob == 0 or swa >= kv_tokens:
-        return kv_tokens, kv_tokens, True
+        return kv_tokens // (streams * LLAMACPP_CTX_PAD) * streams * LLAMACPP_CTX_PAD, kv_tokens, True
     ctx = (kv_tokens * shape.num_layers - shape.window_layers * swa) // glob
-    return ctx // LLAMACPP_CTX_PAD * LLAMACPP_CTX_PAD, swa, False
+    return ctx // (streams * LLAMACPP_CTX_PAD) * streams * LLAMACPP_CTX_PAD, swa, False
 
 
 def window_sequence_tokens(kv_tokens: int, shape: ModelShape, block: int = AGENTSERVE_BLOCK_TOKENS) -> int:

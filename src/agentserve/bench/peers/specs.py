@@ -152,7 +152,7 @@ class ServerSpec:
 
 def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str = "127.0.0.1",
                 threads: int = 2, model: str = DEFAULT_MODEL, model_name: str | None = None,
-                slots: int = LLAMASERVER_SLOTS, peers_dir: Path | str | None = None,
+                slots: int = LLAMASERVER_SLOTS, llama_kv_unified: bool = True, peers_dir: Path | str | None = None,
                 log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
                 startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
                 extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
@@ -160,7 +160,8 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     a colon, as `--policy` takes them) with `kv_tokens` of KV cache. threads: the model's CPU threads
     (vLLM's: all cores but vllm_reserved_cpus, VLLM_RESERVED_CPUS_HELP; None leaves it to vLLM);
     model: the short name every server serves (MODELS), model_name what they answer to (default its
-    SERVED_NAMES); slots: llama-server's --parallel; python: agentserve's interpreter (default this
+    SERVED_NAMES); slots: llama-server's --parallel, llama_kv_unified: one KV buffer for them all (else
+    one per slot); python: agentserve's interpreter (default this
     one); gguf: llama.cpp's and llama-server's file (default the model's own)."""
     base, colon, options = name.partition(":")
     if base not in SERVER_NAMES or (colon and not (base.startswith("agentserve-") or base == VLLM_PLUGIN)):
@@ -236,10 +237,12 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
     elif base.startswith("llama-server"):
         exe = llamaserver_binary(peers)
         path = Path(gguf) if gguf is not None else shape.gguf
-        ctx, swa_cells, swa_full = llamaserver_cells(kv_tokens, shape, slots)
-        max_len = min(shape.context, ctx)  # one sequence may take the whole unified cache
+        ctx, swa_cells, swa_full = llamaserver_cells(kv_tokens, shape, slots, unified=llama_kv_unified)
+        # one sequence may take the whole unified cache, or its slot's buffer
+        max_len = min(shape.context, ctx if llama_kv_unified else ctx // slots)
+        kvu = "--kv-unified" if llama_kv_unified else "--no-kv-unified"
         argv = [str(exe), "--model", str(path), "--alias", model_name, "--host", host, "--port", str(port),
-                "--ctx-size", str(ctx), "--parallel", str(slots), "--kv-unified", "--cont-batching",
+                "--ctx-size", str(ctx), "--parallel", str(slots), kvu, "--cont-batching",
                 "--threads", str(threads), "--threads-batch", str(threads), "--ubatch-size", str(LLAMASERVER_UBATCH),
                 "--cache-type-k", "f16", "--cache-type-v", "f16", "--fit", "off", "--no-webui"]
         if swa_full:
@@ -252,11 +255,12 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         if swa_cells and not swa_full:
             glob = shape.num_layers - shape.window_layers
             used = (ctx * glob + swa_cells * shape.window_layers) * (per_token // shape.num_layers)
-            setting = (f"--ctx-size {ctx} --parallel {slots} --kv-unified: {glob} global layers of {ctx} cells and "
-                       f"{shape.window_layers} window layers of {swa_cells} (pad256({shape.sliding_window} x "
-                       f"{slots} + {LLAMASERVER_UBATCH})) = {used} B of {kv_bytes}")
+            per = (f"pad256({shape.sliding_window} x {slots} + {LLAMASERVER_UBATCH})" if llama_kv_unified else
+                   f"{slots} x pad256({shape.sliding_window} + {LLAMASERVER_UBATCH}): a buffer per slot")
+            setting = (f"--ctx-size {ctx} --parallel {slots} {kvu}: {glob} global layers of {ctx} cells and "
+                       f"{shape.window_layers} window layers of {swa_cells} ({per}) = {used} B of {kv_bytes}")
         else:
-            setting = (f"--ctx-size {ctx} --parallel {slots} --kv-unified" + (" --swa-full" if swa_full else "")
+            setting = (f"--ctx-size {ctx} --parallel {slots} {kvu}" + (" --swa-full" if swa_full else "")
                        + f": every layer {ctx} cells")
         setting += f", --cache-ram {ram_mib} MiB" + (" (its prompt-cache tier)" if ram_mib else " (no RAM tier)")
         requires = (exe, peers / "llamaserver-install.json", path)  # the json: written last by the install
