@@ -114,7 +114,7 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     try:
         specs = specs_of(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
-                         llama_kv_unified=getattr(a, "llama_server_kv", "unified") == "unified",
+                         llama_kv_unified=a.llama_server_kv == "unified",
                          vllm_reserved_cpus=a.vllm_reserved_cpus)
         programs = load_programs(a)
     except (ValueError, PeerServerError) as e:
