@@ -259,12 +259,15 @@ def test_gelu_tanh_mul_float32_near_torch():
 @needs_ops
 def test_float32_gguf_decode_takes_the_native_ops_and_stays_near_torch():
     """A float32 model on GGUF-kept weights: decode-sized steps take the native ops
-    (the greedy choices of torch's ops on clear positions), prefill-sized ones
-    multiply the dense copies on torch's ops, equal to the dequantized model."""
+    (the greedy choices of torch's ops on clear positions, and logits that differ
+    from torch's ops' far less than either differs from the dequantized model:
+    the two orders of float32 roundings meet activation codes that a last-bit
+    difference can move by a step), prefill-sized ones multiply the dense copies
+    on torch's ops, equal to the dequantized model."""
     from test_runner_kquant import tiny_kquant_model
 
-    llm = LLM(tiny_kquant_model(), weights="native", dtype="float32", device="cpu", kv_cache_tokens=256,
-              max_model_len=256, block_size=16)
+    opts = dict(dtype="float32", device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
+    llm = LLM(tiny_kquant_model(), weights="native", **opts)
     model = llm.model
     assert model.ops is not None and model.ops.f32 and model.codes_rows >= 1
     ids = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -280,4 +283,6 @@ def test_float32_gguf_decode_takes_the_native_ops_and_stays_near_torch():
     clear = (top2[:, 0] - top2[:, 1]) > 0.1
     assert clear.sum() > 20
     assert torch.equal(got[1].argmax(-1)[clear], ref[1].argmax(-1)[clear])
-    assert ((got[1] - ref[1]).pow(2).mean().sqrt() / ref[1].pow(2).mean().sqrt()) < 1e-3
+    exact = teacher_forced_logits(LLM(tiny_kquant_model(), weights="fp32", **opts), ids, 48)
+    dist = lambda a, b: ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()  # noqa: E731
+    assert dist(got[1], ref[1]) < 0.25 * dist(ref[1], exact)

@@ -108,7 +108,7 @@ def test_block_shapes_refused():
 def act8_rows(llm, rows: int) -> None:
     """Every block projection of `llm` takes int8 activation codes up to `rows` rows."""
     m = llm.model
-    for x in [m.lm_head] + [x for L in m.layers for x in (L.qkv, L.o, L.gate_up, L.down)]:
+    for x in m.projections():
         if isinstance(x, BlockLinear):
             x.act8_rows = rows
 
@@ -297,10 +297,13 @@ def test_tiny_kquant_model_native_against_bf16():
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
     kq, bf16, fp32 = (LLM(m, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16", "fp32"))
     assert kq.dtype == torch.bfloat16 and kq.model.weight_format == "native"
-    assert (kq.model.block_linears, kq.model.num_linears) == (9, 9)
+    # the tied Q8_0 head on the tiled AVX512-VNNI kernel where it is built, else on the blocks
+    tiled = native.gguf_kernel() is not None
+    assert (kq.model.block_linears, kq.model.q8_linears, kq.model.num_linears) == (8 + (not tiled), int(tiled), 9)
+    assert isinstance(kq.model.lm_head, linear.Q8Linear if tiled else BlockLinear)
     layer = kq.model.layers[0]
     assert isinstance(layer.qkv, BlockLinear) and layer.qkv.qtypes == ["Q4_K", "Q5_K", "Q6_K"]
-    assert all(isinstance(x, BlockLinear) for x in (layer.o, layer.gate_up, layer.down, kq.model.lm_head))
+    assert all(isinstance(x, BlockLinear) for x in (layer.o, layer.gate_up, layer.down))
     assert kq.model.weight_bytes < bf16.model.weight_bytes / 2.5
     ids = list(np.random.default_rng(0).integers(0, 320, 48))
     exact = teacher_forced_logits(fp32, ids, 48)
@@ -317,12 +320,14 @@ def test_tiny_kquant_model_native_against_bf16():
 
 
 @needs_block
-def test_tiny_kquant_model_native_in_float32():
+def test_tiny_kquant_model_native_in_float32(monkeypatch):
     """Native weights computing in float32 (what auto gives on CPUs without native
     bf16): prefill-sized forwards multiply the float32 copy, so they equal the
-    dequantized float32 model; decode-sized ones run on the blocks with int16
-    activation codes, far closer to it than bf16 weights are (a float32 KV
-    cache here: auto's bf16 one is test_kv_dtype's)."""
+    dequantized float32 model. Decode-sized ones run on the codes: with int16
+    activation codes far closer to it than bf16 weights are; with the int8
+    codes that Q5_0/Q5_1 rows up to ACT8_MAX_ROWS take (and the tiled kernel's
+    Q8_0 head where built) still closer than bf16 weights (a float32 KV cache
+    here: auto's bf16 one is test_kv_dtype's)."""
     m = tiny_kquant_model()
     opts = dict(device="cpu", kv_cache_tokens=256, max_model_len=256, block_size=16)
     kq, bf16, fp32 = (LLM(m, weights=w, dtype=d, kv_dtype="float32" if w == "native" else "auto", **opts)
@@ -333,7 +338,18 @@ def test_tiny_kquant_model_native_in_float32():
     exact = teacher_forced_logits(fp32, ids, 48)
     assert torch.equal(teacher_forced_logits(kq, ids, 48), exact)
     rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
-    assert rel(teacher_forced_logits(kq, ids, BLOCK_MAX_ROWS)) < 0.05 * rel(teacher_forced_logits(bf16, ids, 48))
+    weights_bf16 = rel(teacher_forced_logits(bf16, ids, 48))
+    assert rel(teacher_forced_logits(kq, ids, 1)) < weights_bf16
+    # int16 codes everywhere: a block projection's act8_rows at 0 (on CPUs with native bf16,
+    # BLOCK_MAX_ROWS is ACT8_MAX_ROWS, so no row count alone reaches them)
+    with monkeypatch.context() as mp:
+        mp.setattr(native, "gguf_kernel", lambda: None)  # the head on the blocks too
+        kq16 = LLM(m, weights="native", dtype="float32", kv_dtype="float32", **opts)
+    blocks = [x for x in kq16.model.projections() if isinstance(x, BlockLinear)]
+    assert len(blocks) == 9
+    for x in blocks:
+        x.act8_rows = 0
+    assert rel(teacher_forced_logits(kq16, ids, BLOCK_MAX_ROWS)) < 0.05 * weights_bf16
 
 
 def test_loader_keeps_k_quant_and_q5_tensors_as_blocks(tmp_path):
@@ -414,7 +430,7 @@ def test_every_tensor_of_the_gemma_q4_k_m_file():
 
 @needs_block
 def test_gemma_q4_k_m_native_agrees_with_dequantized_bfloat16():
-    """The whole file natively (Q5_0, Q4_K, Q6_K and Q8_0 on the block kernel, in
+    """The whole file natively (Q5_0, Q4_K, Q6_K and Q8_0 on the GGUF kernels, in
     decode-sized forwards) against the same file dequantized to bf16: the same
     greedy choice on at least 99% of the clear positions of a 300-token text."""
     from test_runner_smollm import STORY
@@ -428,19 +444,22 @@ def test_gemma_q4_k_m_native_agrees_with_dequantized_bfloat16():
     except ValueError as e:  # before the runner serves Gemma 3
         pytest.skip(f"the runner does not load this file: {e}")
     opts = dict(device="cpu", kv_cache_tokens=1024, max_model_len=1024, block_size=16)
-    native, bf16 = (LLM(loaded, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16"))
-    m = native.model
-    linears = [m.lm_head] + [x for L in m.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
-    assert all(isinstance(x, BlockLinear) for x in linears) and m.weight_format == "native"
+    kq_llm, bf16 = (LLM(loaded, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16"))
+    m = kq_llm.model
+    # the tied Q8_0 head on the tiled AVX512-VNNI kernel where it is built; the rest on the blocks
+    head = linear.Q8Linear if native.gguf_kernel() is not None else BlockLinear
+    assert isinstance(m.lm_head, head) and m.weight_format == "native"
+    assert all(isinstance(x, BlockLinear) for x in m.projections()[1:])
     assert m.weight_bytes < 0.5 * bf16.model.weight_bytes
-    ids = native.tokenizer.encode(STORY + "\n\n" + STORY.replace("He", "She"))[:300]
+    ids = kq_llm.tokenizer.encode(STORY + "\n\n" + STORY.replace("He", "She"))[:300]
     dense = teacher_forced_logits(bf16, ids, len(ids))
     top2 = dense.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.2  # a margin under two bf16 steps of these logits is a tie
     assert clear.sum() > 200
-    # forwards of BLOCK_MAX_ROWS rows (int16 activation codes) and of one row (a decode step's int8
-    # codes, one weight row pair at a time)
+    # forwards of BLOCK_MAX_ROWS rows (int16 activation codes where that is above ACT8_MAX_ROWS, as
+    # on CPUs without native bf16) and of one row (a decode step's int8 codes, one weight row pair
+    # at a time)
     for rows in (BLOCK_MAX_ROWS, 1):
-        kq = teacher_forced_logits(native, ids, rows)
+        kq = teacher_forced_logits(kq_llm, ids, rows)
         agree = (kq.argmax(-1) == dense.argmax(-1))[clear].float().mean().item()
         assert agree >= 0.99, (rows, agree)

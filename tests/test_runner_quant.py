@@ -182,11 +182,13 @@ def test_tiny_q4_model_native_against_bf16(tiny_q4):
     # the int4 kernel (8 rows a forward): as close to float32 as the bf16 weights are
     assert rel(teacher_forced_logits(q4, ids, q4.model.int4_max_rows)) < 1.5 * rel(dense)
     # computing in float32 (auto's choice without native bf16): prefill-sized forwards equal
-    # the float32 model, the int4 kernel's rows are far closer to it than bf16 weights
+    # the float32 model; the int4 kernel's rows are far closer to it than bf16 weights: torch's
+    # takes float32 activations, the tiled AVX512-VNNI one int8 codes (one scale per 32 values)
     q4f = LLM(m, weights="native", dtype="float32", kv_dtype="float32", **opts)
     assert q4f.dtype == torch.float32 and q4f.model.int4_linears == 8
     assert torch.equal(teacher_forced_logits(q4f, ids, 48), exact)
-    assert rel(teacher_forced_logits(q4f, ids, q4f.model.int4_max_rows)) < 0.05 * rel(dense)
+    codes = {"torch": 0.05, "agentserve": 0.25}[q4f.model.int4_kernel]
+    assert rel(teacher_forced_logits(q4f, ids, q4f.model.int4_max_rows)) < codes * rel(dense)
 
 
 # --- the weights option: choices, conflicts, fallbacks ---------------------------
@@ -284,8 +286,9 @@ def test_q8_linear_matches_dequantized_weight(rows, bias):
 
 @pytest.mark.skipif(native.gguf_kernel() is None, reason=f"{native.gguf_unavailable_reason()}")
 def test_q8_model_runs_natively_where_the_kernel_is_built(tmp_path, monkeypatch, caplog):
-    """Every projection Q8_0: on the Q8_0 kernel; without the native library, dequantized
-    with one log line (there is no torch kernel for Q8_0)."""
+    """Every projection Q8_0: on the Q8_0 kernel; without the native kernels (the tiled
+    one and the block one, which also takes Q8_0), dequantized with one log line (there
+    is no torch kernel for Q8_0)."""
     q8 = write_tiny_gguf(tmp_path / "q8.gguf", n_layers=1,
                          qtypes={n: Q.Q8_0 for n in _qtypes(1)} | {"model.embed_tokens.weight": Q.F16})
     opts = dict(device="cpu", kv_cache_tokens=64, max_model_len=64)
@@ -298,6 +301,7 @@ def test_q8_model_runs_natively_where_the_kernel_is_built(tmp_path, monkeypatch,
     rel = lambda x: ((x - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()  # noqa: E731
     assert rel(teacher_forced_logits(llm, ids, 4)) < 1.5 * rel(teacher_forced_logits(bf16, ids, 24))
     monkeypatch.setattr(native, "gguf_kernel", lambda: None)
+    monkeypatch.setattr(native, "block_kernel", lambda: None)
     monkeypatch.setattr(linear, "_INT4_REASON", None)
     with caplog.at_level(logging.WARNING, logger="agentserve"):
         assert LLM(str(q8.path), weights="native", **opts).model.weight_format == "bf16"

@@ -119,7 +119,7 @@ class LlamaModel:
         self.act = gelu_tanh_mul if cfg.gemma else silu_mul
         if self.ops is not None:
             self.fused_act = self.ops.gelu_tanh_mul if cfg.gemma else self.ops.silu_mul
-        linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
+        linears = self.projections()
         q4 = [x for x in linears if isinstance(x, Q4Linear)]
         self.int4_linears = len(q4)
         self.q8_linears = sum(isinstance(x, Q8Linear) for x in linears)
@@ -133,6 +133,10 @@ class LlamaModel:
         # what `--weights` calls it: native when any projection runs on GGUF codes
         self.weight_format = "native" if self.int4_linears or self.q8_linears or self.block_linears else \
             {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+    def projections(self) -> list:
+        """Every weight matrix product: the head, then each layer's qkv, o, gate_up, down."""
+        return [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
 
     def _norm(self, w: "_Weights", name: str) -> torch.Tensor:
         """A norm weight as the model multiplies it: Gemma's x * (1 + w) as
@@ -200,7 +204,7 @@ class LlamaModel:
     def resident_weight_bytes(self) -> int:
         """Memory the weights hold: weight_bytes plus the bf16 copies int4
         projections keep for prefill, plus the embedding table."""
-        linears = [self.lm_head] + [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
+        linears = self.projections()
         extra = sum(x.resident_bytes - x.nbytes for x in linears)
         return self.weight_bytes + extra + self.embed.numel() * self.embed.element_size()
 
