@@ -141,14 +141,16 @@ def llamaserver_cells(kv_tokens: int, shape: ModelShape, slots: int = LLAMASERVE
     slot shares; else a buffer per slot (--no-kv-unified), each of --ctx-size / slots cells with
     its own window cache (the window cells returned are all slots' together)."""
     streams = 1 if unified else slots
+    step = streams * LLAMACPP_CTX_PAD  # llama.cpp pads each stream's cells to LLAMACPP_CTX_PAD
+    pad_down = lambda n: n // step * step  # noqa: E731
     if not shape.sliding_window or not shape.window_layers:
-        return kv_tokens // (streams * LLAMACPP_CTX_PAD) * streams * LLAMACPP_CTX_PAD, 0, False
+        return pad_down(kv_tokens), 0, False
     glob = shape.num_layers - shape.window_layers
     swa = _pad256(shape.sliding_window * (slots if unified else 1) + ubatch) * streams
     if glob == 0 or swa >= kv_tokens:
-        return kv_tokens // (streams * LLAMACPP_CTX_PAD) * streams * LLAMACPP_CTX_PAD, kv_tokens, True
+        return pad_down(kv_tokens), kv_tokens, True
     ctx = (kv_tokens * shape.num_layers - shape.window_layers * swa) // glob
-    return ctx // (streams * LLAMACPP_CTX_PAD) * streams * LLAMACPP_CTX_PAD, swa, False
+    return pad_down(ctx), swa, False
 
 
 def window_sequence_tokens(kv_tokens: int, shape: ModelShape, block: int = AGENTSERVE_BLOCK_TOKENS) -> int:
