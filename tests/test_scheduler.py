@@ -16,11 +16,11 @@ import zlib
 import pytest
 
 from agentserve.clock import SimClock
-from agentserve.engine import step_time
 from agentserve.engine.executor import Executor, ExecutorResult, readable, run_copies
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
 from agentserve.engine.scheduler_output import SchedulerOutput
+from agentserve.engine.step_budget import StepBudget
 from agentserve.engine.step_time import COLD_CHUNKS, StepTimeModel, attention_pairs, step_features
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.program import ProgramState
@@ -535,12 +535,12 @@ def test_prefill_beside_drafting_streams_gets_the_time_their_drafts_earn():
     and a prefill chunk the time the decodes leave of that."""
     h = _timed()
     _warm_up(h)
-    step = step_time.StepBudget(64, h.s.step_model, 4)
+    step = StepBudget(64, h.s.step_model, 4)
     step.decode_rows, step.decode_context = 2, 100
     plain = step.prefill_time_left(TARGET_MS)
     step.per_token = 3.0
     assert step.prefill_time_left(TARGET_MS) == pytest.approx(plain + 2 * TARGET_MS / 1000)
-    assert step_time.StepBudget(64, h.s.step_model, 4).prefill_time_left(TARGET_MS) is None  # no decode: no cap
+    assert StepBudget(64, h.s.step_model, 4).prefill_time_left(TARGET_MS) is None  # no decode: no cap
 
 
 def test_long_prompt_beside_decodes_is_chunked_under_the_step_time_target():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
-from agentserve.engine.step_time import StepBudget
+from agentserve.engine.step_budget import StepBudget
 from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.window_parts import KVInconsistency
 from agentserve.policy.base import Policy

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler_config import SchedulerStats
 from agentserve.engine.scheduler_output import SchedulerOutput
-from agentserve.engine.step_time import StepBudget
+from agentserve.engine.step_budget import StepBudget
 from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy

@@ -41,7 +41,8 @@ from agentserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from agentserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from agentserve.engine.spec_decode import Speculator
 from agentserve.engine.step_results import StepResults
-from agentserve.engine.step_time import StepBudget, StepTimeModel, draft_context
+from agentserve.engine.step_budget import StepBudget
+from agentserve.engine.step_time import StepTimeModel, draft_context
 from agentserve.engine.waiting_queue import WaitingQueue
 from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.base import Policy, PolicyContext
