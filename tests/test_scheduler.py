@@ -16,6 +16,7 @@ import zlib
 import pytest
 
 from agentserve.clock import SimClock
+from agentserve.engine import step_time
 from agentserve.engine.executor import Executor, ExecutorResult, readable, run_copies
 from agentserve.engine.request import Request, RequestStatus
 from agentserve.engine.scheduler import Scheduler, SchedulerConfig
