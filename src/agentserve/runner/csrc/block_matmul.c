@@ -304,21 +304,50 @@ static inline void bw_store_y(int dtype, void *y, long i, float v) {
     }
 }
 
+/* 8 activations at element i of x (bfloat16 or float32) */
+static inline __m256 bw_load8(int dtype, const void *x, long i) {
+    if (dtype)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+/* |v|, NaN as 0: a maximum over these is fmaxf's, which passes NaN over */
+static inline __m256 bw_abs_ordered(__m256 v) {
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+    return _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q));
+}
+
+static inline float bw_hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* fminf(fmaxf(nearbyintf(v * inv), -m), m) as int32, NaN to -m (max_ps returns
+ * its second operand on NaN, as fmaxf returns the number) */
+static inline __m256i bw_codes(__m256 v, __m256 inv, float m) {
+    __m256 q = _mm256_round_ps(_mm256_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-m)), _mm256_set1_ps(m)));
+}
+
 /* row r of x [rows, k] as int16 codes, per-32 scales dx and exact sums xs */
 static void bw_quantize_row(int dtype, const void *x, long off, long nb, int16_t *x16, float *dx, float *xs) {
     for (long j = 0; j < nb; j++) {
-        float v[32], amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            v[i] = bw_load_x(dtype, x, off + 32 * j + i);
-            amax = fmaxf(amax, fabsf(v[i]));
-            sum += v[i];
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int g = 0; g < 4; g++) {
+            v[g] = bw_load8(dtype, x, off + 32 * j + 8 * g);
+            amax = _mm256_max_ps(amax, bw_abs_ordered(v[g]));
         }
-        float inv = amax > 0.0f ? BW_XMAX / amax : 0.0f;
-        dx[j] = amax / BW_XMAX;
-        xs[j] = sum;
-        for (int i = 0; i < 32; i++) {
-            float q = nearbyintf(v[i] * inv);
-            x16[32 * j + i] = (int16_t)fminf(fmaxf(q, -BW_XMAX), BW_XMAX);
+        const float a = bw_hmax(amax);
+        const __m256 inv = _mm256_set1_ps(a > 0.0f ? BW_XMAX / a : 0.0f);
+        dx[j] = a / BW_XMAX;
+        xs[j] = bw_hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        for (int g = 0; g < 4; g += 2) {
+            /* packs interleaves the two vectors' 128-bit halves: 0xD8 puts them back in order */
+            const __m256i p = _mm256_packs_epi32(bw_codes(v[g], inv, BW_XMAX), bw_codes(v[g + 1], inv, BW_XMAX));
+            _mm256_storeu_si256((__m256i *)(x16 + 32 * j + 8 * g), _mm256_permute4x64_epi64(p, 0xD8));
         }
     }
 }
@@ -345,23 +374,27 @@ static void bw_quantize_row(int dtype, const void *x, long off, long nb, int16_t
 #define BW_X8MAX 127.0f
 
 static void bw_quantize_row8(int dtype, const void *x, long off, long nb, int8_t *x8, float *dx, float *xs) {
+    const __m256 xmax = _mm256_set1_ps(BW_X8MAX);
+    /* packs_epi32 then packs_epi16 leave 4-byte runs in this order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (long j = 0; j < nb; j++) {
-        float sum = 0.0f;
-        for (int g = 0; g < 8; g++) {
-            float v[4], amax = 0.0f;
-            for (int i = 0; i < 4; i++) {
-                v[i] = bw_load_x(dtype, x, off + 32 * j + 4 * g + i);
-                amax = fmaxf(amax, fabsf(v[i]));
-                sum += v[i];
-            }
-            float inv = amax > 0.0f ? BW_X8MAX / amax : 0.0f;
-            dx[8 * j + g] = amax / BW_X8MAX;
-            for (int i = 0; i < 4; i++) {
-                float q = nearbyintf(v[i] * inv);
-                x8[32 * j + 4 * g + i] = (int8_t)fminf(fmaxf(q, -BW_X8MAX), BW_X8MAX);
-            }
+        __m256 sum = _mm256_setzero_ps();
+        __m256i c[4];
+        for (int g = 0; g < 4; g++) {  /* vector g: the 4-value groups 2g and 2g + 1 */
+            const __m256 v = bw_load8(dtype, x, off + 32 * j + 8 * g);
+            sum = _mm256_add_ps(sum, v);
+            __m256 a = bw_abs_ordered(v);
+            a = _mm256_max_ps(a, _mm256_permute_ps(a, 0xB1));
+            a = _mm256_max_ps(a, _mm256_permute_ps(a, 0x4E));  /* each group's maximum in its 4 lanes */
+            const __m256 inv = _mm256_and_ps(_mm256_div_ps(xmax, a), _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ));
+            const __m256 d = _mm256_div_ps(a, xmax);
+            dx[8 * j + 2 * g] = _mm256_cvtss_f32(d);
+            dx[8 * j + 2 * g + 1] = _mm_cvtss_f32(_mm256_extractf128_ps(d, 1));
+            c[g] = bw_codes(v, inv, BW_X8MAX);
         }
-        xs[j] = sum;
+        xs[j] = bw_hsum(sum);
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(x8 + 32 * j), _mm256_permutevar8x32_epi32(b, order));
     }
 }
 
