@@ -99,6 +99,19 @@ def test_native_other_shapes(bs, group, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [1, 4, 5])
+def test_head_dim_256(dtype, group):
+    # Gemma 3's head dim: the weighted V runs over the dimension in runs of 64, bfloat16 scores take
+    # up to 4 query vectors per key row; decode rows (partial blocks, a long partitioned one) and
+    # chunks whose rows see different spans of a block
+    outs, ref = _case(dtype, [1, 17, 600, 5000], [(0, 9), (50, 20)], bs=16, group=group, d=256, kvh=1,
+                      seed=group)
+    tol = 3e-2 if dtype is torch.bfloat16 else 2e-5
+    assert (outs["native"].double() - ref).abs().max() < tol
+
+
+@needs_kernel
 @pytest.mark.parametrize("bs,group", [(8, 1), (16, 2), (32, 4), (16, 3)])
 def test_bf16_decode_rows_every_group_and_block_size(bs, group):
     # bfloat16 decode rows with head dim 64 take the register-resident decode path (any group up to

@@ -139,6 +139,32 @@ static inline void scores16(int dtype, const void *kc, long off, int n, int d, c
     _mm512_mask_storeu_ps(s, mk, reduce16(part));
 }
 
+#if defined(__AVX512BF16__)
+/* scores16 for up to 4 bfloat16 query vectors q0.. at once: each key row is
+ * loaded once for all of them, and their sums are independent chains (one
+ * query's chain of d / 32 products waited on itself at every key) */
+static inline void scores16_bf16_g(const void *kc, long off, int n, int d, bf16_t qb[][MAX_HEAD_DIM], int q0,
+                                   int g, float scale, float s[][MAX_BLOCK], int t0) {
+    __m512 part[4][16];
+    for (int t = 0; t < n; t++) {
+        const bf16_t *kr = (const bf16_t *)kc + off + (long)t * d;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int j = 0; j < d; j += 32) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + j);
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                if (i < g) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qb[q0 + i] + j), k);
+        }
+        for (int i = 0; i < g; i++) part[i][t] = a[i];
+    }
+    __mmask16 mk = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int i = 0; i < g; i++) {
+        for (int t = n; t < 16; t++) part[i][t] = _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(s[q0 + i] + t0, mk, _mm512_mul_ps(reduce16(part[i]), _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
 /* One block of n tokens (cache offset `off`) for nq query vectors: scores,
  * online-softmax update, weighted V. Query qi sees the block's tokens
  * [first[qi], visible[qi]) (first >= 0). Returns 1 (0: d not a multiple of 16). */
@@ -148,6 +174,18 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
     if (d % 16) return 0;
     const int c = d / 16;
     float s[MAX_TILE_Q][MAX_BLOCK];
+#if defined(__AVX512BF16__)
+    if (dtype && d % 32 == 0) {
+        for (int q0 = 0; q0 < nq; q0 += 4) {
+            const int g = nq - q0 < 4 ? nq - q0 : 4;
+            int any = 0;
+            for (int i = 0; i < g; i++) any |= visible[q0 + i] > first[q0 + i] && first[q0 + i] < n;
+            if (!any) continue;
+            for (int t = 0; t < n; t += 16)
+                scores16_bf16_g(kc, off + (long)t * d, n - t < 16 ? n - t : 16, d, qb, q0, g, scale, s, t);
+        }
+    } else
+#endif
     for (int qi = 0; qi < nq; qi++) {
         if (visible[qi] <= first[qi] || first[qi] >= n) continue;
         for (int t = 0; t < n; t += 16)
@@ -184,8 +222,19 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
                 _mm512_storeu_ps(acc + (long)qi * d + 16 * j, _mm512_mul_ps(av, _mm512_loadu_ps(acc + (long)qi * d + 16 * j)));
         }
     }
-    if (c <= 4) {
-        /* up to 4 query vectors at a time with their accumulators in registers */
+    /* the tokens some query sees; a query's masked ones inside carry p = 0 */
+    int tlo = n, thi = 0;
+    for (int qi = 0; qi < nq; qi++) {
+        const int vis = visible[qi] < n ? visible[qi] : n;
+        if (vis <= first[qi]) continue;
+        tlo = first[qi] < tlo ? first[qi] : tlo;
+        thi = vis > thi ? vis : thi;
+    }
+    /* weighted V: up to 4 query vectors x 4 vectors of the head dimension at a
+     * time, their accumulators in registers across the block's tokens (a wide
+     * head takes its dimension in runs of 64) */
+    for (int j0 = 0; j0 < c; j0 += 4) {
+        const int cj = c - j0 < 4 ? c - j0 : 4;
         for (int q0 = 0; q0 < nq; q0 += 4) {
             const int g = nq - q0 < 4 ? nq - q0 : 4;
             __m512 ac[4][4];
@@ -193,39 +242,29 @@ static int block_avx512(int dtype, const void *kc, const void *vc, long off, int
             for (int i = 0; i < 4; i++) {
                 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++)
-                    ac[i][j] = (i < g && j < c) ? _mm512_loadu_ps(acc + (long)(q0 + i) * d + 16 * j) : _mm512_setzero_ps();
+                    ac[i][j] = (i < g && j < cj) ? _mm512_loadu_ps(acc + (long)(q0 + i) * d + 16 * (j0 + j))
+                                                 : _mm512_setzero_ps();
             }
-            for (int t = 0; t < n; t++) {
+            for (int t = tlo; t < thi; t++) {
                 __m512 vr[4];
                 #pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) vr[j] = j < c ? load16(dtype, vc, off + (long)t * d + 16 * j) : _mm512_setzero_ps();
+                for (int j = 0; j < 4; j++)
+                    vr[j] = j < cj ? load16(dtype, vc, off + (long)t * d + 16 * (j0 + j)) : _mm512_setzero_ps();
                 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     if (i >= g) break;
                     __m512 pv = _mm512_set1_ps(p[q0 + i][t]);
                     #pragma GCC unroll 4
                     for (int j = 0; j < 4; j++)
-                        if (j < c) ac[i][j] = _mm512_fmadd_ps(pv, vr[j], ac[i][j]);
+                        if (j < cj) ac[i][j] = _mm512_fmadd_ps(pv, vr[j], ac[i][j]);
                 }
             }
             #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++)
-                    if (i < g && j < c) _mm512_storeu_ps(acc + (long)(q0 + i) * d + 16 * j, ac[i][j]);
+                    if (i < g && j < cj) _mm512_storeu_ps(acc + (long)(q0 + i) * d + 16 * (j0 + j), ac[i][j]);
             }
-        }
-        return 1;
-    }
-    __m512 kr[MAX_HEAD_DIM / 16];
-    for (int t = 0; t < n; t++) {
-        for (int j = 0; j < c; j++) kr[j] = load16(dtype, vc, off + (long)t * d + 16 * j);
-        for (int qi = 0; qi < nq; qi++) {
-            if (t >= visible[qi] || t < first[qi]) continue;
-            __m512 pv = _mm512_set1_ps(p[qi][t]);
-            float *ac = acc + (long)qi * d;
-            for (int j = 0; j < c; j++)
-                _mm512_storeu_ps(ac + 16 * j, _mm512_fmadd_ps(pv, kr[j], _mm512_loadu_ps(ac + 16 * j)));
         }
     }
     return 1;
