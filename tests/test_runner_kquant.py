@@ -429,10 +429,17 @@ def test_every_tensor_of_the_gemma_q4_k_m_file():
 
 
 @needs_block
-def test_gemma_q4_k_m_native_agrees_with_dequantized_bfloat16():
+def test_gemma_q4_k_m_native_agrees_with_dequantized_float32():
     """The whole file natively (Q5_0, Q4_K, Q6_K and Q8_0 on the GGUF kernels, in
-    decode-sized forwards) against the same file dequantized to bf16: the same
-    greedy choice on at least 99% of the clear positions of a 300-token text."""
+    decode-sized forwards) against the same file dequantized to float32: the same
+    greedy choice on the clear positions of three 300-token texts, at least 97% of
+    them and no fewer than the file dequantized to bf16 gets (less a point).
+
+    The reference is float32, not bf16: bf16 weights round more than the kernels
+    do (their logits' RMS error against float32 is ~0.31, the kernels' 0.18-0.25),
+    and a greedy choice near a tie moves with any rounding anywhere in 18 layers,
+    so two kernels with the same products to 1e-7 differ by a few positions of a
+    text: one text is too few to tell kernels apart, three are ~775 positions."""
     from test_runner_smollm import STORY
     from tiny_models import teacher_forced_logits
 
@@ -444,22 +451,35 @@ def test_gemma_q4_k_m_native_agrees_with_dequantized_bfloat16():
     except ValueError as e:  # before the runner serves Gemma 3
         pytest.skip(f"the runner does not load this file: {e}")
     opts = dict(device="cpu", kv_cache_tokens=1024, max_model_len=1024, block_size=16)
-    kq_llm, bf16 = (LLM(loaded, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16"))
+    kq_llm, bf16, fp32 = (LLM(loaded, weights=w, dtype=DT[w], **opts) for w in ("native", "bf16", "fp32"))
     m = kq_llm.model
     # the tied Q8_0 head on the tiled AVX512-VNNI kernel where it is built; the rest on the blocks
     head = linear.Q8Linear if native.gguf_kernel() is not None else BlockLinear
     assert isinstance(m.lm_head, head) and m.weight_format == "native"
     assert all(isinstance(x, BlockLinear) for x in m.projections()[1:])
     assert m.weight_bytes < 0.5 * bf16.model.weight_bytes
-    ids = kq_llm.tokenizer.encode(STORY + "\n\n" + STORY.replace("He", "She"))[:300]
-    dense = teacher_forced_logits(bf16, ids, len(ids))
-    top2 = dense.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.2  # a margin under two bf16 steps of these logits is a tie
-    assert clear.sum() > 200
+    texts = [STORY + "\n\n" + STORY.replace("He", "She"), STORY.replace("the", "a") + "\n\n" + STORY,
+             STORY.upper()[:2000] + "\n" + STORY]
+    idss = [kq_llm.tokenizer.encode(t)[:300] for t in texts]
+    refs = [teacher_forced_logits(fp32, ids, len(ids)) for ids in idss]
+    clears = []
+    for ref in refs:
+        top2 = ref.topk(2, dim=-1).values
+        clears.append((top2[:, 0] - top2[:, 1]) > 0.2)  # a margin under two bf16 steps of these logits is a tie
+    assert sum(int(c.sum()) for c in clears) > 600
+
+    def agreement(llm, rows: int) -> float:
+        same = total = 0
+        for ids, ref, clear in zip(idss, refs, clears):
+            got = teacher_forced_logits(llm, ids, rows)
+            same += int((got.argmax(-1) == ref.argmax(-1))[clear].sum())
+            total += int(clear.sum())
+        return same / total
+
+    floor = agreement(bf16, 300) - 0.01
     # forwards of BLOCK_MAX_ROWS rows (int16 activation codes where that is above ACT8_MAX_ROWS, as
     # on CPUs without native bf16) and of one row (a decode step's int8 codes, one weight row pair
     # at a time)
     for rows in (BLOCK_MAX_ROWS, 1):
-        kq = teacher_forced_logits(kq_llm, ids, rows)
-        agree = (kq.argmax(-1) == dense.argmax(-1))[clear].float().mean().item()
-        assert agree >= 0.99, (rows, agree)
+        agree = agreement(kq_llm, rows)
+        assert agree >= 0.97 and agree >= floor, (rows, agree, floor + 0.01)

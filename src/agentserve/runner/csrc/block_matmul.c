@@ -578,6 +578,126 @@ BW8_PAIR(BW_Q4_0) BW8_PAIR(BW_Q4_1) BW8_PAIR(BW_Q8_0) BW8_PAIR(BW_Q5_0) BW8_PAIR
 static const bw8_pair_fn bw8_pairs_of[BW_Q5_1 + 1] = {bw8_pair_BW_Q4_0, bw8_pair_BW_Q4_1, bw8_pair_BW_Q8_0,
                                                       bw8_pair_BW_Q5_0, bw8_pair_BW_Q5_1};
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* ---- One decode row on AVX512-VNNI: Q4_0, Q4_1, Q5_0, Q5_1 by pairs of weight rows ----
+ *
+ * The same products as bw8_pair, two 32-weight blocks per 512-bit vector: the
+ * codes stay unsigned (0..15, 0..31) and one vpdpbusd takes 64 of them against
+ * the int8 activation codes, its accumulator started at the centre's lane sums
+ * (-centre * the sum of each lane's 4 activation codes, per row once: oc32), so
+ * each lane holds sum (c - centre) x8 exactly as the AVX2 step has it; the
+ * float part (f times the lane's scale, the minimum's term on the exact sums)
+ * is the AVX2 path's too. Where AVX2 spends a sign move, two multiply-adds and
+ * the widening per 32 weights, this spends one instruction per 64. */
+#define BW_VNNI 1
+
+/* 32 unsigned codes of the block at b (fifth bits from qh where the type has them) */
+static inline __m256i bw16_codes1(int qt, const uint8_t *b) {
+    const int with_min = qt == BW_Q4_1 || qt == BW_Q5_1, five = qt == BW_Q5_0 || qt == BW_Q5_1;
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * with_min + 4 * five));
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    if (five) {
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * with_min, 4);
+        q = _mm256_or_si256(q, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+    }
+    return q;
+}
+
+/* the 64 codes of the blocks at b and b + size */
+static inline __m512i bw16_codes2(int qt, const uint8_t *b, int size) {
+    const int with_min = qt == BW_Q4_1 || qt == BW_Q5_1, five = qt == BW_Q5_0 || qt == BW_Q5_1;
+    const int at = 2 + 2 * with_min + 4 * five;
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + size + at)),
+                                       _mm_loadu_si128((const __m128i *)(b + at)));
+    /* [v0, v1, v0 >> 4, v1 >> 4] to [v0, v0 >> 4, v1, v1 >> 4]: each block's low then high nibbles */
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    z = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
+    if (five) {
+        uint32_t h0, h1;
+        memcpy(&h0, b + 2 + 2 * with_min, 4);
+        memcpy(&h1, b + size + 2 + 2 * with_min, 4);
+        z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(((__mmask64)h1 << 32) | h0, _mm512_set1_epi8(16)));
+    }
+    return z;
+}
+
+/* the block's scale f and its minimum's term per unit of sum x (0 without a minimum) */
+static inline float bw16_scale(int qt, const uint8_t *b, float *mn) {
+    const float f = bw_half(b);
+    const int with_min = qt == BW_Q4_1 || qt == BW_Q5_1;
+    *mn = with_min ? bw_half(b + 2) + (qt == BW_Q5_1 ? 16.0f : 8.0f) * f : 0.0f;
+    return f;
+}
+
+static inline __attribute__((always_inline)) void bw16_pair(int qt, const uint8_t *w, long row_bytes, long k,
+                                                            const int8_t *x, const float *dx, const float *xs,
+                                                            const int32_t *oc32, float *out) {
+    const long nb = k / 32;
+    const int size = bw_bytes[qt];
+    const uint8_t *v = w + row_bytes;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    long j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        _mm_prefetch((const char *)(w + j * size + BW_PREFETCH), BW_HINT);
+        _mm_prefetch((const char *)(v + j * size + BW_PREFETCH), BW_HINT);
+        const __m512i xv = _mm512_loadu_si512(x + 32 * j), c = _mm512_loadu_si512(oc32 + 8 * j);
+        const __m512i s = _mm512_dpbusd_epi32(c, bw16_codes2(qt, w + j * size, size), xv);
+        const __m512i t = _mm512_dpbusd_epi32(c, bw16_codes2(qt, v + j * size, size), xv);
+        float n0, n1, n2, n3;
+        const float f0 = bw16_scale(qt, w + j * size, &n0), f1 = bw16_scale(qt, w + (j + 1) * size, &n1);
+        const float g0 = bw16_scale(qt, v + j * size, &n2), g1 = bw16_scale(qt, v + (j + 1) * size, &n3);
+        const __m512 d = _mm512_loadu_ps(dx + 8 * j);
+        const __m512 fs = _mm512_insertf32x8(_mm512_set1_ps(f0), _mm256_set1_ps(f1), 1);
+        const __m512 gs = _mm512_insertf32x8(_mm512_set1_ps(g0), _mm256_set1_ps(g1), 1);
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(fs, d), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(gs, d), a1);
+        m0 += n0 * xs[j] + n1 * xs[j + 1];
+        m1 += n2 * xs[j] + n3 * xs[j + 1];
+    }
+    float r0 = 0.0f, r1 = 0.0f;
+    if (j < nb) { /* an odd last block */
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(oc32 + 8 * j));
+        const __m256i s = _mm256_dpbusd_epi32(c, bw16_codes1(qt, w + j * size), xv);
+        const __m256i t = _mm256_dpbusd_epi32(c, bw16_codes1(qt, v + j * size), xv);
+        float n0, n2;
+        const float f0 = bw16_scale(qt, w + j * size, &n0), g0 = bw16_scale(qt, v + j * size, &n2);
+        const __m256 d = _mm256_loadu_ps(dx + 8 * j);
+        r0 = bw_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_set1_ps(f0), d)));
+        r1 = bw_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(_mm256_set1_ps(g0), d)));
+        m0 += n0 * xs[j];
+        m1 += n2 * xs[j];
+    }
+    out[0] = _mm512_reduce_add_ps(a0) + r0 + m0;
+    out[1] = _mm512_reduce_add_ps(a1) + r1 + m1;
+}
+
+typedef void (*bw16_pair_fn)(const uint8_t *, long, long, const int8_t *, const float *, const float *,
+                             const int32_t *, float *);
+#define BW16_PAIR(T)                                                                                       \
+    static void bw16_pair_##T(const uint8_t *w, long rb, long k, const int8_t *x, const float *dx,         \
+                              const float *xs, const int32_t *oc, float *out) {                            \
+        bw16_pair(T, w, rb, k, x, dx, xs, oc, out);                                                        \
+    }
+BW16_PAIR(BW_Q4_0) BW16_PAIR(BW_Q4_1) BW16_PAIR(BW_Q5_0) BW16_PAIR(BW_Q5_1)
+static const bw16_pair_fn bw16_pairs_of[BW_Q5_1 + 1] = {bw16_pair_BW_Q4_0, bw16_pair_BW_Q4_1, 0,
+                                                        bw16_pair_BW_Q5_0, bw16_pair_BW_Q5_1};
+
+/* oc32[i] = -centre * (x8[4i] + .. + x8[4i + 3]) for i < k / 4 */
+static void bw16_centre_sums(int centre, const int8_t *x8, long k, int32_t *oc32) {
+    const __m256i cv = _mm256_set1_epi8((char)centre);
+    for (long i = 0; i < k; i += 32)
+        _mm256_storeu_si256((__m256i *)(oc32 + i / 4),
+                            _mm256_sub_epi32(_mm256_setzero_si256(),
+                                             _mm256_dpbusd_epi32(_mm256_setzero_si256(), cv,
+                                                                 _mm256_loadu_si256((const __m256i *)(x8 + i)))));
+}
+#else
+#define BW_VNNI 0
+#endif
+
 typedef void (*bw8_row_fn)(const uint8_t *, long, const int8_t *, const float *, const float *, const int16_t *,
                            float *);
 #define BW8_FN(T, R)                                                                                       \
@@ -694,10 +814,20 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
         carry[r] = 0.0f * sum;
     }
     const long pairs = rows == 1 && qt <= BW_Q5_1 && ((BW_PAIRS8 >> qt) & 1) ? n / 2 : 0;
+    int32_t *oc32 = NULL;
+#if BW_VNNI
+    if (pairs && (oc32 = malloc(sizeof(int32_t) * (size_t)(k / 4))) != NULL)
+        bw16_centre_sums(qt == BW_Q5_0 || qt == BW_Q5_1 ? 16 : 8, x8, k, oc32);
+#endif
     if (pairs) {
         #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
         for (long p = 0; p < pairs; p++) {
             float out[2];
+#if BW_VNNI
+            if (oc32)
+                bw16_pairs_of[qt](w + 2 * p * row_bytes, row_bytes, k, x8, dx, xs, oc32, out);
+            else
+#endif
             bw8_pairs_of[qt](w + 2 * p * row_bytes, row_bytes, k, x8, dx, xs, oc, out);
             for (int i = 0; i < 2; i++)
                 bw_store_y(dtype, y, 2 * p + i, out[i] + (bias ? bias[2 * p + i] : 0.0f) + carry[0]);
@@ -717,6 +847,7 @@ int agentserve_block_matmul8(int qt, int dtype, const void *x, long rows, long k
     free(x8);
     free(dx);
     free(oc);
+    free(oc32);
     return 0;
 #else
     (void)qt; (void)dtype; (void)x; (void)rows; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)ldy;
