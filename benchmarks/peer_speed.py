@@ -33,10 +33,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agentserve.bench.peers.running import each_server
 from agentserve.bench.peers.specs import SERVER_NAMES, ServerSpec
@@ -218,6 +219,29 @@ async def text_prompt(count: Callable[[str], Awaitable[int]], n: int, seed: str,
     return filler_text(w, seed), tried[w]
 
 
+async def erase_slots(client) -> None:
+    """Empties every slot of a llama-server (its erase action, which needs the
+    --slot-save-path that `slot_actions` adds). llama-server keeps each slot's last
+    sequence in its unified cache and its attention spans the cells up to the
+    highest one used, so a point measured after a 16k one would pay for those
+    (a 4k prefill: 245 tok/s after the sweep's 16k points, 466 on an empty cache):
+    each point starts empty, as agentserve's timer does."""
+    r = await client.get("/slots")
+    if r.status_code >= 400:
+        raise PeerSpeedError(f"slots: HTTP {r.status_code}: {r.text[:300]}")
+    for slot in r.json():
+        e = await client.post(f"/slots/{slot['id']}", params={"action": "erase"})
+        if e.status_code >= 400:
+            raise PeerSpeedError(f"slot {slot['id']} erase: HTTP {e.status_code}: {e.text[:300]}")
+
+
+def slot_actions(spec: ServerSpec, folder: str) -> ServerSpec:
+    """A llama-server spec with --slot-save-path `folder` (what its erase action needs)."""
+    if not spec.name.startswith("llama-server") or "--slot-save-path" in spec.argv:
+        return spec
+    return replace(spec, argv=(*spec.argv, "--slot-save-path", folder))
+
+
 async def measure_running(server: str, api_base: str, model: str, max_model_len: int, sweep: PeerSweep,
                           progress: Callable[[str], None] = lambda s: None, limit: int | None = None,
                           end_ids: Sequence[int] = END_TOKEN_IDS) -> dict:
@@ -247,6 +271,10 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
             return await asyncio.gather(*(stream_completion(client, server, model, p, max_tokens, end_ids=end_ids)
                                           for p, _ in ps))
 
+        async def fresh() -> None:
+            if server.startswith("llama-server"):
+                await erase_slots(client)
+
         # warm-up: a short request and a short batch, so no measurement pays first-call costs
         await send_all(await prompts(256, "warm", 1), 8)
         wb = min(max(sweep.batches), limit or max(sweep.batches))
@@ -258,6 +286,7 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
             for c in sweep.contexts:
                 n_prompt = prompt_length(c, sweep.new_tokens, max_model_len)
                 try:
+                    await fresh()
                     ps = await prompts(n_prompt, f"decode-b{b}-c{c}", b)
                     t0 = time.perf_counter()
                     streams = await send_all(ps, sweep.new_tokens)
@@ -286,6 +315,7 @@ async def measure_running(server: str, api_base: str, model: str, max_model_len:
         for target in targets:
             n_prompt = prompt_length(target, 1, max_model_len)
             try:
+                await fresh()
                 ((p, sent),) = await prompts(n_prompt, f"prefill-{target}", 1)
                 s = (await send_all([(p, sent)], 1))[0]
             except PeerSpeedError as e:
@@ -313,5 +343,7 @@ def measure_peers(specs: Sequence[ServerSpec], sweep: PeerSweep,
             measure_running(spec.name, srv.api_base, spec.model_name, max_len, sweep, progress,
                             limit=max_batch(spec.name, spec.argv), end_ids=model_shape(spec.model).end_token_ids))
 
-    return {spec.name: {"server": spec.name, "setup": spec.describe()} | (row if row is not None else {"error": why})
-            for spec, row, why in each_server(specs, run, (PeerSpeedError,), progress)}
+    with tempfile.TemporaryDirectory(prefix="agentserve-slots-") as folder:
+        specs = [slot_actions(s, folder) for s in specs]
+        return {spec.name: {"server": spec.name, "setup": spec.describe()} | (row if row is not None else {"error": why})
+                for spec, row, why in each_server(specs, run, (PeerSpeedError,), progress)}

@@ -176,3 +176,36 @@ def test_measure_running_against_the_tiny_server(monkeypatch):
     assert "HTTP 400" in out["decode"][0]["error"] and out["decode"][0]["tok_s"] is None
     assert "error" not in out["decode"][1] and out["decode"][1]["completion_tokens"] == [4]
     assert "HTTP 400" in out["prefill"]["error"] and out["prefill"]["tok_s"] is None
+
+
+def test_llama_server_points_start_on_empty_slots(tmp_path):
+    """Each point of a llama-server sweep erases every slot first (its unified cache
+    would otherwise hold the earlier points' sequences); the erase action needs
+    --slot-save-path, which the sweep adds to llama-server only."""
+    import httpx
+
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}?{request.url.query.decode()}")
+        if request.url.path == "/slots":
+            return httpx.Response(200, json=[{"id": 0}, {"id": 1}])
+        if "fail" in seen[0]:
+            return httpx.Response(501, json={"error": {"message": "start it with --slot-save-path"}})
+        return httpx.Response(200, json={"id_slot": 0, "n_erased": 3})
+
+    async def run(base: str) -> None:
+        async with httpx.AsyncClient(base_url=base, transport=httpx.MockTransport(handler)) as client:
+            await ps.erase_slots(client)
+
+    asyncio.run(run("http://peer"))
+    assert seen == ["GET /slots?", "POST /slots/0?action=erase", "POST /slots/1?action=erase"]
+    seen.clear()
+    seen.append("fail")
+    with pytest.raises(ps.PeerSpeedError, match="slot 0 erase: HTTP 501"):
+        asyncio.run(run("http://peer"))
+    llama = server_spec("llama-server", 4096, peers_dir=tmp_path)
+    vllm = server_spec("vllm-cpu", 4096, peers_dir=tmp_path)
+    with_path = ps.slot_actions(llama, str(tmp_path))
+    assert with_path.argv[-2:] == ("--slot-save-path", str(tmp_path))
+    assert ps.slot_actions(with_path, "elsewhere") == with_path and ps.slot_actions(vllm, "x") == vllm
