@@ -213,7 +213,9 @@ def _chat(body: dict[str, Any]) -> None:
 def _chat_messages(messages: list[dict[str, Any]], tool: str) -> list[dict[str, Any]]:
     ids = _Ids("call_")
     for m in messages:
-        ids.note(*(c.get("id") for c in m.get("tool_calls") or ()))
+        # a message the schema gives no tool_calls may carry one as an extra property: any value
+        calls = m.get("tool_calls")
+        ids.note(*(c.get("id") for c in calls if isinstance(c, dict)) if isinstance(calls, list) else ())
         if m.get("role") == "tool":
             ids.note(m.get("tool_call_id"))
     out: list[dict[str, Any]] = []
@@ -241,7 +243,7 @@ def _chat_messages(messages: list[dict[str, Any]], tool: str) -> list[dict[str, 
             out.append(m)
             continue
         answer_all()
-        if m.get("role") == "assistant" and m.get("tool_calls"):
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
             seen: set[str] = set()
             for call in m["tool_calls"]:
                 call["id"] = ids.unique(call["id"], seen)
