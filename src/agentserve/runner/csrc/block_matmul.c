@@ -1,7 +1,9 @@
 /* y = x W^T for a GGUF weight read straight from the file's blocks (Q4_0,
  * Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), for the few rows of a decode
  * step, on AVX2 (with FMA and F16C): the CPUs without the AVX512-VNNI kernel
- * of gguf_matmul.c, and the types that kernel does not take.
+ * of gguf_matmul.c, and the types that kernel does not take. Where the build
+ * targets AVX512-VNNI, a one-row step of Q4_0, Q4_1, Q5_0 or Q5_1 takes
+ * bw16_pair below.
  *
  * Every type is, per run of 32 weights j of a row, w = f_j * c + mn_j with c
  * a small signed integer code (Q6_K: times its int8 scale per 16 weights),
