@@ -284,16 +284,6 @@ static const bw_row_fn bw_rows[BW_NTYPES][BW_ROWS + 1] = {
     BW_ENTRY(BW_Q4_0), BW_ENTRY(BW_Q4_1), BW_ENTRY(BW_Q8_0), BW_ENTRY(BW_Q5_0),
     BW_ENTRY(BW_Q5_1), BW_ENTRY(BW_Q4_K), BW_ENTRY(BW_Q5_K), BW_ENTRY(BW_Q6_K)};
 
-static inline float bw_load_x(int dtype, const void *x, long i) {
-    if (dtype) {
-        uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)x)[i];
-}
-
 static inline void bw_store_y(int dtype, void *y, long i, float v) {
     if (dtype) {
         uint32_t u;
