@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agentserve.runner import attention as A
+from agentserve.runner import attention_metadata
 from agentserve.runner import native
 
 needs_kernel = pytest.mark.skipif(native.paged_attention_kernel() is None,
@@ -224,7 +225,7 @@ LONG_CHUNKS = [
 @pytest.mark.parametrize("prefills,bs,group,d", LONG_CHUNKS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_long_chunks_in_native_kernel(monkeypatch, prefills, bs, group, d, dtype):
-    monkeypatch.setattr(A, "GEMM_CHUNK_ROWS", 10 ** 9)
+    monkeypatch.setattr(attention_metadata, "GEMM_CHUNK_ROWS", 10 ** 9)
     outs, ref = _case(dtype, [3, 70], prefills, bs=bs, group=group, d=d, kvh=2, seed=11)
     meta = A.build_metadata([], [], [(list(range(1, 1 + -(-(s + n) // bs))), s, n) for s, n in prefills], bs,
                             torch.device("cpu"), kernel=True, dtype=dtype)
