@@ -3,10 +3,17 @@ model loaded from that same GGUF (slow to build: once per session)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels (runner/triton_kernels.py) are tested under
+# Triton's CPU interpreter, which must be chosen before they are first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The repository root, so that `import benchmarks` (the top-level benchmarks package) works from any directory.
 _ROOT = str(Path(__file__).resolve().parents[1])

@@ -75,6 +75,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="run the KV tiers' copies (offloads, reloads, disk spills and reads) inside each step, "
                         "before its forward pass, instead of on a copy thread (a CUDA stream on a GPU) that "
                         "overlaps them with compute, where only a request whose own reloads are in flight waits")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on a CUDA device, run every decode step eagerly instead of replaying the CUDA graphs "
+                        "captured at start for batch sizes 1, 2, 4, ... up to --max-num-seqs (at most 256)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once, at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -131,7 +134,7 @@ def build_llm(args):
                    policy=policy, policy_options=options, profile=args.profile, threads=args.threads,
                    weights=args.weights, speculate=args.speculate,
                    group_prefill=args.group_prefill, protected_kv_share=args.protected_kv_share,
-                   kv_layout=args.kv_layout, kv_dtype=args.kv_dtype)
+                   kv_layout=args.kv_layout, kv_dtype=args.kv_dtype, enforce_eager=args.enforce_eager)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
 
@@ -267,7 +270,9 @@ def cmd_profile(args) -> int:
     llm = build_llm(args)
     if max(lengths) > llm.max_model_len:
         raise CliError(f"--prefill-lengths go up to {max(lengths)} but the model allows {llm.max_model_len}")
-    print(f"profiling {llm.model_source} on {llm.device} in {llm.dtype}, weights {llm.model.weight_format}",
+    graphs = llm.model.graphs
+    steps = f", decode on CUDA graphs of batch {','.join(map(str, graphs.sizes))}" if graphs else ""
+    print(f"profiling {llm.model_source} on {llm.device} in {llm.dtype}, weights {llm.model.weight_format}{steps}",
           file=sys.stderr)
     try:
         prof, raw = measure_profile(llm, lengths, batches, (contexts[0], contexts[1]),

@@ -23,6 +23,7 @@ from agentserve.kv.manager import KVCacheManager
 from agentserve.policy.toolcalls import ToolCall, parse_tool_calls
 from agentserve.runner import device as devices
 from agentserve.runner.checkpoint import LoadedModel
+from agentserve.runner.cuda_graphs import DecodeGraphs
 from agentserve.runner.executor import ModelExecutor
 from agentserve.runner.kv_cache import PagedKVCache, kv_layout_for
 from agentserve.runner.gguf_linear import BLOCK_MAX_ROWS
@@ -53,7 +54,8 @@ class LLM:
                  policy: str = "agentserve", policy_options: dict | None = None, profile: str | None = None,
                  threads: int | None = None, pack_weights: bool | None = None, weights: str = "auto",
                  speculate: int = 8, group_prefill: bool = True, overlap_copies: bool = True,
-                 protected_kv_share: float = 0.0, kv_layout: str = "auto", kv_dtype: str = "auto") -> None:
+                 protected_kv_share: float = 0.0, kv_layout: str = "auto", kv_dtype: str = "auto",
+                 enforce_eager: bool = False) -> None:
         """`weights`: "native" keeps a GGUF's Q4_0/Q4_1 tensors 4-bit (int4 kernel for
         decode, bf16 compute), "bf16"/"fp32" dequantize everything to that dtype, "auto"
         is native where the model and machine allow it, else `dtype` decides.
@@ -68,7 +70,8 @@ class LLM:
         it (kv/window_parts.py), "full" every layer's, "auto" hybrid where the
         model has window and global layers and no tier is asked for. `kv_dtype`:
         the KV cache's dtype (`devices.resolve_kv_dtype`: auto is the compute
-        dtype, bfloat16 under float32 compute with native weights)."""
+        dtype, bfloat16 under float32 compute with native weights). `enforce_eager`:
+        on CUDA, no decode graphs (runner/cuda_graphs.py) are captured."""
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0: off), got {speculate}")
         if threads:
@@ -101,6 +104,8 @@ class LLM:
         disk_blocks = 0 if disk_kv_shared else self._disk_tier(disk_kv_bytes, disk_kv_dir)
         if not 0.0 <= protected_kv_share <= 0.9:
             raise ValueError(f"protected_kv_share must be in [0, 0.9], got {protected_kv_share}")
+        if self.device.type == "cuda" and not enforce_eager:
+            self.model.graphs = DecodeGraphs.capture_for(self.model, self.kv_cache, max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
                                  protected_blocks=int(protected_kv_share * num_blocks),
                                  window=layout and layout.window, window_pages=layout.pages if layout else 0)

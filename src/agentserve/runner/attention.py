@@ -52,10 +52,11 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from agentserve.runner import native
+from agentserve.runner import native, triton_ops
 from agentserve.runner.attention_metadata import (  # noqa: F401  (the step's layout, re-exported for callers)
     AttentionMetadata,
     DecodeBatch,
+    GpuDecode,
     NativeSegments,
     PrefillSpan,
     build_metadata,
@@ -93,20 +94,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, H, D = q.shape
     KVH, NB, BS, _ = k_cache.shape
     G = H // KVH
-    # a 16-bit cache under float32 compute (--kv-dtype): the K/V are rounded as they are written
-    k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    if meta.gpu is not None:  # a negative slot (a captured graph's padding row) is skipped
+        triton_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:  # a 16-bit cache under float32 compute (--kv-dtype): the K/V are rounded as they are written
+        k_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(KVH, NB * BS, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     if meta.kernel:
         return attend_native(q, k, v, k_cache, v_cache, meta, scale, window)
     k, v = _as_cached(k, k_cache), _as_cached(v, v_cache)
     if window is not None:
         meta = meta.for_window(window)
-    dec = meta.decode
-    if dec is not None and not meta.prefills:
-        return _decode(q, k_cache, v_cache, dec, scale).reshape(T, H * D)
+    dec, gpu = meta.decode, meta.gpu
+    rows = dec.num_rows if dec is not None else gpu.num_rows if gpu is not None else 0
+    if rows and not meta.prefills:
+        return _decode_rows(q, k_cache, v_cache, meta, scale).reshape(T, H * D)
     out = torch.empty_like(q)
-    if dec is not None:
-        out[:dec.num_rows] = _decode(q[:dec.num_rows], k_cache, v_cache, dec, scale)
+    if rows:
+        out[:rows] = _decode_rows(q[:rows], k_cache, v_cache, meta, scale)
     for sp in meta.prefills:
         a, b = sp.row_start, sp.row_start + sp.num_rows
         qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -120,6 +124,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, scale=scale, enable_gqa=G > 1)
         out[a:b] = o.squeeze(0).transpose(0, 1)
     return out.view(T, H * D)
+
+
+def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention once the step's K/V are in the cache, for a step with no long
+    chunk (meta.prefills empty): the native kernel's (meta.kernel) or the Triton
+    decode kernel's (meta.gpu, decode rows only). Returns [T, heads * d]."""
+    if meta.kernel:
+        return attend_native(q, None, None, k_cache, v_cache, meta, scale, window)
+    if meta.gpu is None or meta.prefills or meta.decode is not None:
+        raise ValueError("attend_cached takes a native step or a decode-only step on the GPU")
+    T, H, D = q.shape
+    return _decode_rows(q, k_cache, v_cache, meta.for_window(window), scale).view(T, H * D)
+
+
+def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+    """The decode rows (the first rows of q): on the Triton kernel in place, or
+    gathered for torch's SDPA. Returns [rows, heads, d]."""
+    gpu = meta.gpu
+    if gpu is None:
+        return _decode(q, k_cache, v_cache, meta.decode, scale)
+    splits = triton_ops.decode_splits(gpu.num_rows, k_cache.shape[0], q.device)
+    return triton_ops.paged_decode(q, k_cache, v_cache, gpu.tables, gpu.lens, scale, meta.window, splits)
 
 
 def attend_native(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from agentserve.runner import native
+from agentserve.runner import native, triton_ops
 
 # A float32 prefill chunk of at least this many rows attends with torch's flash
 # kernel (matrix multiplies pay off): its own K/V causally, plus, after a
@@ -46,6 +46,16 @@ class DecodeBatch:
 
 
 @dataclass
+class GpuDecode:
+    """The decode rows for the Triton kernel (runner/triton_ops.py), on the
+    device: each row's block table and context length (the new token included;
+    0 for a padding row of a captured graph), read in place by the kernel."""
+    num_rows: int
+    tables: torch.Tensor  # int32 [rows, blocks of the longest row], padded with block 0
+    lens: torch.Tensor  # int32 [rows]
+
+
+@dataclass
 class NativeSegments:
     """The rows the native kernel computes: one segment per decode row or
     prefill chunk (int32 arrays the kernel reads in place)."""
@@ -69,6 +79,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None  # torch path only
     prefills: list[PrefillSpan] = field(default_factory=list)  # torch path: all chunks; native: SDPA ones
     native: NativeSegments | None = None  # rows for the native kernel (None: none this step)
+    gpu: GpuDecode | None = None  # decode rows on CUDA's Triton kernel (the prefills stay on the torch path)
     kernel: bool = False  # built for the native path
     window: int | None = None  # the sliding window this layout serves (None: full causal)
     max_context: int = 0  # the longest context of any row: a window at least this long changes nothing
@@ -93,8 +104,10 @@ class AttentionMetadata:
             return self
         laid = self.by_window.get(window)
         if laid is None:
-            if self.kernel and all(sp.start + sp.num_rows <= window for sp in self.prefills):
-                # the kernel's segments serve any window as they are: only the kernel's argument differs
+            if (self.kernel and all(sp.start + sp.num_rows <= window for sp in self.prefills)) or \
+                    (self.gpu is not None and not self.prefills):
+                # the kernel's segments (or the GPU's tables) serve any window as they are: only the
+                # kernel's argument differs
                 laid = replace(self, window=window, by_window={})
             else:
                 laid = _layout(self.slot_mapping, *self.source, kernel=self.kernel, window=window)
@@ -106,6 +119,12 @@ def use_native(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether attention on this device and dtype runs on the native kernel."""
     return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
         and native.paged_attention_kernel() is not None
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether decode rows on this device attend on the Triton kernel."""
+    device = torch.device(device)
+    return device.type == "cuda" and triton_ops.unavailable(device) is None
 
 
 def build_metadata(decode_tables: list[list[int]], decode_lens: list[int],
@@ -130,16 +149,26 @@ def _layout(slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: li
     if kernel:
         meta = _native_metadata(slots, decode_tables, decode_lens, prefills, bs, device, dtype, window)
     else:
-        meta = _torch_metadata(slots, decode_tables, decode_lens, prefills, bs, device, window)
+        gpu = _gpu_decode(decode_tables, decode_lens, device) if decode_tables and use_triton(device) else None
+        meta = _torch_metadata(slots, [] if gpu else decode_tables, [] if gpu else decode_lens, prefills, bs,
+                               device, window, first_row=len(decode_tables))
+        meta.gpu = gpu
     meta.window = window
     meta.max_context = max([*decode_lens, *(s + n for _, s, n in prefills)], default=0)
     meta.source = (decode_tables, decode_lens, prefills, bs, device, dtype)
     return meta
 
 
+def _gpu_decode(decode_tables: list[list[int]], decode_lens: list[int], device: torch.device) -> GpuDecode:
+    nb = max(len(t) for t in decode_tables)
+    rows = [t + [0] * (nb - len(t)) + [n] for t, n in zip(decode_tables, decode_lens)]
+    both = torch.tensor(rows, dtype=torch.int32).to(device)  # one copy to the device: tables and lengths
+    return GpuDecode(len(rows), both[:, :nb], both[:, nb].contiguous())
+
+
 def _torch_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                     prefills: list[tuple[list[int], int, int]], bs: int, device: torch.device,
-                    window: int | None) -> AttentionMetadata:
+                    window: int | None, first_row: int | None = None) -> AttentionMetadata:
     decode = None
     if decode_tables:
         # a row of context n sees positions [lo, n), from its block fb on
@@ -158,7 +187,7 @@ def _torch_metadata(slots: torch.Tensor, decode_tables: list[list[int]], decode_
         decode = DecodeBatch(len(decode_tables), torch.tensor(padded, dtype=torch.int64).view(-1).to(device),
                              nb, mask)
     spans = []
-    row = len(decode_tables)
+    row = len(decode_tables) if first_row is None else first_row
     for table, start, n in prefills:
         if start == 0 and (window is None or n <= window):
             spans.append(PrefillSpan(row, n, 0, None, None))

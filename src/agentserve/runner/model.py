@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from agentserve.runner.attention import AttentionMetadata, attend_native, paged_attention
+from agentserve.runner.attention import AttentionMetadata, attend_cached, paged_attention
 from agentserve.runner.config import ModelConfig
 from agentserve.runner.kv_cache import PagedKVCache
 from agentserve.runner.layer_ops import LayerOps
@@ -37,6 +37,7 @@ from agentserve.runner.gguf_linear import BlockLinear, codes_linear
 from agentserve.runner.linear import Linear, Q4Linear, Q8Linear, int4_unavailable, should_pack
 from agentserve.runner.quant import QuantWeight, is_quantized
 from agentserve.runner.rope import RotaryTable, apply_rotary
+from agentserve.runner.triton_ops import TritonLayerOps
 
 
 @dataclass
@@ -116,6 +117,9 @@ class LlamaModel:
         # on the CPU (bfloat16, or float32 on GGUF-kept weights): norms, rotary + KV write and the
         # activation as one native call each
         self.ops = LayerOps.create(dtype, self.device, quantized)
+        if self.ops is None and self.device.type == "cuda":
+            self.ops = TritonLayerOps.create(dtype, self.device)  # bfloat16/float16 on the Triton kernels
+        self.graphs = None  # runner/cuda_graphs.py's DecodeGraphs, once captured
         self.act = gelu_tanh_mul if cfg.gemma else silu_mul
         if self.ops is not None:
             self.fused_act = self.ops.gelu_tanh_mul if cfg.gemma else self.ops.silu_mul
@@ -216,7 +220,16 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [len(logit_rows), vocab]."""
-        if self.ops is not None and meta.kernel and not meta.prefills and \
+        if self.graphs is not None and meta.gpu is not None and not meta.prefills and not meta.groups:
+            out = self.graphs.replay(input_ids, positions, meta, logit_rows)
+            if out is not None:
+                return out
+        return self.forward_eager(input_ids, positions, meta, kv, logit_rows)
+
+    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """forward() without a captured graph (what a graph captures)."""
+        if self.ops is not None and (meta.kernel or meta.gpu is not None) and not meta.prefills and \
                 (not self.ops.f32 or input_ids.shape[0] <= self.codes_rows):
             return self._forward_fused(input_ids, positions, meta, kv, logit_rows)
         cfg = self.cfg
@@ -264,7 +277,8 @@ class LlamaModel:
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         positions = positions.to(torch.int64).contiguous()
-        if positions.numel() and int(positions.max()) >= self.rope.max_positions:
+        # (on a GPU the scheduler's max_model_len bounds positions: reading one back would stall the step)
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
                              f"({self.rope.max_positions} positions)")
         groups = [meta.groups[g] for g in kv.layout.group] if meta.groups else [meta] * len(self.layers)
@@ -276,7 +290,7 @@ class LlamaModel:
             m = groups[i]
             q = ops.rope_kv(L.qkv(x), H, KVH, D, L.rope.cos, L.rope.sin, positions, k_cache, v_cache,
                             m.slot_mapping, L.qk_norm, eps)
-            attn = attend_native(q, None, None, k_cache, v_cache, m, self.scale, window=L.window)
+            attn = attend_cached(q, k_cache, v_cache, m, self.scale, window=L.window)
             attn = L.o(attn if attn.dtype is h.dtype else attn.to(h.dtype))
             # Gemma's norm on the attention output, the residual add and the next norm: one call
             ops.add_rms_norm(h, attn, L.post_norm, eps, x, L.attn_out_norm)
