@@ -79,7 +79,9 @@ def test_bundled_profiles_load_and_validate():
         p = load_profile(name)
         assert isinstance(p, Profile) and p.name == name
         assert p.model.num_layers > 0 and p.derivation and p.description
-        assert "efficiency" in p.derivation or "utilisation" in p.derivation
+        # a roofline estimate names its efficiencies; a measured profile the command that measured it
+        assert "efficiency" in p.derivation or "utilisation" in p.derivation or \
+            p.derivation.startswith("Measured with `agentserve profile")
         assert p.max_num_batched_tokens == 2048 and p.max_num_seqs == 256
     p = load_profile(H100)
     assert p.model.num_layers == 32 and p.model.num_kv_heads == 8 and p.model.head_dim == 128

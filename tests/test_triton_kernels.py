@@ -4,8 +4,8 @@ against SDPA over the gathered context (float64 reference), the KV write, and
 the small per-layer ops against the torch code they replace in the model. On a
 GPU they run there; without one under Triton's CPU interpreter (conftest.py),
 which computes 16-bit values in float32 and rounds them by truncation: there
-the 16-bit cases are checked to a few units in the last place, on a GPU the
-rounding is torch's and most values match bit for bit."""
+the 16-bit cases are checked to four units in the last place, on a GPU (whose
+rounding is torch's) to two."""
 
 from __future__ import annotations
 
@@ -91,9 +91,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, exact_f32: bool = False) -> No
     if got.dtype is torch.float32 and exact_f32:
         assert torch.equal(got, want)
         return
-    # float32: sums in another order, tanh from exp; 16-bit: one place (a sum in another order rounds the
-    # other way), and up to 3 more under the interpreter, which truncates
-    places = 64 if got.dtype is torch.float32 else 4 if triton_ops.interpreted() else 1
+    # float32: sums in another order, tanh from exp; 16-bit: two places (Gemma's normed sublayer output
+    # rounds before the residual add, so a sum in another order can move both roundings), and more under
+    # the interpreter, which truncates
+    places = 64 if got.dtype is torch.float32 else 4 if triton_ops.interpreted() else 2
     scale = torch.maximum(want.float().abs(), torch.ones(()))
     err = ((got.float() - want.float()).abs() / scale).max().item()
     assert err <= places * torch.finfo(got.dtype).eps, err

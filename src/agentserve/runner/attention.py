@@ -17,6 +17,10 @@ GEMM_CHUNK_ROWS rows or more attends with torch's flash kernel instead:
 causally to its own new K/V, plus, after a prefix, to the prefix's blocks,
 merged by log-sum-exp.
 
+On CUDA (meta.gpu, runner/triton_ops.py) the decode rows attend on a Triton
+kernel that reads each row's blocks in place, and prefill chunks take the torch
+path below; without Triton, decode rows take it too.
+
 The torch path (fallback: no compiler, CUDA, AGENTSERVE_ATTENTION=torch):
 * decode rows attend together: their blocks are gathered from the cache into
   one padded [rows, kv_heads, max_ctx, head_dim] batch with a padding mask, and
