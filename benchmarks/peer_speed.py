@@ -226,6 +226,8 @@ async def erase_slots(client) -> None:
     highest one used, so a point measured after a 16k one would pay for those
     (a 4k prefill: 245 tok/s after the sweep's 16k points, 466 on an empty cache):
     each point starts empty, as agentserve's timer does."""
+    import httpx
+
     try:
         r = await client.get("/slots")
         if r.status_code >= 400:
