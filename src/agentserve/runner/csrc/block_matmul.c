@@ -162,6 +162,13 @@ static inline __attribute__((always_inline)) void bw_small_block(int qt, const u
 #define BW_HINT _MM_HINT_T0
 #endif
 
+/* the cache lines BW_PREFETCH ahead of a K-quant super-block (up to 210 bytes) */
+static inline void bw_prefetch_super(const uint8_t *b) {
+    _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
+    _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
+    _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
+}
+
 /* out[r] = row `w` (k weights of type qt) . activation row r, r < R */
 static inline __attribute__((always_inline)) void bw_row(int qt, int R, const uint8_t *w, long k, const int16_t *x,
                                                          const float *dx, const float *xs, float *out) {
@@ -197,9 +204,7 @@ static inline __attribute__((always_inline)) void bw_row(int qt, int R, const ui
         const int size = bw_bytes[qt];
         for (long sb = 0; sb < k / 256; sb++) {
             const uint8_t *b = w + sb * size;
-            _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
-            _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
-            _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
+            bw_prefetch_super(b);
             if (qt == BW_Q6_K) {
                 const int8_t *sc = (const int8_t *)(b + 192);
                 float d = bw_half(b + 208);
@@ -492,9 +497,7 @@ static inline __attribute__((always_inline)) void bw8_row(int qt, int R, const u
         const int size = bw_bytes[qt];
         for (long sb = 0; sb < k / 256; sb++) {
             const uint8_t *b = w + sb * size;
-            _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
-            _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
-            _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
+            bw_prefetch_super(b);
             if (qt == BW_Q6_K) {
                 const int8_t *sc = (const int8_t *)(b + 192);
                 float d = bw_half(b + 208);
@@ -740,9 +743,7 @@ static inline __attribute__((always_inline)) float bwk_row(int qt, const uint8_t
     __m256 macc = _mm256_setzero_ps();
     for (long sb = 0; sb < k / 256; sb++) {
         const uint8_t *b = w + sb * size;
-        _mm_prefetch((const char *)(b + BW_PREFETCH), BW_HINT);
-        _mm_prefetch((const char *)(b + BW_PREFETCH + 64), BW_HINT);
-        _mm_prefetch((const char *)(b + BW_PREFETCH + 128), BW_HINT);
+        bw_prefetch_super(b);
         if (qt == BW_Q6_K) {
             const int8_t *sc = (const int8_t *)(b + 192);
             const float d = bw_half(b + 208);
