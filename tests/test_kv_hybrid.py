@@ -322,7 +322,7 @@ def test_long_randomized_sequences_hybrid(eviction, zone, host, fail):
         if m.reqs:
             ops += ["allocate_like", "grow", "compute", "compute", "compute", "compute", "free", "pin"]
             if host:
-                ops += ["swap_out", "flush"]
+                ops += ["swap_out", "flush", "prefetch"]
         if m.kv.pins:
             ops.append("unpin")
         if m.history:
@@ -354,6 +354,8 @@ def test_long_randomized_sequences_hybrid(eviction, zone, host, fail):
             m.swap_out(rid)
         elif op == "flush":
             m.flush()
+        elif op == "prefetch":
+            m.prefetch(rng.choice(PREFIXES) if rng.random() < 0.5 else m.reqs[rid]["tokens"])
         else:
             m.supersede(rng.choice(sorted(m.history)), rng.random(), [rng.randrange(4) for _ in range(rng.randrange(6))])
         m.check()
@@ -506,4 +508,78 @@ def test_a_failed_part_reload_into_a_block_on_the_device_cuts_the_request_back()
     kv.check_integrity()
     assert kv.match(t2).num_tokens <= 76  # the failed node's copies are not trusted again
     kv.free("t2", 4.0)
+    kv.check_integrity()
+
+
+# ---------------------------------------------------------------- a prefetch under the hybrid cache
+
+
+def test_a_prefetch_brings_a_swapped_out_chain_back_with_its_window():
+    from agentserve.kv.prefetch_loads import chain_reload, landed, load_chain
+
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _swapped_out_turn(kv, t1, 40)
+    t2 = t1 + [5, 5, 5]
+    r = chain_reload(kv.kv, kv.index.walk(t2))
+    lo = kv.parts.first_needed(80)
+    assert len(r.nodes) == 20 and r.parts == r.nodes[lo:]  # every block, and the window's parts
+    assert r.taken == r.need == 20 + PAGES * (20 - lo)
+    loads = load_chain(kv.kv, r, 2.0)
+    assert [n for n, _ in loads] == r.nodes and not landed(kv.kv, loads)
+    assert kv.match(t2).num_tokens == 0  # nothing is matched while its reload is under way
+    kv.check_integrity()
+    _, ld = kv.kv.take_copies()
+    assert len(ld) == r.taken
+    kv.kv.finish_copies()
+    kv.check_integrity()
+    assert landed(kv.kv, loads)
+    m = kv.match(t2)
+    assert m.num_tokens == 80 and m.num_host_blocks == 0  # on the device, window and all
+    assert kv.parts.all_present([n.block for n in m.nodes], 80)
+    table = kv.kv.admit(m, 3, 3.0)
+    assert not table.loads and not kv.kv.take_copies()[1]  # the turn reloads nothing
+    kv.tables["t2"] = table
+    kv.check_integrity()
+    kv.free("t2", 4.0)
+    kv.check_integrity()
+
+
+def test_a_prefetch_brings_back_the_parts_a_block_on_the_device_lost():
+    from agentserve.kv.prefetch_loads import chain_reload, landed, load_chain
+
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _parts_evicted_blocks_kept(kv, t1, 40)
+    t2 = t1 + [5, 5, 5]
+    r = chain_reload(kv.kv, kv.index.walk(t2))
+    lo = kv.parts.first_needed(80)
+    assert not r.nodes and len(r.parts) == 20 - lo and r.taken == PAGES * (20 - lo)
+    loads = load_chain(kv.kv, r, 2.0)
+    assert [b for _, b in loads] == [n.block for n in r.parts] and not landed(kv.kv, loads)
+    assert kv.match(t2).num_tokens <= lo * BS  # no hit reads a part still being filled
+    _, ld = kv.kv.take_copies()
+    assert len(ld) == PAGES * (20 - lo)
+    kv.kv.finish_copies()
+    kv.check_integrity()
+    assert landed(kv.kv, loads) and all(b.wpart is not None and b.wrefs == 0 for _, b in loads)  # free, unheld
+    m = kv.match(t2)
+    assert m.num_tokens == 80 and kv.parts.all_present([n.block for n in m.nodes], 80)
+
+
+def test_a_prefetch_that_does_not_fit_changes_nothing_under_the_hybrid_cache():
+    from agentserve.kv.prefetch_loads import chain_reload, load_chain
+
+    kv = mk(60, host_blocks=100)
+    t1 = list(range(100, 180))
+    _swapped_out_turn(kv, t1, 40)
+    r = chain_reload(kv.kv, kv.index.walk(t1 + [5]))
+    other = [8] * ((kv.num_free_blocks - r.need) // (1 + PAGES) * BS + BS)  # leaves less than it needs
+    kv.tables["o"] = kv.kv.admit(kv.match(other), len(other), 2.0)
+    assert kv.num_free_blocks < r.need
+    kv.take_copies()
+    before = (kv.num_free_blocks, len(kv.window_tier.filling), len(kv.host.reading))
+    assert load_chain(kv.kv, r, 2.5) is None
+    assert (kv.num_free_blocks, len(kv.window_tier.filling), len(kv.host.reading)) == before
+    assert not kv.copies.loading and not kv.disk_copies.loading
     kv.check_integrity()

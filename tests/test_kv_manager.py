@@ -947,6 +947,23 @@ class KVModel:
             assert copied == 0
         assert self.kv.host.num_used <= self.kv.host.num_slots
 
+    def prefetch(self, toks):
+        """A prefetch's reload (kv/prefetch_loads.py) of the chain `toks` walks:
+        no request holds what it brings back, which lands with the next flush
+        and must then hold its tokens' KV."""
+        from agentserve.kv.prefetch_loads import chain_reload, load_chain
+
+        self.tick()
+        kv = self.kv.kv
+        r = chain_reload(kv, kv.index.walk(toks))
+        if r is None:
+            return
+        free = kv.num_free_blocks
+        if load_chain(kv, r, self.now) is None:
+            assert kv.num_free_blocks == free and r.need > free
+        elif kv.parts is None:
+            assert chain_reload(kv, kv.index.walk(toks)) is None  # a reload under way is not issued twice
+
     # --- invariants ---
 
     def check(self):
@@ -1054,6 +1071,10 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         self.m.swap_out(self._rid(data))
+
+    @rule(p=st.integers(0, len(PREFIXES) - 1))
+    def prefetch(self, p):
+        self.m.prefetch(PREFIXES[p])
 
     @rule()
     def take_copies(self):

@@ -207,12 +207,15 @@ def test_a_turn_that_comes_during_the_reload_waits_for_it():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_programs_keep_the_kv_consistent(seed):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_random_programs_keep_the_kv_consistent(seed, hybrid):
     """Programs with random tools, ends and releases over a small device and host
-    tier and lagging copies: every output is the model's, every step's
-    accounting holds (the harness checks integrity each step)."""
+    tier and lagging copies (and the hybrid cache's window parts): every output
+    is the model's, every step's accounting holds (the harness checks integrity
+    each step)."""
     rng = random.Random(seed)
-    h = _tiered(LaggingHarness("agentserve", lag=rng.randint(1, 3), num_blocks=16, budget=64, host=24),
+    kw = dict(num_blocks=48, host=72, window=6, window_pages=2) if hybrid else dict(num_blocks=16, host=24)
+    h = _tiered(LaggingHarness("agentserve", lag=rng.randint(1, 3), budget=64, **kw),
                 durations=[rng.uniform(0.1, 3.0) for _ in range(150)], reload_s=0.5)
     progs = {f"P{i}": prompt_of(100 + i, rng.randint(8, 30)) for i in range(8)}
     turns = {pid: 0 for pid in progs}
@@ -249,6 +252,8 @@ def test_random_programs_keep_the_kv_consistent(seed):
     st = h.s.stats
     assert st.prefetch_used + st.prefetch_late + st.prefetch_wasted <= st.prefetch_issued
     assert st.prefetch_issued > 0 and st.preemptions == 0
+    if hybrid:  # some prefetched blocks came back with their window parts
+        assert h.kv.window_tier.num_reloaded > 0 and st.prefetch_blocks > st.prefetch_issued
 
 
 def test_counted_in_metrics_and_on_the_dashboard():
@@ -279,7 +284,7 @@ def test_a_chain_on_disk_is_reloaded_with_its_own_kv(disk_lag):
     chain's KV, and the next run of the sequence hits them on the device."""
     from test_disk_tier import mk, seq
 
-    from agentserve.kv.prefetch_loads import landed, load_chain, tier_blocks
+    from agentserve.kv.prefetch_loads import chain_reload, landed, load_chain
 
     t = mk()
     for tag in range(1, 4):  # device -> host -> disk, as in test_disk_tier
@@ -288,11 +293,12 @@ def test_a_chain_on_disk_is_reloaded_with_its_own_kv(disk_lag):
     kv = t.kv
     tokens = seq(1)
     path = kv.index.walk(tokens)
-    nodes = tier_blocks(kv, path)
+    r = chain_reload(kv, path)
+    nodes = r.nodes
     assert len(nodes) == 2 and all(n.block is None and kv.disk.readable(n) for n in nodes)
-    loads = load_chain(kv, nodes, path, now=1.0)
+    loads = load_chain(kv, r, now=1.0)
     assert [n for n, _ in loads] == nodes and not landed(kv, loads)
-    assert tier_blocks(kv, path) == []  # a reload under way is not issued twice
+    assert chain_reload(kv, path) is None  # a reload under way is not issued twice
     t.step()
     while t.in_flight:
         t.land()
@@ -306,17 +312,16 @@ def test_a_chain_on_disk_is_reloaded_with_its_own_kv(disk_lag):
 def test_a_reload_that_does_not_fit_changes_nothing():
     from test_disk_tier import mk, seq
 
-    from agentserve.kv.prefetch_loads import load_chain, tier_blocks
+    from agentserve.kv.prefetch_loads import chain_reload, load_chain
 
     t = mk(device=3)
     for tag in range(1, 3):
         t.run(seq(tag))
     kv = t.kv
-    path = kv.index.walk(seq(1))
-    nodes = tier_blocks(kv, path)
+    r = chain_reload(kv, kv.index.walk(seq(1)))
     st = kv.admit(kv.match(seq(5)), 12, 0.0)  # a request holds every device block
-    assert st is not None and kv.num_free_blocks == 0 and nodes
-    assert load_chain(kv, nodes, path, 0.0) is None
+    assert st is not None and kv.num_free_blocks == 0 and r.nodes
+    assert load_chain(kv, r, 0.0) is None
     kv.check_integrity([st])
     assert not kv.copies.loading and not kv.disk_copies.loading
 
@@ -336,3 +341,55 @@ def test_a_program_ended_during_its_reload_leaves_the_blocks_first_in_line():
     cold = h.kv.pool._cold
     assert all(b.ref_cnt == 0 and b.strategy_data is cold for b in blocks)  # evicted before any other
     h.s.check_integrity()
+
+
+def _hybrid(lag: int = 0) -> Harness:
+    """agentserve over a host tier and the hybrid cache (a window of 6 positions, parts of 2 pages)."""
+    kw = dict(num_blocks=48, budget=16, host=96, window=6, window_pages=2)
+    return _tiered(LaggingHarness("agentserve", lag=lag, **kw) if lag else Harness("agentserve", **kw))
+
+
+def _hybrid_first_turn(h: Harness):
+    """P's first turn, then one whose prompt evicts P's blocks and their window parts to the host tier."""
+    r1 = _first_turn(h, evict=False)
+    for i in range(2):  # live programs' turns, unpinned (an ended one's blocks would go first)
+        h.req(f"f{i}", f"Q{i}", prompt_of(2 + i, 100), max_tokens=1, ttl_hint=0.0)
+        h.run()
+    h.run(until=lambda: not h.s.copies_in_flight)
+    m = h.kv.match(r1.token_ids + [1])
+    assert m.num_tokens == 20 and m.num_host_blocks == 5  # the whole chain, its window from part copies
+    return r1
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_under_the_hybrid_cache_the_chain_comes_back_with_its_window(lag):
+    h = _hybrid(lag)
+    r1 = _hybrid_first_turn(h)
+    _until_due(h)
+    st = h.s.stats
+    parts = h.kv.parts
+    lo = parts.first_needed(20)
+    assert (st.prefetch_issued, st.prefetch_blocks) == (1, 5 + parts.pages * (5 - lo))
+    h.run(until=lambda: not h.s.copies_in_flight)
+    h.idle(0.01)
+    m = h.kv.match(r1.token_ids + [1])
+    assert m.num_host_blocks == 0 and parts.all_present([n.block for n in m.nodes], 20)
+    r2 = h.req("t2", "P", r1.token_ids + [1, 2, 3], max_tokens=2, is_last_turn=True)
+    assert r2.prefetch == "used"
+    h.run()
+    assert r2.num_cached_tokens == 20 and r2.num_loaded_tokens == 0  # nothing reloaded on its path
+    assert r2.output_token_ids == expected(r2.prompt_token_ids, 2)
+    assert (st.prefetch_used, st.prefetch_wasted, st.preemptions) == (1, 0, 0)
+
+
+def test_under_the_hybrid_cache_a_lost_window_part_counts_the_prefetch_wasted():
+    h = _hybrid()
+    r1 = _hybrid_first_turn(h)
+    _until_due(h)
+    h.idle(0.01)
+    while h.kv.parts.num_free_pages:  # other traffic takes the unheld parts, the blocks stay
+        h.kv.parts.evict_one()
+    r2 = h.req("t2", "P", r1.token_ids + [1, 2, 3], max_tokens=2, is_last_turn=True)
+    assert r2.prefetch == "wasted"
+    h.run()
+    assert r2.output_token_ids == expected(r2.prompt_token_ids, 2)

@@ -18,7 +18,7 @@ from agentserve.engine.executor import ExecutorResult, readable, run_all_copies
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.scheduler_config import SchedulerConfig
 from agentserve.kv.manager import KVCacheManager
-from agentserve.kv.prefetch_loads import stage_blocks, tier_blocks
+from agentserve.kv.prefetch_loads import chain_reload, stage_blocks
 from agentserve.policy.prefetch import stage_start
 from agentserve.engine.request import Request
 
@@ -47,7 +47,7 @@ def test_a_staged_chain_is_reloaded_from_the_host_tier_with_its_own_kv():
     nodes = stage_blocks(kv, path)
     assert nodes == path and kv.stages.stage(nodes) == nodes
     kv.check_integrity()
-    assert stage_blocks(kv, path) == [] and tier_blocks(kv, path) == []  # under way: not copied twice
+    assert stage_blocks(kv, path) == [] and chain_reload(kv, path) is None  # under way: not copied twice
     assert kv.match(seq(1)).num_tokens == 0  # not matched through a copy under way
     _land_stages(t)
     kv.check_integrity()

@@ -14,7 +14,9 @@ turn's critical path. A plan has up to two parts, each issued once:
   they go to the cold end of the host tier, the first evicted.
 * the *load* into the device: from its time on, each step (after admission,
   so a waiting turn takes the free KV first) the chain's blocks that have a
-  tier copy and no device block are reloaded (kv/prefetch_loads.py) in one go.
+  tier copy and no device block are reloaded (kv/prefetch_loads.py) in one go
+  (under the hybrid cache, as far as a hit would have its window, with the
+  window parts that are not on the device).
   It is cancelled, and never issued again for that turn, when the reload does
   not fit in the free blocks that the running requests' headroom and the first
   waiting request leave, or a request was held back for KV this step: a
@@ -31,8 +33,8 @@ Outcomes, counted in the scheduler's stats for each part (`prefetch_*` the
 load's, `prefetch_stage_*` the stage's): `used` (the turn came after it landed
 and found every block still there: on the device; for a stage, in the host
 tier or on the device), `late` (the turn came while it was in flight: it waits
-for it instead of recomputing), `wasted` (blocks were evicted before the turn
-came, or the program ended or was released first; `*_wasted_blocks` counts
+for it instead of recomputing), `wasted` (blocks, or window parts it brought
+back, were evicted before the turn came, or the program ended or was released first; `*_wasted_blocks` counts
 the blocks), `cancelled` (not issued). A plan is dropped without a copy when
 the turn comes first, the program ends, the client releases it, or the
 longest return the tool's durations recorded has passed."""
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 from agentserve.engine.scheduler_config import SchedulerStats
 from agentserve.kv.block import Block
 from agentserve.kv.manager import KVCacheManager
-from agentserve.kv.prefetch_loads import landed, load_chain, promote, stage_blocks, tier_blocks
+from agentserve.kv.prefetch_loads import chain_reload, landed, load_chain, promote, stage_blocks
 from agentserve.kv.prefix_index import ChainHint, Node
 
 RECHECK_S = 0.5  # a due part whose chain has nothing to copy yet looks again this much later
@@ -64,6 +66,7 @@ class _Plan:
     salt: Hashable
     stage_at: float | None = None  # the stage's time (None: no stage)
     loads: list[tuple[Node, Block]] = field(default_factory=list)  # issued: each reloaded node and its block
+    parts: set[Block] = field(default_factory=set)  # of those blocks, the ones whose window part it reloaded
     settled: bool = False  # its reloads landed and its blocks went to the cold end
     late: bool = False  # its turn came while the reloads were in flight (counted): it waits for them
     staged: list[Node] = field(default_factory=list)  # the stage issued: its nodes
@@ -166,12 +169,11 @@ class Prefetcher:
             if self._stage_flying(p):
                 retry.append((now + STAGE_WAIT_S, p, stage))
                 continue
-            path = self.kv.index.walk(p.tokens, salt=p.salt, hint=p.hint)
-            nodes = tier_blocks(self.kv, path)
-            if not nodes:
+            r = chain_reload(self.kv, self.kv.index.walk(p.tokens, salt=p.salt, hint=p.hint))
+            if r is None:
                 retry.append((now + RECHECK_S, p, stage))
                 continue
-            loads = None if blocked or len(nodes) > room else load_chain(self.kv, nodes, path, now)
+            loads = None if blocked or r.need > room else load_chain(self.kv, r, now)
             if loads is None:
                 self.stats.prefetch_cancelled += 1
                 p.at = None
@@ -179,10 +181,11 @@ class Prefetcher:
                     del self._plans[p.program_id]
                 continue
             p.loads = loads
+            p.parts = {n.block for n in r.parts}
             self._flying[p.program_id] = p
-            room -= len(nodes)
+            room -= r.need
             self.stats.prefetch_issued += 1
-            self.stats.prefetch_blocks += len(nodes)
+            self.stats.prefetch_blocks += r.taken
         for at, p, stage in retry:
             heapq.heappush(h, (at, next(self._n), p, stage))
 
@@ -249,7 +252,7 @@ class Prefetcher:
             self.stats.prefetch_late += 1
             p.late = True  # counted; the plan only makes the turn wait now (settle ends it)
             return "late"
-        held = [b for n, b in p.loads if _holds(n, b)]
+        held = [b for n, b in p.loads if _holds(n, b) and (b.wpart is not None or b not in p.parts)]
         promote(self.kv, held, now)  # out of the cold end: the turn takes them
         lost = len(p.loads) - len(held)
         p.loads = []  # counted
