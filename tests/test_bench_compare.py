@@ -70,3 +70,21 @@ def test_json_keeps_the_servers_done_when_a_later_one_is_stopped(tmp_path, monke
     data = json.loads(out.read_text())
     assert [r["server"] for r in data["results"]] == ["agentserve-agentserve"]
     assert data["rows"][0]["jct_vs_ref"] == 1.0
+
+
+def test_returning_turns_ttft_and_prefetches_are_reported():
+    from agentserve.bench.compare import prefetch_summary
+    from agentserve.bench.replay_results import summarize
+
+    turns = [{"program_id": "p", "turn": k, "error": None, "ttft": ttft, "latency": ttft + 1.0, "prompt_tokens": 10,
+              "cached_tokens": 0, "completion_tokens": 2} for k, ttft in enumerate([3.0, 0.5, 1.5])]
+    r = summarize(turns, [{"program_id": "p", "arrival": 0.0, "completed": True, "jct": 9.0, "start": 0.0,
+                           "end": 9.0}], {"server": "agentserve-agentserve+host"})
+    assert r["mean_ttft_returning"] == 1.0 and r["mean_ttft"] == pytest.approx(5.0 / 3)
+    assert "1.000" in format_compare(compare_rows([r]))
+    metrics = "\n".join(f'agentserve:prefetch_{k}_total{{model_name="m"}} {v}' for k, v in
+                        [("issued", 4.0), ("used", 2.0), ("late", 1.0), ("wasted", 1.0), ("wasted_blocks", 9.0),
+                         ("cancelled", 3.0), ("stage_cancelled", 5.0)])
+    assert prefetch_summary(metrics) == "issued 4, used 2, late 1, wasted 1, cancelled 3"
+    assert prefetch_summary(metrics.replace(" 4.0", " 0.0").replace(" 3.0", " 0.0")) == ""  # none: no line
+    assert prefetch_summary(None) == ""

@@ -30,6 +30,7 @@ def compare_rows(results: list[dict]) -> list[dict]:
         ratio = r["mean_jct"] / ref["mean_jct"] if ref and ref.get("mean_jct") else float("nan")
         rows.append({"server": r["server"], "done": f"{r['completed']}/{r['programs']}", "errors": r["errors"],
                      "mean_jct": r["mean_jct"], "p95_jct": r["p95_jct"], "mean_ttft": r["mean_ttft"],
+                     "mean_ttft_returning": r.get("mean_ttft_returning", float("nan")),
                      "throughput_jobs_s": r["throughput_jobs_s"], "cached_ratio": r["cached_ratio"],
                      "jct_vs_ref": ratio, "reference": ref["server"] if ref else None})
     return rows
@@ -38,11 +39,31 @@ def compare_rows(results: list[dict]) -> list[dict]:
 def compare_lines(rows: list[dict]) -> list[list[str]]:
     """The table's cells: its head, then a line a row."""
     ref = rows[0]["reference"] if rows else REFERENCE
-    return [["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "jobs/s", "cached %",
-             f"mean JCT / {ref}"]] + [
+    return [["server", "done", "errors", "mean JCT s", "p95 JCT s", "mean TTFT s", "TTFT turn 2+ s", "jobs/s",
+             "cached %", f"mean JCT / {ref}"]] + [
         [r["server"], r["done"], str(r["errors"]), f"{r['mean_jct']:.2f}", f"{r['p95_jct']:.2f}",
-         f"{r['mean_ttft']:.3f}", f"{r['throughput_jobs_s']:.3f}", f"{100 * r['cached_ratio']:.1f}",
-         f"{r['jct_vs_ref']:.2f}x"] for r in rows]
+         f"{r['mean_ttft']:.3f}", _secs(r.get("mean_ttft_returning")), f"{r['throughput_jobs_s']:.3f}",
+         f"{100 * r['cached_ratio']:.1f}", f"{r['jct_vs_ref']:.2f}x"] for r in rows]
+
+
+def _secs(x) -> str:
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+PREFETCH_COUNTERS = ("issued", "used", "late", "wasted", "cancelled")
+
+
+def prefetch_summary(metrics: str | None) -> str:
+    """One line of what an agentserve server's prefetches came to, from its /metrics page ('' if it issued
+    or cancelled none: no tier, or nothing went below the device)."""
+    found = {}
+    for line in (metrics or "").splitlines():
+        name = line.partition("{")[0].removeprefix("agentserve:prefetch_").removesuffix("_total")
+        if line.startswith("agentserve:prefetch_") and name in PREFETCH_COUNTERS:
+            found[name] = float(line.rsplit(" ", 1)[1])
+    if not found.get("issued") and not found.get("cancelled"):
+        return ""
+    return ", ".join(f"{k} {found.get(k, 0.0):.0f}" for k in PREFETCH_COUNTERS)
 
 
 def format_compare(rows: list[dict]) -> str:
@@ -151,6 +172,10 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
     if widen is not None:
         widen(results, rows, lines)
     print(aligned(lines, left=0, rule=False))
+    for result in results:
+        prefetches = prefetch_summary(result.get("final_metrics"))
+        if prefetches:
+            print(f"{result['server']}: prefetches {prefetches}")
     print("\nwhere a program's time goes (mean seconds; per turn after 'turns'):")
     print(rr.format_time_table(results))
     rr.write_outputs(results, plot=a.plot, report=a.report, json_path=a.json,

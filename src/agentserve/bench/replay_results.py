@@ -34,6 +34,7 @@ def summarize(turns: list[dict], results: list[dict], meta: dict | None = None) 
     done = [r for r in results if r["completed"]]
     jct = [r["jct"] for r in done]
     ttft = [t["ttft"] for t in ok]
+    returning = [t["ttft"] for t in ok if t["turn"] > 0]  # turns that come back from a tool call
     lat = [t["latency"] for t in ok]
     starts = [r["start"] for r in results if r["start"] is not None]
     ends = [r["end"] for r in done]
@@ -55,7 +56,7 @@ def summarize(turns: list[dict], results: list[dict], meta: dict | None = None) 
         "mean_jct": _mean(jct), "p50_jct": percentile(jct, 50), "p90_jct": percentile(jct, 90),
         "p95_jct": percentile(jct, 95), "p99_jct": percentile(jct, 99),
         "mean_ttft": _mean(ttft), "p50_ttft": percentile(ttft, 50), "p90_ttft": percentile(ttft, 90),
-        "p99_ttft": percentile(ttft, 99), "mean_latency": _mean(lat),
+        "p99_ttft": percentile(ttft, 99), "mean_ttft_returning": _mean(returning), "mean_latency": _mean(lat),
         "throughput_jobs_s": len(done) / makespan if makespan > 0 else 0.0, "makespan_s": makespan,
         "cached_ratio": cached / prompt if prompt else 0.0, "turns_sent": len(turns), "turns_ok": len(ok),
         "prompt_tokens": prompt, "cached_tokens": cached,
