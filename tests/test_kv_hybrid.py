@@ -288,6 +288,8 @@ class HybridModel(KVModel):
         for p in kv.pins.values():
             holders.update(set(b.block_id for b in p.blocks))
         holders.update(kv.copies.held_blocks())  # a reload holds its block until it lands
+        if kv.window_tier is not None:  # a block whose part reloads alone is held until it lands
+            holders.update(b.block_id for b in kv.window_tier.into_device)
         held_parts = sum(1 for b in kv.pool.blocks if b.wpart is not None and b.wrefs > 0)
         assert kv.num_free_blocks + len(holders) + PAGES * held_parts == kv.num_blocks
         # a hit never needs a window part that is gone

@@ -361,6 +361,8 @@ class KVCacheManager(DeadChains, ExecutorCopies):
             holders.update(b.block_id for b in p.blocks)
         holders.update(self.copies.held_blocks())  # reloads hold their device blocks until they land
         holders.update(self.disk_copies.held_blocks())
+        if self.window_tier is not None:
+            holders.update(b.block_id for b in self.window_tier.into_device)  # held while their parts land
         if self.parts is not None:
             filling = () if self.window_tier is None else self.window_tier.filling
             holders.update(self.parts.check_integrity(tables, self.pins.values(), filling))

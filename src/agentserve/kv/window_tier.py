@@ -64,7 +64,9 @@ class WindowTier:
         self.copies = copies
         self.copies_of: dict[Node, PartCopy] = {}
         self.filling: set[Block] = set()  # blocks whose part a queued or running reload fills (and holds)
-        self.into_device: dict[Block, Node] = {}  # those of them on the device meanwhile, and their nodes
+        # those of them on the device meanwhile, and their nodes: the fill holds a reference on each
+        # (a prefetch's block is held by no table: it must not be evicted while its part lands)
+        self.into_device: dict[Block, Node] = {}
         self.num_stored = 0  # part copies made, ever
         self.num_reloaded = 0  # parts reloaded (with their blocks, or into blocks still on the device), ever
         host.on_forget = self.forget
@@ -127,9 +129,10 @@ class WindowTier:
                 st.window[i] = b
             elif self.readable(nodes[i]):  # not on the device, or on it without its part: from its copy
                 reload.append(i)
-                if b is not None:  # its copy is read by no block reload that keeps it: keep it until read
-                    self.into_device[b] = nodes[i]
+                if b is not None:  # its copy is read by no block reload that keeps it: keep it until read,
+                    self.into_device[b] = nodes[i]  # and the block, whose reload is not holding it either
                     self.host.reading.add(nodes[i])
+                    parts.pool.ref(b)
             else:
                 raise RuntimeError(f"the window part of block {i} of a match is gone")
         out = []
@@ -161,9 +164,10 @@ class WindowTier:
         """The reloads of `block`'s part ran (a failure detached the block: its part goes unheld)."""
         self.filling.discard(block)
         node = self.into_device.pop(block, None)
+        self.parts.release(block, now)
         if node is not None:
             self.host.reading.discard(node)
-        self.parts.release(block, now)
+            self.parts.pool.release([block], now)
 
     def check_integrity(self) -> None:
         slots = []
