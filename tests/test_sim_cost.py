@@ -366,3 +366,22 @@ def test_cost_model_is_cheap(h100):
     for _ in range(20_000):
         h100.step_time(out)
     assert time.process_time() - t < 2.0
+
+
+def test_the_free_reloads_profile_is_the_h100_profile_with_free_reloads():
+    """benchmarks/profiles/llama3.1-8b-h100-free-reloads.json (the prefetch ceiling of docs/simulator.md)
+    stays the bundled profile in everything but its reload speeds."""
+    import json
+    from pathlib import Path
+
+    from agentserve.cost.profile import _bundled_dir
+
+    root = Path(__file__).resolve().parent.parent
+    free = json.loads((root / "benchmarks/profiles/llama3.1-8b-h100-free-reloads.json").read_text())
+    base = json.loads(_bundled_dir().joinpath("llama3.1-8b-h100.json").read_text())
+    changed = {"name", "description", "derivation", "host_copy_bandwidth_bytes_s", "host_copy_latency_s",
+               "disk_read_bandwidth_bytes_s", "disk_write_bandwidth_bytes_s"}
+    assert {k: v for k, v in free.items() if k not in changed} == {k: v for k, v in base.items() if k not in changed}
+    cost = CostModel(load_profile(root / "benchmarks/profiles/llama3.1-8b-h100-free-reloads.json"), 16)
+    reloads = cost.tier_reloads()
+    assert reloads["host"](100_000) < 1e-6 and reloads["disk"](100_000) < 1e-6
