@@ -34,8 +34,8 @@ load's, `prefetch_stage_*` the stage's): `used` (the turn came after it landed
 and found every block still there: on the device; for a stage, in the host
 tier or on the device), `late` (the turn came while it was in flight: it waits
 for it instead of recomputing), `wasted` (blocks, or window parts it brought
-back, were evicted before the turn came, or the program ended or was released first; `*_wasted_blocks` counts
-the blocks), `cancelled` (not issued). A plan is dropped without a copy when
+back, were evicted before the turn came, or the program ended or was released
+first; `*_wasted_blocks` counts the blocks), `cancelled` (not issued). A plan is dropped without a copy when
 the turn comes first, the program ends, the client releases it, or the
 longest return the tool's durations recorded has passed."""
 
