@@ -47,7 +47,6 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Any
 
 from agentserve.engine.gc_policy import GCController, GCPolicy, apply_gc_policy, restore_gc
@@ -59,7 +58,8 @@ from agentserve.server.engine_commands import CommandQueue
 from agentserve.server.engine_snapshot import EngineListener, EngineSnapshot, take_snapshot
 from agentserve.server.engine_thread import EngineThread
 from agentserve.server.idle_integrity import IdleIntegrity
-from agentserve.server.request_stream import EngineError, EngineStopped, QueueFullError, RequestStream
+from agentserve.server.program_commands import ProgramCommands
+from agentserve.server.request_stream import EngineError, EngineStopped, RequestStream
 from agentserve.server.stats_log import StatsLog
 
 log = logging.getLogger("agentserve.server")
@@ -68,16 +68,7 @@ IDLE_WAKE_S = 1.0  # the longest the idle thread sleeps (pin review, program-tab
 NO_PROGRESS_WAIT_S = 0.005  # backoff when requests wait but nothing could be scheduled
 
 
-@dataclass
-class _Live:
-    """The server's side of a request in the engine (`Request.client`)."""
-
-    stream: RequestStream
-    release_after: bool
-    last_token_time: float | None = None
-
-
-class AsyncEngine:
+class AsyncEngine(ProgramCommands):
     def __init__(self, llm: Any, *, max_queue: int | None = None, listener: EngineListener | None = None,
                  thread: EngineThread | None = None, stats_interval: float | None = None,
                  gc_policy: GCPolicy | None = None) -> None:
@@ -336,58 +327,6 @@ class AsyncEngine:
             getattr(self.listener, method)(*args)
         except Exception:  # metrics must never take the engine down
             log.exception("listener %s failed", method)
-
-    # --- commands' bodies (engine thread) ---
-
-    def _add(self, stream: RequestStream, ids: list[int], params: SamplingParams, program_id: str | None,
-             ttl_hint: float | None, is_last_turn: bool, release_after: bool, cache_salt: Hashable = None) -> None:
-        if self.max_queue is not None and self.scheduler.num_waiting >= self.max_queue:
-            raise QueueFullError(f"{self.scheduler.num_waiting} requests are already waiting "
-                                 f"(--max-queue {self.max_queue}); retry later")
-        req = self.engine.add_request(ids, params, request_id=stream.request_id, program_id=program_id,
-                                      ttl_hint=ttl_hint, is_last_turn=is_last_turn, cache_salt=cache_salt)
-        stream.request = req
-        req.client = _Live(stream, release_after)
-
-    def _abort(self, request_id: str) -> None:
-        req = self.engine.get(request_id)
-        if req is None or req.client is None:
-            return  # finished meanwhile
-        req.client = None
-        self.engine.abort(request_id)
-        self._notify("on_request_aborted")
-        if req.anonymous:
-            self.scheduler.end_program(req.program_id)  # a one-request program: nothing comes back
-        elif req.is_last_turn:
-            self._end_program(req.program_id)
-
-    def _finished(self, req: Request, live: _Live, now: float) -> None:
-        if live.release_after and not req.is_last_turn:
-            self.scheduler.release_program(req.program_id)
-        if not req.anonymous and req.is_last_turn:
-            # the scheduler ended the program as the turn finished: first arrival to now
-            self._notify("on_program_end", now - req.program.arrival_time)
-
-    def _in_flight(self, program_id: str) -> list[Request]:
-        return [r for r in self._live() if r.program_id == program_id]
-
-    def _release_program(self, program_id: str) -> bool:
-        for req in self._in_flight(program_id):
-            req.client.release_after = True
-        return self.scheduler.release_program(program_id)
-
-    def _end_program(self, program_id: str) -> bool:
-        in_flight = self._in_flight(program_id)
-        for req in in_flight:
-            req.is_last_turn = True  # the scheduler ends the program when it finishes
-        if in_flight:
-            return True
-        known = program_id in self.kv.pins
-        prog = self.scheduler.end_program(program_id)
-        if prog is not None and not prog.anonymous:
-            known = True
-            self._notify("on_program_end", prog.last_active - prog.arrival_time)
-        return known
 
     def _housekeeping(self) -> None:
         if self.gc is not None:
