@@ -389,9 +389,7 @@ def _swapped_out_turn(kv: Named, toks, checkpoint: int, unheld_gone: bool = Fals
 
 
 def test_a_swapped_out_turn_is_hit_through_the_host_with_its_window():
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))  # 20 blocks; the prompt ended at 40 tokens
-    _swapped_out_turn(kv, t1, 40)
+    kv, t1 = _turn_below(_swapped_out_turn)
     t2 = t1 + [5, 5, 5]
     m = kv.match(t2)
     assert m.num_tokens == 80 and m.num_host_blocks == 20  # the whole history, its window from part copies
@@ -408,9 +406,7 @@ def test_a_swapped_out_turn_is_hit_through_the_host_with_its_window():
 
 
 def test_parts_evicted_before_their_blocks_are_written_back_with_them():
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _swapped_out_turn(kv, t1, 40, unheld_gone=True)
+    kv, t1 = _turn_below(_swapped_out_turn, unheld_gone=True)
     # the parts the turn no longer held went first, each copied to the host with its block:
     # a next turn that re-renders the reply (sharing t1 up to token 60) still finds block 15's window
     m = kv.match(t1[:60] + [9] * 8)
@@ -419,9 +415,7 @@ def test_parts_evicted_before_their_blocks_are_written_back_with_them():
 
 
 def test_a_hit_through_the_host_stops_before_a_part_copy_that_is_gone():
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _swapped_out_turn(kv, t1, 40)
+    kv, t1 = _turn_below(_swapped_out_turn)
     for node in [n for n in kv.window_tier.copies_of if n.tokens == tuple(t1[52:56])]:
         kv.window_tier.forget(node)  # block 13's part copy is gone (its host entry stays)
     m = kv.match(t1[:60] + [9] * 8)
@@ -430,9 +424,7 @@ def test_a_hit_through_the_host_stops_before_a_part_copy_that_is_gone():
 
 
 def test_a_failed_part_reload_cuts_the_request_back_before_its_window():
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _swapped_out_turn(kv, t1, 40)
+    kv, t1 = _turn_below(_swapped_out_turn)
     t2 = t1 + [5, 5, 5]
     table = kv.kv.admit(kv.match(t2), 3, 2.0)
     _, ld = kv.kv.take_copies()
@@ -453,9 +445,7 @@ def test_a_failed_part_reload_cuts_the_request_back_before_its_window():
 
 
 def test_a_part_copy_is_freed_with_its_host_entry():
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _swapped_out_turn(kv, t1, 40)
+    kv, t1 = _turn_below(_swapped_out_turn)
     assert kv.host.num_lent == PAGES * len(kv.window_tier.copies_of) > 0
     for node in list(kv.window_tier.copies_of):
         kv.host.drop(node)
@@ -475,10 +465,17 @@ def _parts_evicted_blocks_kept(kv: Named, toks, checkpoint: int):
     kv.check_integrity()
 
 
-def test_a_part_evicted_from_a_block_on_the_device_comes_back_alone():
+def _turn_below(state, **kw) -> tuple[Named, list[int]]:
+    """A 60-block cache over a host tier, and an 80-token turn (20 blocks; its prompt ended at 40
+    tokens) left there by `state` (`_swapped_out_turn` or `_parts_evicted_blocks_kept`)."""
     kv = mk(60, host_blocks=100)
     t1 = list(range(100, 180))
-    _parts_evicted_blocks_kept(kv, t1, 40)
+    state(kv, t1, 40, **kw)
+    return kv, t1
+
+
+def test_a_part_evicted_from_a_block_on_the_device_comes_back_alone():
+    kv, t1 = _turn_below(_parts_evicted_blocks_kept)
     t2 = t1 + [5, 5, 5]
     m = kv.match(t2)
     assert m.num_tokens == 80 and m.num_host_blocks == 0  # every block on the device, the window's parts on the host
@@ -497,9 +494,7 @@ def test_a_part_evicted_from_a_block_on_the_device_comes_back_alone():
 
 
 def test_a_failed_part_reload_into_a_block_on_the_device_cuts_the_request_back():
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _parts_evicted_blocks_kept(kv, t1, 40)
+    kv, t1 = _turn_below(_parts_evicted_blocks_kept)
     t2 = t1 + [5, 5, 5]
     kv.tables["t2"] = table = kv.kv.admit(kv.match(t2), 3, 2.0)
     _, ld = kv.kv.take_copies()
@@ -519,9 +514,7 @@ def test_a_failed_part_reload_into_a_block_on_the_device_cuts_the_request_back()
 def test_a_prefetch_brings_a_swapped_out_chain_back_with_its_window():
     from agentserve.kv.prefetch_loads import chain_reload, landed, load_chain
 
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _swapped_out_turn(kv, t1, 40)
+    kv, t1 = _turn_below(_swapped_out_turn)
     t2 = t1 + [5, 5, 5]
     r = chain_reload(kv.kv, kv.index.walk(t2))
     lo = kv.parts.first_needed(80)
@@ -550,9 +543,7 @@ def test_a_prefetch_brings_a_swapped_out_chain_back_with_its_window():
 def test_a_prefetch_brings_back_the_parts_a_block_on_the_device_lost():
     from agentserve.kv.prefetch_loads import chain_reload, landed, load_chain
 
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _parts_evicted_blocks_kept(kv, t1, 40)
+    kv, t1 = _turn_below(_parts_evicted_blocks_kept)
     t2 = t1 + [5, 5, 5]
     r = chain_reload(kv.kv, kv.index.walk(t2))
     lo = kv.parts.first_needed(80)
@@ -572,9 +563,7 @@ def test_a_prefetch_brings_back_the_parts_a_block_on_the_device_lost():
 def test_a_prefetch_that_does_not_fit_changes_nothing_under_the_hybrid_cache():
     from agentserve.kv.prefetch_loads import chain_reload, load_chain
 
-    kv = mk(60, host_blocks=100)
-    t1 = list(range(100, 180))
-    _swapped_out_turn(kv, t1, 40)
+    kv, t1 = _turn_below(_swapped_out_turn)
     r = chain_reload(kv.kv, kv.index.walk(t1 + [5]))
     other = [8] * ((kv.num_free_blocks - r.need) // (1 + PAGES) * BS + BS)  # leaves less than it needs
     kv.tables["o"] = kv.kv.admit(kv.match(other), len(other), 2.0)
