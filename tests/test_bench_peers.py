@@ -26,9 +26,11 @@ from agentserve.bench.peers.specs import (
     SERVER_NAMES,
     PeerServerError,
     ServerSpec,
+    VLLM_BLOCK_TOKENS,
     UnknownServerError,
     kv_bytes_per_token,
     server_spec,
+    vllm_kv_cache_bytes,
     vllm_kvcache_space_gib,
 )
 from benchmarks import peer_servers as peers_cli
@@ -164,6 +166,32 @@ def test_vllm_reserved_cpus(tmp_path):
     # the other servers are not affected
     a = server_spec("agentserve-continuum", 32768, peers_dir=tmp_path)
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in a.env
+
+
+def test_vllm_block_size(tmp_path):
+    """Both vLLM servers take the block size; the bytes keep kv_tokens usable at that size."""
+    import argparse
+
+    from agentserve.bench.compare import add_compare_parser
+
+    for name in ("vllm-cpu", "vllm-cpu+agentserve"):
+        s = server_spec(name, 16384, peers_dir=tmp_path, vllm_block_tokens=32)
+        i = s.argv.index("--block-size")
+        assert s.argv[i + 1] == "32"
+        cache = int(s.argv[s.argv.index("--kv-cache-memory-bytes") + 1])
+        assert cache == vllm_kv_cache_bytes(16384, block=32) == (16384 + 32) * kv_bytes_per_token()
+        assert "512 + 1 blocks of 32" in s.kv_setting
+    default = server_spec("vllm-cpu", 16384, peers_dir=tmp_path)
+    assert default.argv[default.argv.index("--block-size") + 1] == str(VLLM_BLOCK_TOKENS) == "128"
+    for bad in (8, 48, 256):
+        with pytest.raises(ValueError, match="block size must be one of 16, 32, 64, 128"):
+            server_spec("vllm-cpu", 16384, peers_dir=tmp_path, vllm_block_tokens=bad)
+    ap = argparse.ArgumentParser()
+    add_compare_parser(ap.add_subparsers())
+    assert ap.parse_args(["compare"]).vllm_block_size == 128
+    assert ap.parse_args(["compare", "--vllm-block-size", "32"]).vllm_block_size == 32
+    with pytest.raises(SystemExit):
+        ap.parse_args(["compare", "--vllm-block-size", "48"])
 
 
 def test_vllm_reserved_cpus_flag(tmp_path, capsys):

@@ -13,7 +13,8 @@ import sys
 
 from agentserve.bench.peers.running import each_server, http_text
 from agentserve.bench.peers.specs import (DEFAULT_MODEL, HOST_KV_FACTOR, LLAMASERVER_SLOTS, MODELS, SERVER_NAMES,
-                                          VLLM_RESERVED_CPUS, VLLM_RESERVED_CPUS_HELP, PeerServerError,
+                                          VLLM_BLOCK_CHOICES, VLLM_BLOCK_TOKENS, VLLM_RESERVED_CPUS,
+                                          VLLM_RESERVED_CPUS_HELP, PeerServerError,
                                           reserved_cpus_arg, server_specs)
 from agentserve.text_table import aligned
 
@@ -97,6 +98,10 @@ def add_compare_args(p: argparse.ArgumentParser, servers: tuple[str, ...] = DEFA
                         "bytes either way (default: %(default)s)")
     p.add_argument("--vllm-reserved-cpus", type=reserved_cpus_arg, default=VLLM_RESERVED_CPUS, metavar="N|auto",
                    help=VLLM_RESERVED_CPUS_HELP)
+    p.add_argument("--vllm-block-size", type=int, choices=VLLM_BLOCK_CHOICES, default=VLLM_BLOCK_TOKENS, metavar="N",
+                   help="vLLM's --block-size (vllm-cpu and vllm-cpu+agentserve), one of "
+                        f"{', '.join(map(str, VLLM_BLOCK_CHOICES))}: a prefix hit is served in whole blocks, so "
+                        "smaller blocks lose fewer tokens of each hit (default: %(default)s, vLLM-CPU's own)")
     p.add_argument("--workload", default="swebench")
     p.add_argument("--programs", type=int, default=16, help="programs to replay (0: each recorded session once)")
     p.add_argument("--rate", type=float, default=0.5, help="programs per second (Poisson)")
@@ -136,7 +141,7 @@ def cmd_compare(a, specs_of=server_specs, replay_kwargs=None, widen=None) -> int
     try:
         specs = specs_of(names, a.kv_tokens, model=a.model, slots=a.llama_server_slots,
                          llama_kv_unified=a.llama_server_kv == "unified",
-                         vllm_reserved_cpus=a.vllm_reserved_cpus)
+                         vllm_reserved_cpus=a.vllm_reserved_cpus, vllm_block_tokens=a.vllm_block_size)
         programs = load_programs(a)
     except (ValueError, PeerServerError) as e:
         raise CliError(str(e)) from None

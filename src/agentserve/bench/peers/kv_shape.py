@@ -41,6 +41,7 @@ KV_DTYPE_BYTES = 2  # bf16 (agentserve, vLLM) / f16 (llama.cpp)
 
 AGENTSERVE_BLOCK_TOKENS = 16
 VLLM_BLOCK_TOKENS = 128  # vLLM's CPU default, passed explicitly
+VLLM_BLOCK_CHOICES = (16, 32, 64, 128)  # block sizes vLLM-CPU takes (below 32 it warns); all divide KV_TOKENS_MULTIPLE
 LLAMACPP_CTX_PAD = 256
 KV_TOKENS_MULTIPLE = 256  # a multiple of all three
 
@@ -51,17 +52,17 @@ def kv_bytes_per_token(num_layers: int = NUM_LAYERS, num_kv_heads: int = NUM_KV_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
-def vllm_kv_cache_bytes(kv_tokens: int, per_token: int | None = None) -> int:
-    """The bytes vLLM is given so that kv_tokens are usable: one block more,
-    for the null block its block pool never hands out (per_token: the
-    model's KV bytes a token, default SmolLM2's)."""
-    return (kv_tokens + VLLM_BLOCK_TOKENS) * (per_token or kv_bytes_per_token())
+def vllm_kv_cache_bytes(kv_tokens: int, per_token: int | None = None, block: int = VLLM_BLOCK_TOKENS) -> int:
+    """The bytes vLLM is given so that kv_tokens are usable: one block (of
+    `block` tokens) more, for the null block its block pool never hands out
+    (per_token: the model's KV bytes a token, default SmolLM2's)."""
+    return (kv_tokens + block) * (per_token or kv_bytes_per_token())
 
 
-def vllm_kvcache_space_gib(kv_tokens: int, per_token: int | None = None) -> int:
+def vllm_kvcache_space_gib(kv_tokens: int, per_token: int | None = None, block: int = VLLM_BLOCK_TOKENS) -> int:
     """The whole-GiB VLLM_CPU_KVCACHE_SPACE that holds kv_tokens (rounded up,
     so it holds more: the reason the registry passes bytes instead)."""
-    return -(-vllm_kv_cache_bytes(kv_tokens, per_token) // GiB)
+    return -(-vllm_kv_cache_bytes(kv_tokens, per_token, block) // GiB)
 
 
 @dataclass(frozen=True)

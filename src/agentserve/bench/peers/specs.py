@@ -18,7 +18,7 @@ from pathlib import Path
 from agentserve.bench.peers.kv_shape import (  # noqa: F401  (the names callers import from here)
     GiB, PeerServerError, MODEL_NAME, MODELS, DEFAULT_MODEL, SERVED_NAMES, HF_DIRS, LLAMASERVER_CHAT_TEMPLATE,
     LLAMASERVER_SLOTS, LLAMASERVER_UBATCH, MiB, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, MODEL_MAX_LEN, KV_DTYPE_BYTES,
-    AGENTSERVE_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, LLAMACPP_CTX_PAD, KV_TOKENS_MULTIPLE, kv_bytes_per_token,
+    AGENTSERVE_BLOCK_TOKENS, VLLM_BLOCK_TOKENS, VLLM_BLOCK_CHOICES, LLAMACPP_CTX_PAD, KV_TOKENS_MULTIPLE, kv_bytes_per_token,
     vllm_kv_cache_bytes, vllm_kvcache_space_gib, ModelShape, shape_from_gguf, model_shape, llamaserver_cells,
     check_kv_tokens, window_sequence_tokens)
 from agentserve.policy.registry import parse_policy_spec
@@ -155,10 +155,11 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 slots: int = LLAMASERVER_SLOTS, llama_kv_unified: bool = True, peers_dir: Path | str | None = None,
                 log_dir: Path | str | None = None, gguf: Path | str | None = None, python: str | None = None,
                 startup_timeout_s: float | None = None, vllm_reserved_cpus: int | None = VLLM_RESERVED_CPUS,
-                extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
+                vllm_block_tokens: int = VLLM_BLOCK_TOKENS, extra_args: Iterable[str] = (), extra_env: Mapping[str, str] | None = None) -> ServerSpec:
     """The spec of server `name` (one of SERVER_NAMES; an agentserve name may add policy options after
     a colon, as `--policy` takes them) with `kv_tokens` of KV cache. threads: the model's CPU threads
-    (vLLM's: all cores but vllm_reserved_cpus, VLLM_RESERVED_CPUS_HELP; None leaves it to vLLM);
+    (vLLM's: all cores but vllm_reserved_cpus, VLLM_RESERVED_CPUS_HELP; None leaves it to vLLM;
+    vllm_block_tokens its --block-size, one of VLLM_BLOCK_CHOICES);
     model: the short name every server serves (MODELS), model_name what they answer to (default its
     SERVED_NAMES); slots: llama-server's --parallel, llama_kv_unified: one KV buffer for them all (else
     one per slot); python: agentserve's interpreter (default this
@@ -172,6 +173,9 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
         raise ValueError(f"threads must be >= 1, got {threads}")
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
+    if vllm_block_tokens not in VLLM_BLOCK_CHOICES:
+        raise ValueError(f"vLLM's block size must be one of {', '.join(map(str, VLLM_BLOCK_CHOICES))}, "
+                         f"got {vllm_block_tokens}")
     shape = model_shape(model)
     model = shape.name
     model_name = model_name or shape.served_name
@@ -212,12 +216,12 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
             env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])  # src/
         else:
             argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-        max_len = min(shape.context, window_sequence_tokens(kv_tokens, shape, VLLM_BLOCK_TOKENS))
+        max_len = min(shape.context, window_sequence_tokens(kv_tokens, shape, vllm_block_tokens))
         argv += ["--served-model-name", model_name, "--host", host, "--port", str(port),
                 "--max-model-len", str(max_len), "--dtype", "bfloat16", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens, as agentserve
-                "--block-size", str(VLLM_BLOCK_TOKENS),
-                "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens, per_token))]
+                "--block-size", str(vllm_block_tokens),
+                "--kv-cache-memory-bytes", str(vllm_kv_cache_bytes(kv_tokens, per_token, vllm_block_tokens))]
         # The legacy env var is whole GiB and would override --kv-cache-memory-bytes.
         unset = ("VLLM_CPU_KVCACHE_SPACE",)
         if vllm_reserved_cpus is None:  # vLLM's own choice, not whatever this environment has
@@ -227,10 +231,10 @@ def server_spec(name: str, kv_tokens: int, *, port: int | None = None, host: str
                 raise ValueError(f"vllm_reserved_cpus must be >= 0 (or None: vLLM's default), got {vllm_reserved_cpus}")
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
         health = "/health"
-        setting = (f"--kv-cache-memory-bytes {vllm_kv_cache_bytes(kv_tokens, per_token)} = ({kv_tokens} + "
-                   f"{VLLM_BLOCK_TOKENS} null-block) tokens x {per_token} B ({kv_tokens // VLLM_BLOCK_TOKENS} + 1 "
-                   f"blocks of {VLLM_BLOCK_TOKENS}; VLLM_CPU_KVCACHE_SPACE would be "
-                   f"{vllm_kvcache_space_gib(kv_tokens, per_token)} GiB)")
+        cache_bytes = vllm_kv_cache_bytes(kv_tokens, per_token, vllm_block_tokens)
+        setting = (f"--kv-cache-memory-bytes {cache_bytes} = ({kv_tokens} + {vllm_block_tokens} null-block) tokens "
+                   f"x {per_token} B ({kv_tokens // vllm_block_tokens} + 1 blocks of {vllm_block_tokens}; "
+                   f"VLLM_CPU_KVCACHE_SPACE would be {vllm_kvcache_space_gib(kv_tokens, per_token, vllm_block_tokens)} GiB)")
         # vllm-install.json is written last by install_vllm.sh: a finished install
         requires = (py, peers / "vllm-install.json", model_dir / "config.json", model_dir / "model.safetensors")
         hint = "bash benchmarks/peers/install_vllm.sh" + ("" if model == DEFAULT_MODEL else f" --model {model}")
