@@ -148,6 +148,26 @@ def test_reclaim_takes_the_latest_program_that_frees_a_block():
     assert set(k.pins) == {"late"}
 
 
+def test_with_nothing_else_running_any_pin_goes_and_the_turns_own_last():
+    """A waiting turn whose allocation fails while no other request runs: no KV comes
+    back by itself, so it may take an earlier program's pin, and then its own (a turn
+    that does not extend its pinned prefix would otherwise wait on it for ever)."""
+    k, clock, pool = keeper()
+    early = [Block() for _ in range(2)]
+    own = [Block() for _ in range(3)]
+    turn_end(k, clock, "a", "early", early)
+    clock.advance(1)
+    turn_end(k, clock, "b", "mine", own)
+    nxt = k.arrive("b2", turn_identity("mine", None), 50)  # its next turn, waiting
+    assert not k.make_room(nxt, any_program=False, idle=False)  # others run: it waits for their KV
+    assert set(k.pins) == {"early", "mine"}
+    assert k.make_room(nxt, any_program=False, idle=True)
+    assert set(k.pins) == {"mine"} and all(b.ref_cnt == 0 for b in early)
+    assert k.make_room(nxt, any_program=False, idle=True)
+    assert not k.pins and all(b.ref_cnt == 0 for b in own) and k.counts.pins_reclaimed == 2
+    assert not k.make_room(nxt, any_program=False, idle=True)  # nothing left to give
+
+
 def test_pins_stay_within_their_share_of_the_pool():
     k, clock, pool = keeper(num_blocks=10, share=0.5)
     turn_end(k, clock, "a", "p1", [Block() for _ in range(4)], ttl=1e9)

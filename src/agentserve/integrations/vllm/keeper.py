@@ -329,6 +329,20 @@ class ProgramKeeper:
         self.counts.pins_reclaimed += 1
         return True
 
+    def make_room(self, turn: Turn | None, any_program: bool, idle: bool) -> bool:
+        """Release one pin for `turn`, whose KV allocation failed: `reclaim`'s rule; and
+        when no other request runs (`idle`), no KV comes back by itself, so any
+        program's pin, and last the turn's own (a turn that does not extend its
+        pinned prefix, such as a compacted conversation, or another client's turn
+        under the same session id, would otherwise wait on its own pin for ever,
+        and the queue behind it too). True if one was released."""
+        if self.reclaim(turn, any_program or idle):
+            return True
+        if idle and turn is not None and self._drop(turn.program_id):
+            self.counts.pins_reclaimed += 1
+            return True
+        return False
+
     def release_all(self) -> None:
         for pid in list(self.pins):
             self._drop(pid)

@@ -8,8 +8,9 @@ the subclass changes three things and calls the keeper (keeper.py) for each:
   back to vLLM's pool when the TTL runs out, the policy's review drops them, the
   program ends, or its next turn has been admitted on them;
 - an allocation that fails while blocks are held releases pins (the latest
-  program's first) and tries again, so a pin never makes vLLM preempt a running
-  request or stall the queue.
+  program's first; with nothing else running, any, the request's own last) and
+  tries again, so a pin never makes vLLM preempt a running request or stall the
+  queue.
 
 Program identity comes from vLLM's `session_id` (body field or `X-Session-ID`
 header) or `vllm_xargs` (`program_id`, Continuum's `job_id` and
@@ -207,7 +208,8 @@ class ProgramScheduler(Scheduler):
             turn = self._turn(request)
             any_program = (request.status == RequestStatus.RUNNING
                            or self.keeper.policy.late(turn, self.clock.now()))
-            if not self.keeper.reclaim(turn, any_program):
+            idle = all(r is request for r in self.running)
+            if not self.keeper.make_room(turn, any_program, idle):
                 break
             blocks = self._allocate_slots(request, *args, **kwargs)
         if blocks is None:
