@@ -93,6 +93,37 @@ def test_a_hit_whose_window_was_evicted_stops_short_and_recomputes(hf):
     llm.check_integrity()
 
 
+def test_compacted_turns_hit_the_system_prompt_and_change_no_token(hf):
+    """A program that compacts its conversation every turn (the system prompt, then a
+    new summary, as Claude Code near its context limit), with another program's turns
+    in between, in a small cache. The first compacted turn leaves the old chain at
+    the system prompt's end, where no window part is left (a prompt computed in one
+    chunk keeps none but its last window's); it keeps that window, and its blocks,
+    which have their parts, take the cached ones' place. So every later compacted
+    turn hits the whole system prompt, and every answer equals the full cache's and
+    transformers'."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    system = prompt(7, 60)
+    turns = [system + prompt(100, 40)] + [system + prompt(100 + t, 12) for t in range(1, 5)]
+
+    def replay(llm):
+        outs, hits = [], []
+        for t, p in enumerate(turns):
+            out = llm.generate([p], params, program_ids=["A"])[0]
+            outs.append(out.token_ids)
+            hits.append(out.num_cached_tokens)
+            llm.generate([prompt(200 + t, 120)], params, program_ids=["B"])
+            llm.check_integrity()
+        return outs, hits
+
+    full, _ = replay(make(hf, "full", kv_cache_tokens=160))
+    llm = make(hf, "hybrid", kv_cache_tokens=160)
+    outs, hits = replay(llm)
+    assert outs == full
+    assert outs[3] == hf_greedy(hf, turns[3], 8)
+    assert hits[:2] == [0, 0] and hits[2:] == [60, 60, 60], hits  # the system prompt's 15 full blocks
+
+
 def test_hybrid_holds_a_long_conversation_in_fewer_blocks(hf):
     """The same KV bytes: the hybrid pool has more, smaller blocks and a long
     conversation pinned between turns takes a fraction of them."""

@@ -110,6 +110,71 @@ def test_hit_stops_where_the_window_is_gone_and_falls_back_to_the_checkpoint():
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_a_rewritten_history_keeps_the_window_where_it_left_the_old_one():
+    """Claude Code compacting its conversation: each compacted prompt is the system
+    prompt and a new summary. The first one leaves the old conversation's chain at
+    the system prompt's end (its `branch`) and keeps that window, so the next one
+    hits the whole system prompt after every part nobody holds was evicted."""
+    kv = mk(200)
+    system = list(range(100, 140))  # 10 blocks
+    t0 = system + list(range(500, 540))
+    run(kv, "t0", t0, checkpoint=len(t0))
+    kv.free("t0", 1.0)
+    c1 = system + [7] * 30
+    m1 = kv.match(c1)
+    assert m1.branch == 10
+    run(kv, "c1", c1, checkpoint=len(c1))
+    assert kv.tables["c1"].branch == 40
+    lo = kv.parts.first_needed(40)
+    assert set(range(lo, 10)) <= set(kv.tables["c1"].window)
+    kv.pin("p", "c1", 10.0, 0.0, 2.0)
+    while kv.parts.num_free_pages:
+        kv.parts.evict_one()
+    kv.check_integrity()
+    c2 = system + [8] * 30
+    m2 = kv.match(c2)
+    assert m2.num_tokens == 40 and m2.branch == 10
+    run(kv, "c2", c2, checkpoint=len(c2))
+    kv.free("c2", 3.0)
+    kv.unpin("p", 4.0)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_without_the_branch_window_the_compacted_turn_misses():
+    """The same turns where the chain left was a reply, not a prompt: no branch is
+    kept, and once the unheld parts are evicted the hit is gone (what the rule buys)."""
+    kv = mk(200)
+    system = list(range(100, 140))
+    t0 = system + list(range(500, 540))
+    run(kv, "t0", t0, checkpoint=len(system))  # the tokens after the system prompt were a reply
+    kv.free("t0", 1.0)
+    c1 = system + [7] * 30
+    assert kv.match(c1).branch == 0
+    run(kv, "c1", c1, checkpoint=len(c1))
+    kv.pin("p", "c1", 10.0, 0.0, 2.0)
+    while kv.parts.num_free_pages:
+        kv.parts.evict_one()
+    assert kv.match(system + [8] * 30).num_tokens == 0
+    kv.unpin("p", 3.0)
+    kv.check_integrity()
+
+
+def test_a_turn_that_extends_or_re_renders_the_last_one_keeps_no_branch():
+    kv = mk(200)
+    t1 = list(range(100, 160))  # a 40-token prompt and a 20-token reply
+    run(kv, "t1", t1, checkpoint=40)
+    kv.free("t1", 1.0)
+    assert kv.match(t1 + [5] * 8).branch == 0  # the next turn appends: the chain simply ends
+    assert kv.match(t1[:50] + [9] * 20).branch == 0  # the reply re-rendered: its prompt end is the checkpoint
+    m = kv.match(t1[:30] + [9] * 20)  # a prompt that leaves the last one inside its prompt
+    assert m.branch == 7
+    full = Named(KVCacheManager(200, BS))
+    run(full, "t1", t1, checkpoint=40)
+    full.free("t1", 1.0)
+    assert full.match(t1[:30] + [9] * 20).branch == 0  # only the hybrid cache keeps a window there
+
+
 def test_an_unheld_part_serves_a_hit_until_evicted():
     kv = mk(200)
     t1 = list(range(100, 180))

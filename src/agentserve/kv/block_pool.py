@@ -203,7 +203,18 @@ class BlockPool:
             self._empty.append(block)
         self._unlink(block)
 
-    def _unlink(self, block: Block) -> None:
+    def hand_over(self, cached: Block, block: Block) -> None:
+        """`block` (just computed, held) takes the place of `cached` (free) at its
+        node: the same tokens' KV; `cached` becomes empty (the manager's
+        `_takes_over` says when)."""
+        assert cached.ref_cnt == 0 and cached.node is not None
+        node = cached.node
+        self._leave_free(cached)
+        self._empty.append(cached)
+        self._unlink(cached, prune=False)
+        self.attach(block, node)
+
+    def _unlink(self, block: Block, prune: bool = True) -> None:
         node = block.node
         node.block = None
         for c in node.children.values():
@@ -218,7 +229,8 @@ class BlockPool:
         block.hits = 0
         if block.wpart is not None:
             self.parts.drop(block, block.last_access)
-        self.index.prune(node)
+        if prune:
+            self.index.prune(node)
 
     def check_integrity(self, holders: dict[int, int]) -> None:
         """`holders`: block id -> number of references the manager knows of."""

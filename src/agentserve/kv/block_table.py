@@ -27,10 +27,13 @@ class BlockTable:
     loads: list[Block] = field(default_factory=list)  # blocks admitted by reload, until the reloads land
     # the hybrid cache (kv/window_parts.py): the blocks whose window parts this
     # table holds, by position; the tokens whose KV is computed; the prompt's
-    # length, whose window is kept for the next turn's hit
+    # length, whose window is kept for the next turn's hit; and where its
+    # prompt left another prompt's chain (`PrefixMatch.branch`, in tokens),
+    # whose window is kept too
     window: dict[int, Block] = field(default_factory=dict)
     computed: int = 0
     checkpoint: int = 0
+    branch: int = 0
 
     @property
     def block_ids(self) -> list[int]:

@@ -29,8 +29,9 @@ class ChainReload:
     its nodes reloaded into device blocks; `parts` (the hybrid cache), its
     nodes whose window part comes back from its host copy (kv/window_tier.py);
     `taken`, the device blocks the reloads fill (the nodes' and the parts'
-    pages); `need`, the free blocks issuing it takes (and the window's unheld
-    parts it holds meanwhile)."""
+    pages); `need`, the free blocks issuing it takes: those, and the free
+    cached blocks of the path and the window's unheld parts, which it holds
+    meanwhile."""
 
     path: list[Node]
     nodes: list[Node]
@@ -60,7 +61,7 @@ def chain_reload(kv: KVCacheManager, path: list[Node]) -> ChainReload | None:
     parts = kv.parts
     if parts is None:
         nodes = [n for n in reach if n.block is None]
-        return ChainReload(reach, nodes, taken=len(nodes), need=len(nodes)) if nodes else None
+        return ChainReload(reach, nodes, taken=len(nodes), need=len(nodes) + _free_cached(reach)) if nodes else None
     reach = reach[:parts.valid_nodes(reach)]
     nodes = [n for n in reach if n.block is None]
     window = reach[parts.first_needed(len(reach) * kv.block_size):]
@@ -70,7 +71,12 @@ def chain_reload(kv: KVCacheManager, path: list[Node]) -> ChainReload | None:
     if not nodes and not back:
         return None
     taken = len(nodes) + parts.pages * len(back)
-    return ChainReload(reach, nodes, back, taken, taken + parts.pages * unheld)
+    return ChainReload(reach, nodes, back, taken, taken + parts.pages * unheld + _free_cached(reach))
+
+
+def _free_cached(path: list[Node]) -> int:
+    """Blocks of `path` on the device that nobody holds: a reload holds them through its allocation."""
+    return sum(1 for n in path if n.block is not None and n.block.ref_cnt == 0)
 
 
 def stage_blocks(kv: KVCacheManager, path: list[Node]) -> list[Node]:
@@ -102,12 +108,11 @@ def load_chain(kv: KVCacheManager, r: ChainReload, now: float) -> list[tuple[Nod
     or whose part is, with its block; None, with nothing changed, when the
     free blocks do not suffice."""
     pool = kv.pool
+    if r.need > pool.num_free:
+        return None
     device = [n.block for n in r.path if n.block is not None]
     for b in device:
         pool.ref(b)
-    if r.need > pool.num_free:
-        pool.release(device, now)
-        return None
     nodes = r.nodes
     host = [n for n in nodes if kv.host.readable(n)]
     kv.copies.loading.update(host)  # their tier copies are not evicted by this allocation

@@ -57,7 +57,7 @@ class ChainHint:
 
 class Node:
     __slots__ = ("tokens", "parent", "children", "key", "block", "host_slot", "disk_slot", "lookup_key",
-                 "__weakref__")
+                 "prompt", "__weakref__")
 
     def __init__(self, tokens: tuple[int, ...], parent: Node | None, key: int, lookup_key: Hashable) -> None:
         self.tokens = tokens
@@ -68,6 +68,7 @@ class Node:
         self.block: Block | None = None
         self.host_slot: int | None = None
         self.disk_slot: int | None = None
+        self.prompt = False  # some sequence had this block's tokens all in its prompt (kv/manager.py `commit`)
 
     @property
     def is_empty(self) -> bool:

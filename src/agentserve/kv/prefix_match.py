@@ -20,6 +20,9 @@ class PrefixMatch:
     salt: Hashable = None  # the prefix cache's salt the match was made under (prefix_index.py)
     num_host_blocks: int = 0  # of the nodes, those with no device block (admit reloads them: host or disk)
     num_disk_blocks: int = 0  # of those, the ones read from the disk tier
+    # blocks up to where the sequence left an indexed chain that a prompt continued
+    # otherwise (a rewritten history: a compaction, a shared system prompt); 0: none
+    branch: int = 0
 
     @property
     def num_tokens(self) -> int:

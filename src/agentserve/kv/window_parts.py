@@ -9,9 +9,15 @@ So a block of the pool holds one block of tokens for the global layers, and a
 block's *window part* (`Block.wpart`: `pages` more blocks of the same pool,
 each the same bytes) holds its tokens for the window layers. A block table
 (or a pin) holds the parts it may still read (`Block.wrefs` counts them): the
-blocks of its current window, the blocks its next chunk writes, and the window
+blocks of its current window, the blocks its next chunk writes, the window
 before its prompt's end (the *checkpoint*: a program's next turn often
-re-renders the last reply differently and so matches only up to there). When
+re-renders the last reply differently and so matches only up to there), and
+the window before its *branch*, where its prompt left a chain that another
+prompt continued (`PrefixMatch.branch`): an agent that rewrites its history
+(Claude Code compacting its conversation: the system prompt and tool
+definitions, then a summary) or programs that share a system prompt send
+their next prompts through that point again, and a hit there needs its
+window, which the running request's own window left behind long before. When
 no holder is left, the part of an indexed block stays, free and evictable
 (it serves a prefix hit whose window ends there). Unheld parts are evicted in
 the order they were freed, interleaved with the cached blocks by recency (the
@@ -151,7 +157,9 @@ class WindowParts:
         want = range(self.first_needed(st.computed), upto)
         kc = min(st.checkpoint // bs, upto)
         keep = range(self.first_needed(kc * bs), kc) if st.checkpoint else range(0)
-        for i in [i for i in held if i not in want and i not in keep]:
+        kb = min(st.branch // bs, upto)
+        keep_branch = range(self.first_needed(kb * bs), kb) if st.branch else range(0)
+        for i in [i for i in held if i not in want and i not in keep and i not in keep_branch]:
             self.release(held.pop(i), now)
         for i in want:
             if i not in held:
@@ -208,21 +216,23 @@ class WindowParts:
         (holding them takes them from the free count). With `chunk_blocks` (the
         most a step writes), the new blocks' parts are counted only as many as
         the sequence holds at once (`most_pages`): what its prompt and reserved
-        output will take, not what its first chunk takes."""
+        output will take, not what its first chunk takes; with the window of
+        the match's branch kept too."""
         self.check_match(match.nodes)
         lo = self.first_needed(match.num_tokens)
         # unheld parts it holds, and parts it reloads from the host (fresh pages)
         revived = sum(1 for n in match.nodes[lo:] if n.block is None or n.block.wpart is None or n.block.wrefs == 0)
-        new = self.pages * num_new_blocks if chunk_blocks is None else self.most_pages(num_new_blocks, chunk_blocks)
+        new = (self.pages * num_new_blocks if chunk_blocks is None
+               else self.most_pages(num_new_blocks, chunk_blocks, branch=match.branch > 0))
         return new + self.pages * revived
 
-    def most_pages(self, num_blocks: int, chunk_blocks: int = 1) -> int:
+    def most_pages(self, num_blocks: int, chunk_blocks: int = 1, branch: bool = False) -> int:
         """Pages of parts a sequence of `num_blocks` holds at most at once:
         while prefilling, the window before a chunk and the chunk's blocks
         (`chunk_blocks`); while decoding, two windows (its current one and its
-        prompt's) and the block it writes."""
+        prompt's) and the block it writes; one window more with a `branch`."""
         wb = self.window_blocks()
-        return self.pages * min(num_blocks, max(wb + chunk_blocks, 2 * wb + 1))
+        return self.pages * min(num_blocks, max(wb + chunk_blocks, 2 * wb + 1) + (wb if branch else 0))
 
     def check_integrity(self, tables: Iterable[BlockTable], pins: Iterable,
                         filling: Iterable[Block] = ()) -> Counter[int]:
