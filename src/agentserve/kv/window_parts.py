@@ -217,13 +217,14 @@ class WindowParts:
         most a step writes), the new blocks' parts are counted only as many as
         the sequence holds at once (`most_pages`): what its prompt and reserved
         output will take, not what its first chunk takes; with the window of
-        the match's branch kept too."""
+        the match's branch kept too where the hit stops short of it (else that
+        window is the matched one, counted here already)."""
         self.check_match(match.nodes)
         lo = self.first_needed(match.num_tokens)
         # unheld parts it holds, and parts it reloads from the host (fresh pages)
         revived = sum(1 for n in match.nodes[lo:] if n.block is None or n.block.wpart is None or n.block.wrefs == 0)
         new = (self.pages * num_new_blocks if chunk_blocks is None
-               else self.most_pages(num_new_blocks, chunk_blocks, branch=match.branch > 0))
+               else self.most_pages(num_new_blocks, chunk_blocks, branch=match.branch > len(match.nodes)))
         return new + self.pages * revived
 
     def most_pages(self, num_blocks: int, chunk_blocks: int = 1, branch: bool = False) -> int:
