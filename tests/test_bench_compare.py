@@ -62,7 +62,7 @@ def test_json_keeps_the_servers_done_when_a_later_one_is_stopped(tmp_path, monke
              for n in ("agentserve-agentserve", "llama-server")]
     out = tmp_path / "c.json"
     a = argparse.Namespace(servers="agentserve-agentserve,llama-server", kv_tokens=4096, model="smollm2",
-                           llama_server_slots=8, llama_server_kv="unified", vllm_reserved_cpus="0", workload="swebench", programs=2, rate=1.0,
+                           llama_server_slots=8, llama_server_kv="unified", vllm_reserved_cpus="0", vllm_block_size=128, workload="swebench", programs=2, rate=1.0,
                            seed=0, min_turns=None, max_turns=None, clamp="auto", max_output_tokens=None,
                            token_scale=0.1, time_scale=0.1, progress=False, json=str(out), plot=None, report=None)
     with pytest.raises(KeyboardInterrupt):
