@@ -26,7 +26,7 @@ from agentserve.kv.eviction import make_strategy
 from agentserve.kv.executor_copies import ExecutorCopies
 from agentserve.kv.host_tier import HostTier
 from agentserve.kv.pins import PinTable
-from agentserve.kv.prefix_index import ChainHint, Node, PrefixIndex
+from agentserve.kv.prefix_index import ChainHint, PrefixIndex
 from agentserve.kv.prefix_match import PrefixMatch
 from agentserve.kv.stage_copies import StageCopies
 from agentserve.kv.window_tier import WindowTier
@@ -100,7 +100,7 @@ class KVCacheManager(DeadChains, ExecutorCopies):
         output token. `hint`: see `chain_hint` (the same match, found faster)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         path = self.index.walk(token_ids, max_blocks, salt, hint)
-        branch = self._branch(path, min(max_blocks, len(token_ids) // self.block_size))
+        branch = 0 if self.parts is None else self.parts.branch_of(path, min(max_blocks, len(token_ids) // self.block_size))
         loading, pending, dloading = self._loading, self.host.pending, self.disk_copies.loading
         staging = self.stages.staging
         filling = self.window_tier.filling if self.window_tier is not None else ()
@@ -125,23 +125,6 @@ class KVCacheManager(DeadChains, ExecutorCopies):
             nodes = nodes[:self.parts.valid_nodes(nodes)]
             host = sum(1 for n in nodes if n.block is None)
         return PrefixMatch(nodes, self.block_size, salt, host, disk, branch)
-
-    def _takes_over(self, cached: Block, ours: Block) -> bool:
-        """Under the hybrid cache, a request that recomputed a cached block because
-        the block's window part was gone (a hit stops where a part is missing) has
-        the part: its block serves the hits from then on, and the cached one, free,
-        is dropped. Else every later turn would stop short at the same place."""
-        return self.parts is not None and cached.wpart is None and ours.wpart is not None and cached.ref_cnt == 0
-
-    def _branch(self, path: list[Node], walkable: int) -> int:
-        """`PrefixMatch.branch` of a walk that went `walkable` blocks at most:
-        where it stopped short at a node another prompt went on from (a child
-        made of prompt tokens; one made of a reply's tokens is the program's
-        last turn, re-rendered: its prompt end is already a checkpoint). Only
-        the hybrid cache keeps a window there."""
-        if self.parts is None or not path or len(path) >= walkable:
-            return 0
-        return len(path) if any(c.prompt for c in path[-1].children.values()) else 0
 
     def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         return self.admit_need(match, num_new_tokens) <= self.pool.num_free
@@ -280,7 +263,7 @@ class KVCacheManager(DeadChains, ExecutorCopies):
             b = st.blocks[i]
             if child.block is None:
                 self.pool.attach(b, child)
-            elif self._takes_over(child.block, b):
+            elif self.parts is not None and self.parts.takes_over(child.block, b):
                 self.pool.hand_over(child.block, b)
             # else: another request computed the same block first; ours stays private.
             if (i + 1) * bs <= st.checkpoint:

@@ -179,6 +179,23 @@ class WindowParts:
         """`st` gives up its blocks from `start` on: first the parts it holds of them."""
         self.release_all([st.window.pop(i) for i in sorted(st.window) if i >= start], now)
 
+    def branch_of(self, path: Sequence, walkable: int) -> int:
+        """`PrefixMatch.branch` of a walk that went `walkable` blocks at most:
+        where it stopped short at a node another prompt went on from (a child
+        made of prompt tokens; one made of a reply's tokens is the program's
+        last turn, re-rendered: its prompt end is already a checkpoint)."""
+        if not path or len(path) >= walkable:
+            return 0
+        return len(path) if any(c.prompt for c in path[-1].children.values()) else 0
+
+    @staticmethod
+    def takes_over(cached: Block, ours: Block) -> bool:
+        """A request that recomputed a cached block because the block's part was
+        gone (a hit stops where a part is missing) has the part: its block serves
+        the hits from then on, and the cached one, free, is dropped
+        (BlockPool.hand_over). Else every later turn would stop short there too."""
+        return cached.wpart is None and ours.wpart is not None and cached.ref_cnt == 0
+
     # --- what a hit or a step needs ---
 
     def valid_hit(self, blocks: Sequence[Block | None]) -> int:
